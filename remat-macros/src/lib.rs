@@ -1,0 +1,1 @@
+//! The remat! macro (placeholder until the macro issue lands).

@@ -1,0 +1,170 @@
+//! The handle a block uses to run its statements.
+
+use std::collections::HashSet;
+
+use candle_core::Tensor;
+
+use crate::forward::ForwardState;
+use crate::replay::ReplayState;
+use crate::{Outputs, Policy, RematError, Result};
+
+pub(crate) enum Mode {
+    /// No checkpointing: statements run as plain candle code.
+    Plain(HashSet<String>),
+    Forward(ForwardState),
+    Replay(ReplayState),
+}
+
+/// The context a checkpointed block runs its statements through.
+///
+/// A block runs twice: once in the forward, where every statement runs and
+/// the tape is recorded, and once in the replay at the start of the region's
+/// backward, where recomputed statements run again and saved statements are
+/// skipped. The block's code is the same both times; `Ctx` decides what each
+/// statement does.
+///
+/// Statements take their tensor inputs explicitly (so that the runtime knows
+/// the dataflow between them) and a closure that computes the statement from
+/// those inputs. The closure receives the inputs the runtime prepared: during
+/// the forward of a saved statement, leaf copies of the inputs that need
+/// gradients; during replay, leaves where a value crosses from one segment to
+/// another.
+///
+/// ```
+/// use candle_core::{Device, Tensor, Var};
+/// use remat_runtime::{Policy, Region};
+///
+/// let w = Var::ones((3, 3), candle_core::DType::F32, &Device::Cpu)?;
+/// let x = Var::ones((2, 3), candle_core::DType::F32, &Device::Cpu)?;
+/// let wt = w.as_tensor().clone();
+/// let y = Region::new("mlp").run(&[x.as_tensor()], move |ctx, ins| {
+///     let h = ctx.save("h", &[&ins[0]], |t| Ok(t[0].matmul(&wt)?))?;
+///     let y = ctx.recompute("y", &[&h], |t| Ok(t[0].relu()?.sum_all()?))?;
+///     Ok(y)
+/// })?;
+/// let grads = y.backward()?;
+/// assert_eq!(grads.get(&w).unwrap().dims(), &[3, 3]);
+/// assert_eq!(grads.get(&x).unwrap().dims(), &[2, 3]);
+/// # Ok::<(), remat_runtime::RematError>(())
+/// ```
+pub struct Ctx {
+    region: String,
+    pub(crate) mode: Mode,
+}
+
+impl Ctx {
+    pub(crate) fn new(region: &str, mode: Mode) -> Self {
+        Ctx {
+            region: region.to_string(),
+            mode,
+        }
+    }
+
+    /// The name of the region this context belongs to.
+    ///
+    /// ```
+    /// # use remat_runtime::Region;
+    /// let name = Region::new("blk").run(&[], |ctx, _| Ok(ctx.region().len()))?;
+    /// assert_eq!(name, 3);
+    /// # Ok::<(), remat_runtime::RematError>(())
+    /// ```
+    pub fn region(&self) -> &str {
+        &self.region
+    }
+
+    /// Whether the block is running as the replay of a backward.
+    ///
+    /// ```
+    /// # use remat_runtime::Region;
+    /// let replaying = Region::new("blk").run(&[], |ctx, _| Ok(ctx.is_replay()))?;
+    /// assert!(!replaying);
+    /// # Ok::<(), remat_runtime::RematError>(())
+    /// ```
+    pub fn is_replay(&self) -> bool {
+        matches!(self.mode, Mode::Replay(_))
+    }
+
+    /// Runs a statement under `policy`.
+    ///
+    /// `name` must be unique within the region call. `inputs` are the tensors
+    /// the statement reads; `f` computes its outputs from the tensors it is
+    /// handed, in the same order.
+    ///
+    /// ```
+    /// use candle_core::{Device, Tensor, Var};
+    /// use remat_runtime::{Policy, Region};
+    /// let x = Var::ones(4, candle_core::DType::F32, &Device::Cpu)?;
+    /// let y = Region::new("r").run(&[x.as_tensor()], |ctx, ins| {
+    ///     ctx.statement("sq", Policy::Save, &[&ins[0]], |t| Ok(t[0].sqr()?.sum_all()?))
+    /// })?;
+    /// let g = y.backward()?;
+    /// assert_eq!(g.get(&x).unwrap().to_vec1::<f32>()?, vec![2.0; 4]);
+    /// # Ok::<(), remat_runtime::RematError>(())
+    /// ```
+    pub fn statement<O: Outputs>(
+        &mut self,
+        name: &str,
+        policy: Policy,
+        inputs: &[&Tensor],
+        f: impl FnOnce(&[Tensor]) -> Result<O>,
+    ) -> Result<O> {
+        match &mut self.mode {
+            Mode::Plain(names) => {
+                if !names.insert(name.to_string()) {
+                    return Err(RematError::DuplicateName {
+                        region: self.region.clone(),
+                        record: name.to_string(),
+                    });
+                }
+                let args: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
+                f(&args).map_err(|e| e.in_statement(&self.region, name))
+            }
+            Mode::Forward(state) => state.statement(&self.region, name, policy, inputs, f),
+            Mode::Replay(state) => state.statement(&self.region, name, policy, inputs, f),
+        }
+    }
+
+    /// Runs a statement whose backward residuals are kept from the forward:
+    /// [`Ctx::statement`] with [`Policy::Save`].
+    ///
+    /// ```
+    /// # use candle_core::{Device, Tensor};
+    /// # use remat_runtime::Region;
+    /// let x = Tensor::ones(2, candle_core::DType::F32, &Device::Cpu)?;
+    /// let y = Region::new("r").run(&[&x], |ctx, ins| {
+    ///     ctx.save("double", &[&ins[0]], |t| Ok((&t[0] * 2.0)?))
+    /// })?;
+    /// assert_eq!(y.to_vec1::<f32>()?, vec![2.0, 2.0]);
+    /// # Ok::<(), remat_runtime::RematError>(())
+    /// ```
+    pub fn save<O: Outputs>(
+        &mut self,
+        name: &str,
+        inputs: &[&Tensor],
+        f: impl FnOnce(&[Tensor]) -> Result<O>,
+    ) -> Result<O> {
+        self.statement(name, Policy::Save, inputs, f)
+    }
+
+    /// Runs a statement that is computed again during replay:
+    /// [`Ctx::statement`] with [`Policy::Recompute`].
+    ///
+    /// ```
+    /// # use candle_core::{Device, Tensor};
+    /// # use remat_runtime::Region;
+    /// let x = Tensor::ones(2, candle_core::DType::F32, &Device::Cpu)?;
+    /// let y = Region::new("r").run(&[&x], |ctx, ins| {
+    ///     ctx.recompute("exp", &[&ins[0]], |t| Ok(t[0].exp()?))
+    /// })?;
+    /// assert_eq!(y.dims(), &[2]);
+    /// # Ok::<(), remat_runtime::RematError>(())
+    /// ```
+    pub fn recompute<O: Outputs>(
+        &mut self,
+        name: &str,
+        inputs: &[&Tensor],
+        f: impl FnOnce(&[Tensor]) -> Result<O>,
+    ) -> Result<O> {
+        self.statement(name, Policy::Recompute, inputs, f)
+    }
+}

@@ -1,0 +1,184 @@
+//! The error type of the runtime.
+
+use std::sync::Arc;
+
+/// Everything that can go wrong in a checkpointed region.
+///
+/// Every variant names the region and, where there is one, the statement
+/// (record) involved, and its message says what to do about it.
+///
+/// ```
+/// use remat_runtime::RematError;
+/// let e = RematError::TapeReleased {
+///     region: "block".into(),
+///     reason: "it was consumed by an earlier backward".into(),
+/// };
+/// assert!(e.to_string().contains("block"));
+/// ```
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum RematError {
+    /// A recomputed statement read the output of a `Save` statement whose value
+    /// was not kept for replay (replay only has a placeholder for it).
+    #[error(
+        "region `{region}`: recomputed statement `{record}` reads `{producer}`, the output of a \
+         saved statement, but only a placeholder of it exists during replay; pass that value to \
+         `{record}` as a statement input (so the forward keeps it on the tape), or make `{record}` \
+         a saved statement, or make `{producer}` a recomputed one"
+    )]
+    PlaceholderRead {
+        /// The region's name.
+        region: String,
+        /// The statement that tried to read the placeholder.
+        record: String,
+        /// The saved statement whose output was read.
+        producer: String,
+    },
+    /// A value recomputed during replay differs in shape, dtype or device from
+    /// what the forward produced: the block is not deterministic.
+    #[error(
+        "region `{region}`, statement `{record}`: {what} of {slot} is {replay} in the replay but \
+         was {forward} in the forward; a checkpointed block must run the same computation twice \
+         (do not read mutable state, clocks or unseeded randomness inside it)"
+    )]
+    ReplayMismatch {
+        /// The region's name.
+        region: String,
+        /// The statement whose value differs.
+        record: String,
+        /// Which value: `input 0`, `output 1`, ...
+        slot: String,
+        /// `shape`, `dtype` or `device`.
+        what: &'static str,
+        /// What the forward saw.
+        forward: String,
+        /// What the replay saw.
+        replay: String,
+    },
+    /// The replay ran a different sequence of statements than the forward.
+    #[error(
+        "region `{region}`: the replay ran {found} where the forward ran {expected}; a \
+         checkpointed block must run the same statements in the same order every time"
+    )]
+    ReplayDesync {
+        /// The region's name.
+        region: String,
+        /// What the forward recorded at this position.
+        expected: String,
+        /// What the replay ran.
+        found: String,
+    },
+    /// The replay finished without running a statement recorded in the forward.
+    #[error(
+        "region `{region}`: record `{record}` was not consumed: the replay returned before running \
+         it; a checkpointed block must run the same statements every time"
+    )]
+    UnconsumedRecord {
+        /// The region's name.
+        region: String,
+        /// The first record the replay did not reach.
+        record: String,
+    },
+    /// A backward reached a region whose tape was already released.
+    #[error(
+        "region `{region}`: the tape is gone ({reason}); to run backward more than once, wrap \
+         every backward but the last in `remat_runtime::retain_tape(|| ...)`"
+    )]
+    TapeReleased {
+        /// The region's name.
+        region: String,
+        /// Why the tape was released.
+        reason: String,
+    },
+    /// Two statements of one region call used the same name.
+    #[error(
+        "region `{region}`: the statement name `{record}` is used twice; names must be unique \
+         within a region (give one of them another name)"
+    )]
+    DuplicateName {
+        /// The region's name.
+        region: String,
+        /// The duplicated name.
+        record: String,
+    },
+    /// A statement read a tensor that needs gradients but that the region does
+    /// not know: its gradient would be lost.
+    #[error(
+        "region `{region}`, statement `{record}`: input {index} needs gradients but is neither a \
+         region input, a parameter (`Var`) nor a statement output; pass it to the region as an \
+         input so that its gradient is not lost"
+    )]
+    ForeignTrackedInput {
+        /// The region's name.
+        region: String,
+        /// The statement that read the tensor.
+        record: String,
+        /// Position of the tensor among the statement inputs.
+        index: usize,
+    },
+    /// The number of region outputs differs between forward and replay.
+    #[error(
+        "region `{region}`: the replay returned {replay} outputs but the forward returned \
+         {forward}; a checkpointed block must return the same structure every time"
+    )]
+    OutputCount {
+        /// The region's name.
+        region: String,
+        /// Outputs in the forward.
+        forward: usize,
+        /// Outputs in the replay.
+        replay: usize,
+    },
+    /// A statement's own code failed.
+    #[error("region `{region}`, statement `{record}`: {source}")]
+    Statement {
+        /// The region's name.
+        region: String,
+        /// The failing statement.
+        record: String,
+        /// What went wrong.
+        source: Arc<RematError>,
+    },
+    /// An error from candle outside of any statement.
+    #[error("candle: {0}")]
+    Candle(Arc<candle_core::Error>),
+}
+
+impl From<candle_core::Error> for RematError {
+    fn from(e: candle_core::Error) -> Self {
+        RematError::Candle(Arc::new(e))
+    }
+}
+
+impl RematError {
+    /// The innermost error: follows [`RematError::Statement`] wrappers down to
+    /// the error that caused them.
+    ///
+    /// ```
+    /// use remat_runtime::RematError;
+    /// let inner = RematError::DuplicateName { region: "r".into(), record: "a".into() };
+    /// let e = RematError::Statement {
+    ///     region: "outer".into(),
+    ///     record: "s".into(),
+    ///     source: std::sync::Arc::new(inner),
+    /// };
+    /// assert!(matches!(e.root(), RematError::DuplicateName { .. }));
+    /// ```
+    pub fn root(&self) -> &RematError {
+        match self {
+            RematError::Statement { source, .. } => source.root(),
+            other => other,
+        }
+    }
+
+    pub(crate) fn in_statement(self, region: &str, record: &str) -> Self {
+        RematError::Statement {
+            region: region.to_string(),
+            record: record.to_string(),
+            source: Arc::new(self),
+        }
+    }
+}
+
+/// The result type of the runtime.
+pub type Result<T, E = RematError> = std::result::Result<T, E>;

@@ -1,0 +1,200 @@
+//! Statements during the forward of a region.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use candle_core::{Tensor, TensorId, Var};
+
+use crate::tape::{Meta, Record, Saved};
+use crate::{Outputs, Policy, RematError, Result};
+
+/// Copies `t` into a fresh variable: a leaf of a tracked sub-graph whose
+/// gradient candle computes.
+pub(crate) fn make_leaf(t: &Tensor) -> Result<Tensor> {
+    Ok(Var::from_tensor(&t.detach())?.into_inner())
+}
+
+/// What the forward learns while the block runs.
+pub(crate) struct ForwardState {
+    /// For every value the block has seen: does it need gradients?
+    requires_grad: HashMap<TensorId, bool>,
+    /// Outputs of saved statements: value -> (record, output position).
+    saved_outputs: HashMap<TensorId, (usize, usize)>,
+    /// Saved outputs a recomputed statement reads: they must stay on the tape.
+    ferried: HashSet<(usize, usize)>,
+    pub records: Vec<Record>,
+    names: HashSet<String>,
+    leaf_ids: HashSet<TensorId>,
+    pub params: Vec<Tensor>,
+    param_ids: HashSet<TensorId>,
+}
+
+impl ForwardState {
+    pub fn new(inputs: &[Tensor], requires_grad: &[bool]) -> Self {
+        ForwardState {
+            requires_grad: inputs
+                .iter()
+                .zip(requires_grad)
+                .map(|(t, r)| (t.id(), *r))
+                .collect(),
+            saved_outputs: HashMap::new(),
+            ferried: HashSet::new(),
+            records: Vec::new(),
+            names: HashSet::new(),
+            leaf_ids: HashSet::new(),
+            params: Vec::new(),
+            param_ids: HashSet::new(),
+        }
+    }
+
+    fn needs_grad(&self, region: &str, record: &str, index: usize, t: &Tensor) -> Result<bool> {
+        if let Some(&r) = self.requires_grad.get(&t.id()) {
+            return Ok(r);
+        }
+        if t.track_op() && !t.is_variable() {
+            return Err(RematError::ForeignTrackedInput {
+                region: region.to_string(),
+                record: record.to_string(),
+                index,
+            });
+        }
+        // A constant, or a parameter passed explicitly: candle tracks the
+        // latter by itself.
+        Ok(false)
+    }
+
+    /// Records the variables `t` depends on that are not leaves of this region.
+    fn discover_params(&mut self, t: &Tensor) {
+        if !t.track_op() {
+            return;
+        }
+        for node in t.sorted_nodes() {
+            if node.is_variable()
+                && !self.leaf_ids.contains(&node.id())
+                && self.param_ids.insert(node.id())
+            {
+                self.params.push(node.clone());
+            }
+        }
+    }
+
+    pub fn statement<O: Outputs>(
+        &mut self,
+        region: &str,
+        name: &str,
+        policy: Policy,
+        inputs: &[&Tensor],
+        f: impl FnOnce(&[Tensor]) -> Result<O>,
+    ) -> Result<O> {
+        if !self.names.insert(name.to_string()) {
+            return Err(RematError::DuplicateName {
+                region: region.to_string(),
+                record: name.to_string(),
+            });
+        }
+        let index = self.records.len();
+        let needs = inputs
+            .iter()
+            .enumerate()
+            .map(|(i, t)| self.needs_grad(region, name, i, t))
+            .collect::<Result<Vec<bool>>>()?;
+        let input_metas = inputs.iter().map(|t| Meta::of(t)).collect();
+        let run = |args: &[Tensor]| -> Result<(Vec<Tensor>, O::Skeleton)> {
+            let out = f(args).map_err(|e| e.in_statement(region, name))?;
+            let mut tensors = Vec::new();
+            let skeleton = out.split_into(&mut tensors);
+            Ok((tensors, skeleton))
+        };
+        match policy {
+            Policy::Recompute => {
+                for t in inputs {
+                    if let Some(&slot) = self.saved_outputs.get(&t.id()) {
+                        self.ferried.insert(slot);
+                    }
+                }
+                let args: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
+                let (tracked, skeleton) = run(&args)?;
+                let any_input = needs.iter().any(|&n| n);
+                let mut outputs = Vec::with_capacity(tracked.len());
+                let mut metas = Vec::with_capacity(tracked.len());
+                for t in &tracked {
+                    self.discover_params(t);
+                    let d = t.detach();
+                    self.requires_grad.insert(d.id(), any_input || t.track_op());
+                    metas.push(Meta::of(t));
+                    outputs.push(d);
+                }
+                drop(tracked);
+                self.records.push(Record {
+                    name: name.to_string(),
+                    policy,
+                    inputs: input_metas,
+                    outputs: metas,
+                    saved: None,
+                });
+                O::join(&mut outputs.into_iter(), &skeleton)
+            }
+            Policy::Save => {
+                let mut leaves = Vec::with_capacity(inputs.len());
+                let mut args = Vec::with_capacity(inputs.len());
+                for (t, &need) in inputs.iter().zip(&needs) {
+                    if need {
+                        let leaf = make_leaf(t)?;
+                        self.leaf_ids.insert(leaf.id());
+                        leaves.push(Some(leaf.clone()));
+                        args.push(leaf);
+                    } else {
+                        leaves.push(None);
+                        args.push((*t).clone());
+                    }
+                }
+                let (tracked, skeleton) = run(&args)?;
+                drop(args);
+                let mut outputs = Vec::with_capacity(tracked.len());
+                let mut metas = Vec::with_capacity(tracked.len());
+                for (j, t) in tracked.iter().enumerate() {
+                    self.discover_params(t);
+                    let d = t.detach();
+                    self.requires_grad.insert(d.id(), t.track_op());
+                    self.saved_outputs.insert(d.id(), (index, j));
+                    metas.push(Meta::of(t));
+                    outputs.push(d);
+                }
+                let any_tracked = tracked.iter().any(|t| t.track_op());
+                let saved = Saved {
+                    leaves: if any_tracked {
+                        leaves
+                    } else {
+                        vec![None; inputs.len()]
+                    },
+                    outs: if any_tracked { tracked } else { Vec::new() },
+                    kept: outputs.iter().cloned().map(Some).collect(),
+                    skeleton: Arc::new(skeleton.clone()),
+                };
+                self.records.push(Record {
+                    name: name.to_string(),
+                    policy,
+                    inputs: input_metas,
+                    outputs: metas,
+                    saved: Some(saved),
+                });
+                O::join(&mut outputs.into_iter(), &skeleton)
+            }
+        }
+    }
+
+    /// Ends the forward: saved outputs that no recomputed statement reads are
+    /// dropped from the tape (replay gives placeholders for them).
+    pub fn finish(mut self) -> (Vec<Record>, Vec<Tensor>) {
+        for (k, record) in self.records.iter_mut().enumerate() {
+            if let Some(saved) = record.saved.as_mut() {
+                for (j, kept) in saved.kept.iter_mut().enumerate() {
+                    if !self.ferried.contains(&(k, j)) {
+                        *kept = None;
+                    }
+                }
+            }
+        }
+        (self.records, self.params)
+    }
+}

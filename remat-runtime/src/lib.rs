@@ -1,0 +1,64 @@
+//! # remat-runtime
+//!
+//! Fine-grained activation checkpointing (rematerialization) for
+//! [candle](https://github.com/huggingface/candle).
+//!
+//! A block of statements runs as a checkpointed [`Region`]: every statement
+//! is recomputed during the backward unless it is marked [`Policy::Save`], in
+//! which case its backward residuals are kept from the forward. A plain
+//! `loss.backward()` returns a complete `GradStore` with the gradients of the
+//! region inputs and of every parameter the block used, so candle-nn
+//! optimizers work unchanged.
+//!
+//! ```
+//! use candle_core::{DType, Device, Var};
+//! use remat_runtime::Region;
+//!
+//! let dev = Device::Cpu;
+//! let w = Var::randn(0f32, 0.1, (32, 32), &dev)?;
+//! let x = Var::randn(0f32, 1.0, (4, 32), &dev)?;
+//! let wt = w.as_tensor().clone();
+//! let y = Region::new("block").run(&[x.as_tensor()], move |ctx, ins| {
+//!     // kept from the forward: the matmul does not run again in backward
+//!     let h = ctx.save("proj", &[&ins[0]], |t| Ok(t[0].matmul(&wt)?))?;
+//!     // recomputed in backward
+//!     let a = ctx.recompute("act", &[&h], |t| Ok(t[0].gelu_erf()?))?;
+//!     ctx.recompute("res", &[&ins[0], &a], |t| Ok((&t[0] + &t[1])?))
+//! })?;
+//! let grads = y.sqr()?.mean_all()?.backward()?;
+//! assert!(grads.get(&w).is_some());
+//! # Ok::<(), remat_runtime::RematError>(())
+//! ```
+//!
+//! How each value is made available during the replay follows torch_remat:
+//! region inputs are kept; outputs and residuals of recomputed statements are
+//! recomputed; residuals of saved statements are kept; outputs of saved
+//! statements are kept only when a recomputed statement reads them, and are
+//! placeholders otherwise. See `docs/semantics.md`.
+
+#![warn(missing_docs)]
+
+mod ctx;
+mod error;
+mod forward;
+mod memory;
+mod ops;
+mod outputs;
+mod policy;
+mod region;
+mod replay;
+mod retain;
+mod state;
+mod sweep;
+mod tape;
+
+pub use ctx::Ctx;
+pub use error::{RematError, Result};
+pub use memory::{MemoryEntry, MemoryReport};
+pub use outputs::Outputs;
+pub use policy::Policy;
+pub use region::{checkpoint, Region};
+pub use retain::{backward, retain_tape};
+
+/// candle's core crate, as the runtime uses it.
+pub use candle_core;

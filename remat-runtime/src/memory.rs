@@ -1,0 +1,218 @@
+//! What the live tapes hold, by region and statement name.
+
+use std::cell::RefCell;
+use std::collections::HashSet;
+use std::fmt;
+use std::sync::{Arc, Weak};
+
+use candle_core::{DType, Storage, Tensor};
+
+use crate::state::{lock, RegionState, Slot};
+use crate::Policy;
+
+thread_local! {
+    static LIVE: RefCell<Vec<Weak<RegionState>>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Registers a region call made on this thread for [`MemoryReport::capture`].
+pub(crate) fn register(state: &Arc<RegionState>) {
+    LIVE.with(|live| {
+        let mut live = live.borrow_mut();
+        live.retain(|w| w.strong_count() > 0);
+        live.push(Arc::downgrade(state));
+    });
+}
+
+/// One line of a [`MemoryReport`]: what one record of one region call holds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MemoryEntry {
+    /// The region's name.
+    pub region: String,
+    /// Which call of the region, among the live calls with that name (0-based).
+    pub call: usize,
+    /// The statement's name, or `(inputs)` for the region inputs.
+    pub record: String,
+    /// The statement's policy; `None` for the region inputs.
+    pub policy: Option<Policy>,
+    /// Bytes of the storages this record holds that no earlier entry holds.
+    pub bytes: usize,
+    /// Shapes of the record's outputs (of the inputs, for `(inputs)`).
+    pub shapes: Vec<Vec<usize>>,
+    /// Dtype of the first of them.
+    pub dtype: Option<DType>,
+}
+
+/// Bytes held by the live tapes of this thread's regions, by region and
+/// record name. Each storage is counted once, in the first entry that holds
+/// it, even when several tensors (views, a leaf and its users) share it.
+///
+/// What a saved statement holds is its tracked sub-graph: the leaf copies of
+/// its inputs that need gradients, every intermediate on a path to a leaf or
+/// a parameter, and its outputs. Parameters are not counted. Tensors the
+/// graph holds that lead to no gradient (a constant mask) are not seen.
+///
+/// ```
+/// use candle_core::{DType, Device, Var};
+/// use remat_runtime::{MemoryReport, Region};
+/// let x = Var::ones((4, 8), DType::F32, &Device::Cpu)?;
+/// let y = Region::new("r").run(&[x.as_tensor()], |ctx, ins| {
+///     let e = ctx.save("e", &[&ins[0]], |t| Ok(t[0].exp()?))?;
+///     ctx.recompute("s", &[&e], |t| Ok(t[0].sum_all()?))
+/// })?;
+/// let report = MemoryReport::capture();
+/// let e = report.entries.iter().find(|e| e.record == "e").unwrap();
+/// // the leaf copy of x and the output of exp: 2 x 32 floats
+/// assert_eq!(e.bytes, 2 * 32 * 4);
+/// drop(y);
+/// assert!(MemoryReport::capture().entries.is_empty());
+/// # Ok::<(), remat_runtime::RematError>(())
+/// ```
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MemoryReport {
+    /// One entry per record of every live tape, in call order.
+    pub entries: Vec<MemoryEntry>,
+}
+
+/// Identity and byte size of the storage `t` uses, as far as `t` reaches.
+fn storage_extent(t: &Tensor) -> (usize, usize) {
+    let (storage, layout) = t.storage_and_layout();
+    let key = std::ptr::from_ref::<Storage>(&storage) as usize;
+    let dims = layout.dims();
+    let elems = if dims.contains(&0) {
+        0
+    } else {
+        layout.start_offset()
+            + dims
+                .iter()
+                .zip(layout.stride())
+                .map(|(d, s)| (d - 1) * s)
+                .sum::<usize>()
+            + 1
+    };
+    (key, elems * t.dtype().size_in_bytes())
+}
+
+struct Counter<'a> {
+    seen: &'a mut HashSet<usize>,
+    skip: HashSet<candle_core::TensorId>,
+}
+
+impl Counter<'_> {
+    /// Bytes of the storages of `t` (and, with `graph`, of its tracked
+    /// ancestors) not seen before.
+    fn count(&mut self, t: &Tensor, graph: bool) -> usize {
+        let nodes: Vec<Tensor> = if graph && t.track_op() {
+            t.sorted_nodes().into_iter().cloned().collect()
+        } else {
+            vec![t.clone()]
+        };
+        nodes
+            .iter()
+            .filter(|n| !self.skip.contains(&n.id()))
+            .map(|n| {
+                let (key, bytes) = storage_extent(n);
+                if self.seen.insert(key) {
+                    bytes
+                } else {
+                    0
+                }
+            })
+            .sum()
+    }
+}
+
+impl MemoryReport {
+    /// The report of every live region call made on this thread.
+    ///
+    /// ```
+    /// assert_eq!(remat_runtime::MemoryReport::capture().total_bytes(), 0);
+    /// ```
+    pub fn capture() -> Self {
+        let live: Vec<Arc<RegionState>> =
+            LIVE.with(|live| live.borrow().iter().filter_map(Weak::upgrade).collect());
+        let mut seen = HashSet::new();
+        let mut entries = Vec::new();
+        let mut calls: Vec<(String, usize)> = Vec::new();
+        for state in live {
+            let slot = lock(&state.slot);
+            let Slot::Live(tape) = &*slot else { continue };
+            let call = match calls.iter_mut().find(|(n, _)| *n == state.name) {
+                Some((_, c)) => {
+                    *c += 1;
+                    *c
+                }
+                None => {
+                    calls.push((state.name.clone(), 0));
+                    0
+                }
+            };
+            let mut counter = Counter {
+                seen: &mut seen,
+                skip: tape.params.iter().map(|p| p.id()).collect(),
+            };
+            let entry = |record: &str, policy, bytes, shapes: Vec<Vec<usize>>, dtype| MemoryEntry {
+                region: state.name.clone(),
+                call,
+                record: record.to_string(),
+                policy,
+                bytes,
+                shapes,
+                dtype,
+            };
+            let bytes = tape.inputs.iter().map(|t| counter.count(t, false)).sum();
+            let shapes = tape.inputs.iter().map(|t| t.dims().to_vec()).collect();
+            let dtype = tape.inputs.first().map(|t| t.dtype());
+            entries.push(entry("(inputs)", None, bytes, shapes, dtype));
+            for record in &tape.records {
+                let mut bytes = 0;
+                if let Some(saved) = &record.saved {
+                    for t in saved.outs.iter() {
+                        bytes += counter.count(t, true);
+                    }
+                    for t in saved.leaves.iter().chain(&saved.kept).flatten() {
+                        bytes += counter.count(t, false);
+                    }
+                }
+                let shapes = record.outputs.iter().map(|m| m.shape.dims().to_vec()).collect();
+                let dtype = record.outputs.first().map(|m| m.dtype);
+                entries.push(entry(&record.name, Some(record.policy), bytes, shapes, dtype));
+            }
+        }
+        MemoryReport { entries }
+    }
+
+    /// The sum of the entries' bytes.
+    ///
+    /// ```
+    /// assert_eq!(remat_runtime::MemoryReport::default().total_bytes(), 0);
+    /// ```
+    pub fn total_bytes(&self) -> usize {
+        self.entries.iter().map(|e| e.bytes).sum()
+    }
+}
+
+impl fmt::Display for MemoryReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "{:<24} {:<20} {:<10} {:>12}  shapes",
+            "region", "record", "policy", "bytes"
+        )?;
+        for e in &self.entries {
+            let policy = e.policy.map_or("-".to_string(), |p| p.to_string());
+            let region = format!("{}#{}", e.region, e.call);
+            let shapes = e
+                .shapes
+                .iter()
+                .map(|s| format!("{s:?}"))
+                .collect::<Vec<_>>()
+                .join(" ");
+            writeln!(
+                f,
+                "{region:<24} {:<20} {policy:<10} {:>12}  {shapes}",
+                e.record, e.bytes
+            )?;
+        }
+        write!(f, "{:<24} {:<20} {:<10} {:>12}", "total", "", "", self.total_bytes())
+    }
+}

@@ -1,0 +1,104 @@
+//! Values a statement or a region may return.
+
+use candle_core::{Shape, Tensor};
+
+use crate::{RematError, Result};
+
+/// A value made of tensors and plain data that a statement or a region can
+/// return: a [`Tensor`], a `Vec<Tensor>`, tuples of such values, and plain
+/// values (`usize`, `f64`, [`Shape`], ...) that carry no tensor.
+///
+/// The runtime splits a value into its tensors and a *skeleton* (the plain
+/// data and the structure), and can rebuild it from new tensors and the
+/// skeleton. This is how a saved statement returns placeholders during replay
+/// without running.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use remat_runtime::Outputs;
+/// let t = Tensor::zeros(2, candle_core::DType::F32, &Device::Cpu)?;
+/// let mut tensors = Vec::new();
+/// let skeleton = (t, 3usize).split_into(&mut tensors);
+/// assert_eq!(tensors.len(), 1);
+/// let (u, n) = <(Tensor, usize)>::join(&mut tensors.into_iter(), &skeleton)?;
+/// assert_eq!((u.dims(), n), (&[2][..], 3));
+/// # Ok::<(), remat_runtime::RematError>(())
+/// ```
+pub trait Outputs: Sized {
+    /// The plain data and structure of the value.
+    type Skeleton: Clone + Send + Sync + 'static;
+
+    /// Moves the tensors of `self`, in order, to `tensors` and returns the rest.
+    fn split_into(self, tensors: &mut Vec<Tensor>) -> Self::Skeleton;
+
+    /// Rebuilds a value from tensors (taken in the order `split_into` gave
+    /// them) and a skeleton.
+    fn join(tensors: &mut dyn Iterator<Item = Tensor>, skeleton: &Self::Skeleton) -> Result<Self>;
+}
+
+fn missing() -> RematError {
+    RematError::Candle(std::sync::Arc::new(candle_core::Error::Msg(
+        "remat internal error: fewer tensors than the value's structure needs".into(),
+    )))
+}
+
+impl Outputs for Tensor {
+    type Skeleton = ();
+    fn split_into(self, tensors: &mut Vec<Tensor>) {
+        tensors.push(self);
+    }
+    fn join(tensors: &mut dyn Iterator<Item = Tensor>, _: &()) -> Result<Self> {
+        tensors.next().ok_or_else(missing)
+    }
+}
+
+impl Outputs for Vec<Tensor> {
+    type Skeleton = usize;
+    fn split_into(self, tensors: &mut Vec<Tensor>) -> usize {
+        let n = self.len();
+        tensors.extend(self);
+        n
+    }
+    fn join(tensors: &mut dyn Iterator<Item = Tensor>, n: &usize) -> Result<Self> {
+        (0..*n).map(|_| tensors.next().ok_or_else(missing)).collect()
+    }
+}
+
+macro_rules! plain_outputs {
+    ($($t:ty),*) => {$(
+        impl Outputs for $t {
+            type Skeleton = $t;
+            fn split_into(self, _: &mut Vec<Tensor>) -> $t {
+                self
+            }
+            fn join(_: &mut dyn Iterator<Item = Tensor>, s: &$t) -> Result<Self> {
+                Ok(s.clone())
+            }
+        }
+    )*};
+}
+plain_outputs!((), bool, usize, u32, u64, i32, i64, f32, f64, Shape, Vec<usize>, String);
+
+macro_rules! tuple_outputs {
+    ($($name:ident),+) => {
+        impl<$($name: Outputs),+> Outputs for ($($name,)+) {
+            type Skeleton = ($($name::Skeleton,)+);
+            #[allow(non_snake_case)]
+            fn split_into(self, tensors: &mut Vec<Tensor>) -> Self::Skeleton {
+                let ($($name,)+) = self;
+                ($($name.split_into(tensors),)+)
+            }
+            #[allow(non_snake_case)]
+            fn join(tensors: &mut dyn Iterator<Item = Tensor>, s: &Self::Skeleton) -> Result<Self> {
+                let ($($name,)+) = s;
+                Ok(($(<$name as Outputs>::join(tensors, $name)?,)+))
+            }
+        }
+    };
+}
+tuple_outputs!(A);
+tuple_outputs!(A, B);
+tuple_outputs!(A, B, C);
+tuple_outputs!(A, B, C, D);
+tuple_outputs!(A, B, C, D, E);
+tuple_outputs!(A, B, C, D, E, F);

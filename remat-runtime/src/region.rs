@@ -1,0 +1,212 @@
+//! Running a block as a checkpointed region.
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::Tensor;
+
+use crate::ctx::{Ctx, Mode};
+use crate::forward::ForwardState;
+use crate::ops::{AnchorFirst, AnchorLink, Tap};
+use crate::state::RegionState;
+use crate::tape::{Body, Meta, Tape};
+use crate::{memory, Outputs, Result};
+
+/// A checkpointed region: a block of statements whose activations are
+/// recomputed (or kept, statement by statement) for the backward.
+///
+/// [`Region::run`] runs the block on detached inputs, records a tape, and
+/// returns outputs attached to candle's graph: a plain `loss.backward()` then
+/// gives the gradients of the region's inputs and of every parameter (`Var`)
+/// the block used.
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor, Var};
+/// use remat_runtime::Region;
+///
+/// let dev = Device::Cpu;
+/// let w1 = Var::randn(0f32, 0.1, (16, 64), &dev)?;
+/// let w2 = Var::randn(0f32, 0.1, (64, 16), &dev)?;
+/// let x = Var::randn(0f32, 1.0, (8, 16), &dev)?;
+/// let (a, b) = (w1.as_tensor().clone(), w2.as_tensor().clone());
+/// let y = Region::new("mlp").run(&[x.as_tensor()], move |ctx, ins| {
+///     let h = ctx.save("fc1", &[&ins[0]], |t| Ok(t[0].matmul(&a)?))?;
+///     let g = ctx.recompute("gelu", &[&h], |t| Ok(t[0].gelu_erf()?))?;
+///     ctx.save("fc2", &[&g], |t| Ok(t[0].matmul(&b)?))
+/// })?;
+/// let grads = y.sqr()?.sum_all()?.backward()?;
+/// assert!(grads.get(&w1).is_some() && grads.get(&w2).is_some() && grads.get(&x).is_some());
+/// # Ok::<(), remat_runtime::RematError>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct Region {
+    name: String,
+    enabled: bool,
+}
+
+impl Region {
+    /// A region named `name`; the name appears in errors and memory reports.
+    ///
+    /// ```
+    /// let r = remat_runtime::Region::new("block.3");
+    /// assert_eq!(r.name(), "block.3");
+    /// ```
+    pub fn new(name: impl Into<String>) -> Self {
+        Region {
+            name: name.into(),
+            enabled: true,
+        }
+    }
+
+    /// The region's name.
+    ///
+    /// ```
+    /// assert_eq!(remat_runtime::Region::new("b").name(), "b");
+    /// ```
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// With `false`, [`Region::run`] runs the block as plain candle code: no
+    /// tape, no replay, candle's own graph. Useful to compare against, or to
+    /// switch checkpointing off by configuration.
+    ///
+    /// ```
+    /// # use candle_core::{Device, Tensor};
+    /// let x = Tensor::ones(2, candle_core::DType::F32, &Device::Cpu)?;
+    /// let y = remat_runtime::Region::new("r")
+    ///     .enabled(false)
+    ///     .run(&[&x], |ctx, ins| ctx.recompute("e", &[&ins[0]], |t| Ok(t[0].exp()?)))?;
+    /// assert_eq!(y.dims(), &[2]);
+    /// # Ok::<(), remat_runtime::RematError>(())
+    /// ```
+    pub fn enabled(mut self, enabled: bool) -> Self {
+        self.enabled = enabled;
+        self
+    }
+
+    /// Runs `body` as a checkpointed region on `inputs`.
+    ///
+    /// `body` receives a [`Ctx`] and the inputs (detached; the runtime
+    /// reattaches them) and returns any [`Outputs`]. It runs once now and once
+    /// more at the start of the region's backward, so it must be a `Fn` that
+    /// owns what it captures (clone parameters into it: candle tensors are
+    /// reference counted) and computes the same thing both times.
+    ///
+    /// Tensors that need gradients must reach the block as `inputs` or be
+    /// parameters (`Var`s); a tracked tensor captured any other way is an
+    /// error ([`crate::RematError::ForeignTrackedInput`]).
+    ///
+    /// When no input needs gradients and the block uses no parameter, the
+    /// region is inert: no tape is kept and the outputs are plain tensors.
+    ///
+    /// ```
+    /// # use candle_core::{Device, Tensor};
+    /// let x = Tensor::arange(0f32, 4.0, &Device::Cpu)?;
+    /// let y = remat_runtime::Region::new("r")
+    ///     .run(&[&x], |ctx, ins| ctx.recompute("sq", &[&ins[0]], |t| Ok(t[0].sqr()?)))?;
+    /// assert_eq!(y.to_vec1::<f32>()?, vec![0.0, 1.0, 4.0, 9.0]);
+    /// # Ok::<(), remat_runtime::RematError>(())
+    /// ```
+    pub fn run<O, F>(&self, inputs: &[&Tensor], body: F) -> Result<O>
+    where
+        O: Outputs,
+        F: Fn(&mut Ctx, &[Tensor]) -> Result<O> + Send + Sync + 'static,
+    {
+        if !self.enabled {
+            let mut ctx = Ctx::new(&self.name, Mode::Plain(Default::default()));
+            let inputs: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
+            return body(&mut ctx, &inputs);
+        }
+        let detached: Vec<Tensor> = inputs.iter().map(|t| t.detach()).collect();
+        let requires_grad: Vec<bool> = inputs.iter().map(|t| t.track_op()).collect();
+        let mut ctx = Ctx::new(
+            &self.name,
+            Mode::Forward(ForwardState::new(&detached, &requires_grad)),
+        );
+        let out = body(&mut ctx, &detached)?;
+        let mut outputs = Vec::new();
+        let skeleton = out.split_into(&mut outputs);
+        let Mode::Forward(state) = ctx.mode else {
+            unreachable!("the context was built in forward mode")
+        };
+        let (records, params) = state.finish();
+        let anchored: Vec<Tensor> = inputs
+            .iter()
+            .zip(&requires_grad)
+            .filter(|(_, &r)| r)
+            .map(|(t, _)| (*t).clone())
+            .chain(params.iter().cloned())
+            .collect();
+        if anchored.is_empty() {
+            // Inert: nothing needs gradients, the outputs are plain values.
+            return O::join(&mut outputs.into_iter(), &skeleton);
+        }
+        let body: Body = Arc::new(move |ctx: &mut Ctx, ins: &[Tensor]| {
+            let mut tensors = Vec::new();
+            body(ctx, ins)?.split_into(&mut tensors);
+            Ok(tensors)
+        });
+        let tape = Tape {
+            body,
+            inputs: detached,
+            requires_grad,
+            records,
+            params,
+            outputs: outputs.iter().map(Meta::of).collect(),
+        };
+        let state = Arc::new(RegionState::new(self.name.clone(), tape));
+        memory::register(&state);
+        let top = anchor_chain(&state, &anchored)?;
+        let attached = outputs
+            .into_iter()
+            .enumerate()
+            .map(|(index, t)| {
+                let tap = Tap {
+                    state: state.clone(),
+                    index,
+                    stash: Mutex::new(Some(t)),
+                };
+                Ok(top.apply_op1(tap)?)
+            })
+            .collect::<Result<Vec<Tensor>>>()?;
+        O::join(&mut attached.into_iter(), &skeleton)
+    }
+}
+
+/// Builds the anchor chain over `args` and returns its top.
+fn anchor_chain(state: &Arc<RegionState>, args: &[Tensor]) -> Result<Tensor> {
+    let last = args.len() - 1;
+    let mut top = args[0].apply_op1(AnchorFirst {
+        state: state.clone(),
+        top: last == 0,
+    })?;
+    for (index, arg) in args.iter().enumerate().skip(1) {
+        let link = AnchorLink {
+            state: state.clone(),
+            index,
+            top: index == last,
+        };
+        top = top.apply_op2(arg, link)?;
+    }
+    Ok(top)
+}
+
+/// Runs `body` as a checkpointed region named `name`: shorthand for
+/// [`Region::new`]`(name).`[`run`](Region::run)`(inputs, body)`.
+///
+/// ```
+/// # use candle_core::{Device, Tensor, Var};
+/// let x = Var::ones(3, candle_core::DType::F32, &Device::Cpu)?;
+/// let y: Tensor = remat_runtime::checkpoint("r", &[x.as_tensor()], |ctx, ins| {
+///     ctx.recompute("cube", &[&ins[0]], |t| Ok(t[0].powf(3.0)?.sum_all()?))
+/// })?;
+/// assert_eq!(y.backward()?.get(&x).unwrap().to_vec1::<f32>()?, vec![3.0; 3]);
+/// # Ok::<(), remat_runtime::RematError>(())
+/// ```
+pub fn checkpoint<O, F>(name: &str, inputs: &[&Tensor], body: F) -> Result<O>
+where
+    O: Outputs,
+    F: Fn(&mut Ctx, &[Tensor]) -> Result<O> + Send + Sync + 'static,
+{
+    Region::new(name).run(inputs, body)
+}

@@ -1,0 +1,334 @@
+//! Statements during the replay that starts a region's backward.
+
+use std::collections::{HashMap, HashSet};
+
+use candle_core::{Tensor, TensorId};
+
+use crate::forward::make_leaf;
+use crate::tape::{Meta, Record};
+use crate::{Outputs, Policy, RematError, Result};
+
+/// A value seen during replay.
+struct Value {
+    /// The unit that produced it; `None` for region inputs and constants.
+    unit: Option<usize>,
+    requires_grad: bool,
+    /// What statements read.
+    tensor: Tensor,
+    /// What the backward of the producing unit is seeded on: the value itself
+    /// for a recomputed segment, the tracked output kept from the forward for
+    /// a saved statement.
+    target: Option<Tensor>,
+}
+
+/// One step of the backward sweep: a maximal run of recomputed statements
+/// (a segment) or one saved statement.
+pub(crate) struct Unit {
+    /// The statements it covers, for error messages and traces.
+    pub label: String,
+    /// Its leaves: (the value a leaf stands for, the leaf).
+    pub leaves: Vec<(TensorId, Tensor)>,
+    /// The values later units or the region outputs need gradients of, with
+    /// the tensor to seed: filled when the replay ends.
+    pub targets: Vec<(TensorId, Tensor)>,
+}
+
+pub(crate) struct ReplayState {
+    records: Vec<Record>,
+    next: usize,
+    values: HashMap<TensorId, Value>,
+    /// The keys of `values` in the order they were first seen, so that the
+    /// backward seeds (and sums gradients) in the same order every time.
+    order: Vec<TensorId>,
+    placeholders: HashMap<TensorId, String>,
+    units: Vec<Unit>,
+    /// The segment recomputed statements currently add to.
+    open: Option<usize>,
+    /// Leaves of the open segment, by the value they stand for.
+    open_leaves: HashMap<TensorId, Tensor>,
+    /// Values some unit holds a leaf of, or that are region outputs.
+    needed: HashSet<TensorId>,
+}
+
+/// What the replay hands to the sweep.
+pub(crate) struct Replayed {
+    pub units: Vec<Unit>,
+}
+
+fn placeholder(meta: &Meta) -> Result<Tensor> {
+    // A broadcast scalar: right shape, dtype and device, one element of memory.
+    Ok(Tensor::zeros((), meta.dtype, &meta.device)?.broadcast_as(meta.shape.clone())?)
+}
+
+impl ReplayState {
+    pub fn new(records: Vec<Record>, inputs: &[Tensor], requires_grad: &[bool]) -> Self {
+        let order = inputs.iter().map(|t| t.id()).collect();
+        let values = inputs
+            .iter()
+            .zip(requires_grad)
+            .map(|(t, &r)| {
+                let v = Value {
+                    unit: None,
+                    requires_grad: r,
+                    tensor: t.clone(),
+                    target: None,
+                };
+                (t.id(), v)
+            })
+            .collect();
+        ReplayState {
+            records,
+            next: 0,
+            values,
+            order,
+            placeholders: HashMap::new(),
+            units: Vec::new(),
+            open: None,
+            open_leaves: HashMap::new(),
+            needed: HashSet::new(),
+        }
+    }
+
+    /// Finds the forward record this statement replays and checks its inputs.
+    fn expect(
+        &mut self,
+        region: &str,
+        name: &str,
+        policy: Policy,
+        inputs: &[&Tensor],
+    ) -> Result<usize> {
+        let k = self.next;
+        let found = format!("{policy} statement `{name}`");
+        let Some(record) = self.records.get(k) else {
+            return Err(RematError::ReplayDesync {
+                region: region.to_string(),
+                expected: "no further statement".to_string(),
+                found,
+            });
+        };
+        if record.name != name || record.policy != policy || record.inputs.len() != inputs.len()
+        {
+            return Err(RematError::ReplayDesync {
+                region: region.to_string(),
+                expected: format!(
+                    "{} statement `{}` with {} inputs",
+                    record.policy,
+                    record.name,
+                    record.inputs.len()
+                ),
+                found: format!("{found} with {} inputs", inputs.len()),
+            });
+        }
+        for (i, (meta, t)) in record.inputs.iter().zip(inputs).enumerate() {
+            meta.check(&Meta::of(t), region, name, format!("input {i}"))?;
+        }
+        self.next += 1;
+        Ok(k)
+    }
+
+    pub fn statement<O: Outputs>(
+        &mut self,
+        region: &str,
+        name: &str,
+        policy: Policy,
+        inputs: &[&Tensor],
+        f: impl FnOnce(&[Tensor]) -> Result<O>,
+    ) -> Result<O> {
+        let k = self.expect(region, name, policy, inputs)?;
+        match policy {
+            Policy::Recompute => self.recompute(region, name, k, inputs, f),
+            Policy::Save => self.skip_saved(region, name, k, inputs),
+        }
+    }
+
+    fn recompute<O: Outputs>(
+        &mut self,
+        region: &str,
+        name: &str,
+        k: usize,
+        inputs: &[&Tensor],
+        f: impl FnOnce(&[Tensor]) -> Result<O>,
+    ) -> Result<O> {
+        for t in inputs {
+            if let Some(producer) = self.placeholders.get(&t.id()) {
+                return Err(RematError::PlaceholderRead {
+                    region: region.to_string(),
+                    record: name.to_string(),
+                    producer: producer.clone(),
+                });
+            }
+        }
+        let u = match self.open {
+            Some(u) => {
+                self.units[u].label.push_str(&format!(", {name}"));
+                u
+            }
+            None => {
+                self.units.push(Unit {
+                    label: name.to_string(),
+                    leaves: Vec::new(),
+                    targets: Vec::new(),
+                });
+                self.open = Some(self.units.len() - 1);
+                self.units.len() - 1
+            }
+        };
+        let mut args = Vec::with_capacity(inputs.len());
+        for (i, t) in inputs.iter().enumerate() {
+            match self.values.get(&t.id()) {
+                Some(v) if v.requires_grad && v.unit != Some(u) => {
+                    let leaf = match self.open_leaves.get(&t.id()) {
+                        Some(leaf) => leaf.clone(),
+                        None => {
+                            let leaf = make_leaf(&v.tensor)?;
+                            self.open_leaves.insert(t.id(), leaf.clone());
+                            self.units[u].leaves.push((t.id(), leaf.clone()));
+                            self.needed.insert(t.id());
+                            leaf
+                        }
+                    };
+                    args.push(leaf);
+                }
+                Some(_) => args.push((*t).clone()),
+                None if t.track_op() && !t.is_variable() => {
+                    return Err(RematError::ForeignTrackedInput {
+                        region: region.to_string(),
+                        record: name.to_string(),
+                        index: i,
+                    })
+                }
+                None => args.push((*t).clone()),
+            }
+        }
+        let out = f(&args).map_err(|e| e.in_statement(region, name))?;
+        drop(args);
+        let mut tensors = Vec::new();
+        let skeleton = out.split_into(&mut tensors);
+        let record = &self.records[k];
+        if tensors.len() != record.outputs.len() {
+            return Err(RematError::ReplayDesync {
+                region: region.to_string(),
+                expected: format!("`{name}` returning {} tensors", record.outputs.len()),
+                found: format!("`{name}` returning {} tensors", tensors.len()),
+            });
+        }
+        for (j, (meta, t)) in record.outputs.iter().zip(&tensors).enumerate() {
+            meta.check(&Meta::of(t), region, name, format!("output {j}"))?;
+        }
+        for t in &tensors {
+            // An output that is one of the segment's own leaves stays what it is.
+            if !self.values.contains_key(&t.id()) {
+                self.order.push(t.id());
+                let value = Value {
+                    unit: Some(u),
+                    requires_grad: t.track_op(),
+                    tensor: t.clone(),
+                    target: Some(t.clone()),
+                };
+                self.values.insert(t.id(), value);
+            }
+        }
+        O::join(&mut tensors.into_iter(), &skeleton)
+    }
+
+    fn skip_saved<O: Outputs>(
+        &mut self,
+        region: &str,
+        name: &str,
+        k: usize,
+        inputs: &[&Tensor],
+    ) -> Result<O> {
+        self.open = None;
+        self.open_leaves.clear();
+        let u = self.units.len();
+        let record = &mut self.records[k];
+        let saved = record.saved.take().ok_or_else(|| RematError::ReplayDesync {
+            region: region.to_string(),
+            expected: format!("saved statement `{name}` with its record"),
+            found: "a record that was already consumed".to_string(),
+        })?;
+        let mut leaves = Vec::new();
+        for (i, leaf) in saved.leaves.iter().enumerate() {
+            let Some(leaf) = leaf else { continue };
+            let t = inputs[i];
+            match self.values.get(&t.id()) {
+                Some(v) if v.requires_grad => {
+                    leaves.push((t.id(), leaf.clone()));
+                    self.needed.insert(t.id());
+                }
+                _ => {
+                    return Err(RematError::ReplayDesync {
+                        region: region.to_string(),
+                        expected: format!("input {i} of `{name}` needing gradients"),
+                        found: "an input that needs none".to_string(),
+                    })
+                }
+            }
+        }
+        let mut outputs = Vec::with_capacity(record.outputs.len());
+        for (j, meta) in record.outputs.iter().enumerate() {
+            let target = saved.outs.get(j).cloned();
+            let value = match saved.kept.get(j).cloned().flatten() {
+                Some(kept) => kept,
+                None => {
+                    let p = placeholder(meta)?;
+                    self.placeholders.insert(p.id(), name.to_string());
+                    p
+                }
+            };
+            let requires_grad = target.as_ref().is_some_and(|t| t.track_op());
+            self.order.push(value.id());
+            self.values.insert(
+                value.id(),
+                Value {
+                    unit: Some(u),
+                    requires_grad,
+                    tensor: value.clone(),
+                    target,
+                },
+            );
+            outputs.push(value);
+        }
+        let skeleton = saved
+            .skeleton
+            .downcast_ref::<O::Skeleton>()
+            .ok_or_else(|| RematError::ReplayDesync {
+                region: region.to_string(),
+                expected: format!("`{name}` returning the same type as in the forward"),
+                found: "another type".to_string(),
+            })?
+            .clone();
+        self.units.push(Unit {
+            label: name.to_string(),
+            leaves,
+            targets: Vec::new(),
+        });
+        O::join(&mut outputs.into_iter(), &skeleton)
+    }
+
+    /// Ends the replay: checks every record was consumed and decides which
+    /// values each unit seeds.
+    pub fn finish(mut self, region: &str, outputs: &[Tensor]) -> Result<Replayed> {
+        if let Some(record) = self.records.get(self.next) {
+            return Err(RematError::UnconsumedRecord {
+                region: region.to_string(),
+                record: record.name.clone(),
+            });
+        }
+        self.needed.extend(outputs.iter().map(|t| t.id()));
+        for id in self.order {
+            if !self.needed.contains(&id) {
+                continue;
+            }
+            let Some(value) = self.values.remove(&id) else {
+                continue;
+            };
+            if let (Some(u), Some(target)) = (value.unit, value.target) {
+                if target.track_op() {
+                    self.units[u].targets.push((id, target));
+                }
+            }
+        }
+        Ok(Replayed { units: self.units })
+    }
+}

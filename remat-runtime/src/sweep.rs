@@ -1,0 +1,70 @@
+//! The reverse sweep over the units of a replayed region.
+
+use std::collections::HashMap;
+
+use candle_core::{Tensor, TensorId};
+
+use crate::ops::Seed;
+use crate::replay::Unit;
+use crate::Result;
+
+fn accumulate(grads: &mut HashMap<TensorId, Tensor>, id: TensorId, g: Tensor) -> Result<()> {
+    match grads.remove(&id) {
+        Some(prev) => grads.insert(id, (prev + g)?),
+        None => grads.insert(id, g),
+    };
+    Ok(())
+}
+
+/// Walks the units from last to first. Each unit's backward is one candle
+/// backward seeded with the accumulated gradients of its values; the
+/// gradients of its leaves flow to the values they stand for, and parameter
+/// gradients accumulate. Each unit is dropped as soon as it is done, so the
+/// memory of the replay falls during the sweep.
+///
+/// Returns the gradients of the region inputs and of the parameters.
+pub(crate) fn sweep(
+    mut units: Vec<Unit>,
+    output_ids: &[TensorId],
+    output_grads: Vec<Option<Tensor>>,
+    inputs: &[Tensor],
+    params: &[Tensor],
+) -> Result<(Vec<Option<Tensor>>, Vec<Option<Tensor>>)> {
+    let mut grads = HashMap::new();
+    for (&id, g) in output_ids.iter().zip(output_grads) {
+        if let Some(g) = g {
+            accumulate(&mut grads, id, g)?;
+        }
+    }
+    let mut param_grads: Vec<Option<Tensor>> = vec![None; params.len()];
+    while let Some(unit) = units.pop() {
+        let mut root: Option<Tensor> = None;
+        for (id, target) in &unit.targets {
+            if let Some(g) = grads.remove(id) {
+                let seed = target.apply_op1(Seed { grad: g })?;
+                root = Some(match root {
+                    None => seed,
+                    Some(r) => (r + seed)?,
+                });
+            }
+        }
+        let Some(root) = root else { continue };
+        let store = root.backward()?;
+        drop(root);
+        for (source, leaf) in &unit.leaves {
+            if let Some(g) = store.get(leaf) {
+                accumulate(&mut grads, *source, g.clone())?;
+            }
+        }
+        for (slot, p) in param_grads.iter_mut().zip(params) {
+            if let Some(g) = store.get(p) {
+                *slot = Some(match slot.take() {
+                    None => g.clone(),
+                    Some(prev) => (prev + g)?,
+                });
+            }
+        }
+    }
+    let input_grads = inputs.iter().map(|t| grads.remove(&t.id())).collect();
+    Ok((input_grads, param_grads))
+}

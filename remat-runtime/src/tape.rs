@@ -1,0 +1,105 @@
+//! The tape: what one call of a region keeps from its forward for the replay.
+
+use std::any::Any;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Shape, Tensor};
+
+use crate::ctx::Ctx;
+use crate::{Policy, RematError, Result};
+
+/// Shape, dtype and device of a value: what the replay is checked against.
+#[derive(Debug, Clone)]
+pub(crate) struct Meta {
+    pub shape: Shape,
+    pub dtype: DType,
+    pub device: Device,
+}
+
+impl Meta {
+    pub fn of(t: &Tensor) -> Self {
+        Meta {
+            shape: t.shape().clone(),
+            dtype: t.dtype(),
+            device: t.device().clone(),
+        }
+    }
+
+    /// Checks that `replay` matches this forward meta.
+    pub fn check(&self, replay: &Meta, region: &str, record: &str, slot: String) -> Result<()> {
+        let mismatch = |what, forward: String, replay: String| RematError::ReplayMismatch {
+            region: region.to_string(),
+            record: record.to_string(),
+            slot: slot.clone(),
+            what,
+            forward,
+            replay,
+        };
+        if self.shape != replay.shape {
+            return Err(mismatch(
+                "shape",
+                format!("{:?}", self.shape.dims()),
+                format!("{:?}", replay.shape.dims()),
+            ));
+        }
+        if self.dtype != replay.dtype {
+            return Err(mismatch(
+                "dtype",
+                format!("{:?}", self.dtype),
+                format!("{:?}", replay.dtype),
+            ));
+        }
+        if self.device.location() != replay.device.location() {
+            return Err(mismatch(
+                "device",
+                format!("{:?}", self.device.location()),
+                format!("{:?}", replay.device.location()),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What a `Save` statement keeps.
+#[derive(Clone)]
+pub(crate) struct Saved {
+    /// Per input: the leaf stand-in the statement ran on, when the input needed
+    /// gradients.
+    pub leaves: Vec<Option<Tensor>>,
+    /// The statement's tracked outputs; their graph holds the residuals. Empty
+    /// when nothing in the statement needs gradients.
+    pub outs: Vec<Tensor>,
+    /// Per output: the value kept for replay, because a recomputed statement
+    /// reads it (the "ferry").
+    pub kept: Vec<Option<Tensor>>,
+    /// The plain part of the statement's return value.
+    pub skeleton: Arc<dyn Any + Send + Sync>,
+}
+
+/// One statement of the forward.
+#[derive(Clone)]
+pub(crate) struct Record {
+    pub name: String,
+    pub policy: Policy,
+    pub inputs: Vec<Meta>,
+    pub outputs: Vec<Meta>,
+    /// `Some` exactly for `Save` statements.
+    pub saved: Option<Saved>,
+}
+
+/// The type-erased block a region runs, for the replay.
+pub(crate) type Body = Arc<dyn Fn(&mut Ctx, &[Tensor]) -> Result<Vec<Tensor>> + Send + Sync>;
+
+/// Everything one region call keeps between its forward and its backward.
+#[derive(Clone)]
+pub(crate) struct Tape {
+    pub body: Body,
+    /// The region inputs, detached (they share storage with the caller's).
+    pub inputs: Vec<Tensor>,
+    /// Which inputs need gradients.
+    pub requires_grad: Vec<bool>,
+    pub records: Vec<Record>,
+    /// The parameters (`Var`s) the block used, in order of first use.
+    pub params: Vec<Tensor>,
+    pub outputs: Vec<Meta>,
+}

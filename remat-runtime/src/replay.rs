@@ -55,9 +55,18 @@ pub(crate) struct Replayed {
     pub units: Vec<Unit>,
 }
 
+/// A stand-in for a saved output that was not kept: a broadcast scalar with
+/// the right shape, dtype and device and one element of memory. Statements
+/// that declare it as an input get [`RematError::PlaceholderRead`]; code that
+/// reads it any other way computes with NaN (for float dtypes), so that the
+/// mistake shows in the gradients instead of passing silently.
 fn placeholder(meta: &Meta) -> Result<Tensor> {
-    // A broadcast scalar: right shape, dtype and device, one element of memory.
-    Ok(Tensor::zeros((), meta.dtype, &meta.device)?.broadcast_as(meta.shape.clone())?)
+    let scalar = if meta.dtype.is_float() {
+        Tensor::new(f64::NAN, &meta.device)?.to_dtype(meta.dtype)?
+    } else {
+        Tensor::zeros((), meta.dtype, &meta.device)?
+    };
+    Ok(scalar.broadcast_as(meta.shape.clone())?)
 }
 
 impl ReplayState {

@@ -37,23 +37,17 @@ pub enum RematError {
     /// A value recomputed during replay differs in shape, dtype or device from
     /// what the forward produced: the block is not deterministic.
     #[error(
-        "region `{region}`, statement `{record}`: {what} of {slot} is {replay} in the replay but \
-         was {forward} in the forward; a checkpointed block must run the same computation twice \
-         (do not read mutable state, clocks or unseeded randomness inside it)"
+        "region `{region}`, statement `{record}`: {mismatch}; a checkpointed block must run the \
+         same computation twice (do not read mutable state, clocks or unseeded randomness inside \
+         it)"
     )]
     ReplayMismatch {
         /// The region's name.
         region: String,
         /// The statement whose value differs.
         record: String,
-        /// Which value: `input 0`, `output 1`, ...
-        slot: String,
-        /// `shape`, `dtype` or `device`.
-        what: &'static str,
-        /// What the forward saw.
-        forward: String,
-        /// What the replay saw.
-        replay: String,
+        /// What differs.
+        mismatch: Box<Mismatch>,
     },
     /// The replay ran a different sequence of statements than the forward.
     #[error(
@@ -178,6 +172,30 @@ impl RematError {
             source: Arc::new(self),
         }
     }
+}
+
+/// What differs between the forward and the replay of a value.
+///
+/// ```
+/// let m = remat_runtime::Mismatch {
+///     slot: "output 0".into(),
+///     what: "shape",
+///     forward: "[2, 3]".into(),
+///     replay: "[2, 5]".into(),
+/// };
+/// assert_eq!(m.to_string(), "shape of output 0 is [2, 5] in the replay but was [2, 3] in the forward");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{what} of {slot} is {replay} in the replay but was {forward} in the forward")]
+pub struct Mismatch {
+    /// Which value: `input 0`, `output 1`, ...
+    pub slot: String,
+    /// `shape`, `dtype` or `device`.
+    pub what: &'static str,
+    /// What the forward saw.
+    pub forward: String,
+    /// What the replay saw.
+    pub replay: String,
 }
 
 /// The result type of the runtime.

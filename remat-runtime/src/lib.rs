@@ -53,7 +53,7 @@ mod sweep;
 mod tape;
 
 pub use ctx::Ctx;
-pub use error::{RematError, Result};
+pub use error::{Mismatch, RematError, Result};
 pub use memory::{MemoryEntry, MemoryReport};
 pub use outputs::Outputs;
 pub use policy::Policy;

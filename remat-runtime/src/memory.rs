@@ -173,9 +173,19 @@ impl MemoryReport {
                         bytes += counter.count(t, false);
                     }
                 }
-                let shapes = record.outputs.iter().map(|m| m.shape.dims().to_vec()).collect();
+                let shapes = record
+                    .outputs
+                    .iter()
+                    .map(|m| m.shape.dims().to_vec())
+                    .collect();
                 let dtype = record.outputs.first().map(|m| m.dtype);
-                entries.push(entry(&record.name, Some(record.policy), bytes, shapes, dtype));
+                entries.push(entry(
+                    &record.name,
+                    Some(record.policy),
+                    bytes,
+                    shapes,
+                    dtype,
+                ));
             }
         }
         MemoryReport { entries }
@@ -213,6 +223,13 @@ impl fmt::Display for MemoryReport {
                 e.record, e.bytes
             )?;
         }
-        write!(f, "{:<24} {:<20} {:<10} {:>12}", "total", "", "", self.total_bytes())
+        write!(
+            f,
+            "{:<24} {:<20} {:<10} {:>12}",
+            "total",
+            "",
+            "",
+            self.total_bytes()
+        )
     }
 }

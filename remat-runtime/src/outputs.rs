@@ -60,7 +60,9 @@ impl Outputs for Vec<Tensor> {
         n
     }
     fn join(tensors: &mut dyn Iterator<Item = Tensor>, n: &usize) -> Result<Self> {
-        (0..*n).map(|_| tensors.next().ok_or_else(missing)).collect()
+        (0..*n)
+            .map(|_| tensors.next().ok_or_else(missing))
+            .collect()
     }
 }
 
@@ -77,7 +79,20 @@ macro_rules! plain_outputs {
         }
     )*};
 }
-plain_outputs!((), bool, usize, u32, u64, i32, i64, f32, f64, Shape, Vec<usize>, String);
+plain_outputs!(
+    (),
+    bool,
+    usize,
+    u32,
+    u64,
+    i32,
+    i64,
+    f32,
+    f64,
+    Shape,
+    Vec<usize>,
+    String
+);
 
 macro_rules! tuple_outputs {
     ($($name:ident),+) => {

@@ -115,8 +115,7 @@ impl ReplayState {
                 found,
             });
         };
-        if record.name != name || record.policy != policy || record.inputs.len() != inputs.len()
-        {
+        if record.name != name || record.policy != policy || record.inputs.len() != inputs.len() {
             return Err(RematError::ReplayDesync {
                 region: region.to_string(),
                 expected: format!(
@@ -251,11 +250,14 @@ impl ReplayState {
         self.open_leaves.clear();
         let u = self.units.len();
         let record = &mut self.records[k];
-        let saved = record.saved.take().ok_or_else(|| RematError::ReplayDesync {
-            region: region.to_string(),
-            expected: format!("saved statement `{name}` with its record"),
-            found: "a record that was already consumed".to_string(),
-        })?;
+        let saved = record
+            .saved
+            .take()
+            .ok_or_else(|| RematError::ReplayDesync {
+                region: region.to_string(),
+                expected: format!("saved statement `{name}` with its record"),
+                found: "a record that was already consumed".to_string(),
+            })?;
         let mut leaves = Vec::new();
         for (i, leaf) in saved.leaves.iter().enumerate() {
             let Some(leaf) = leaf else { continue };

@@ -22,6 +22,9 @@ fn accumulate(grads: &mut HashMap<TensorId, Tensor>, id: TensorId, g: Tensor) ->
 /// gradients accumulate. Each unit is dropped as soon as it is done, so the
 /// memory of the replay falls during the sweep.
 ///
+/// Gradients by position; `None` where nothing flowed.
+pub(crate) type Grads = Vec<Option<Tensor>>;
+
 /// Returns the gradients of the region inputs and of the parameters.
 pub(crate) fn sweep(
     mut units: Vec<Unit>,
@@ -29,14 +32,14 @@ pub(crate) fn sweep(
     output_grads: Vec<Option<Tensor>>,
     inputs: &[Tensor],
     params: &[Tensor],
-) -> Result<(Vec<Option<Tensor>>, Vec<Option<Tensor>>)> {
+) -> Result<(Grads, Grads)> {
     let mut grads = HashMap::new();
     for (&id, g) in output_ids.iter().zip(output_grads) {
         if let Some(g) = g {
             accumulate(&mut grads, id, g)?;
         }
     }
-    let mut param_grads: Vec<Option<Tensor>> = vec![None; params.len()];
+    let mut param_grads: Grads = vec![None; params.len()];
     while let Some(unit) = units.pop() {
         let mut root: Option<Tensor> = None;
         for (id, target) in &unit.targets {
@@ -51,15 +54,19 @@ pub(crate) fn sweep(
         let Some(root) = root else { continue };
         let store = root.backward()?;
         drop(root);
+        // Gradients candle computes from a variable (a leaf or a parameter)
+        // are themselves tracked and hold the graph that made them: detach
+        // them (zero-copy) so the unit's memory is freed with the unit.
         for (source, leaf) in &unit.leaves {
             if let Some(g) = store.get(leaf) {
-                accumulate(&mut grads, *source, g.clone())?;
+                accumulate(&mut grads, *source, g.detach())?;
             }
         }
         for (slot, p) in param_grads.iter_mut().zip(params) {
             if let Some(g) = store.get(p) {
+                let g = g.detach();
                 *slot = Some(match slot.take() {
-                    None => g.clone(),
+                    None => g,
                     Some(prev) => (prev + g)?,
                 });
             }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::ctx::Ctx;
-use crate::{Policy, RematError, Result};
+use crate::{Mismatch, Policy, RematError, Result};
 
 /// Shape, dtype and device of a value: what the replay is checked against.
 #[derive(Debug, Clone)]
@@ -30,10 +30,12 @@ impl Meta {
         let mismatch = |what, forward: String, replay: String| RematError::ReplayMismatch {
             region: region.to_string(),
             record: record.to_string(),
-            slot: slot.clone(),
-            what,
-            forward,
-            replay,
+            mismatch: Box::new(Mismatch {
+                slot: slot.clone(),
+                what,
+                forward,
+                replay,
+            }),
         };
         if self.shape != replay.shape {
             return Err(mismatch(

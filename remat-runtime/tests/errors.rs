@@ -29,10 +29,16 @@ fn placeholder_read_names_the_reader_and_the_producer() {
         })
         .unwrap();
     let e = backward(&y).unwrap_err();
-    assert!(matches!(&e, RematError::PlaceholderRead { region, record, producer }
-        if region == "blk" && record == "s" && producer == "h"), "{e:?}");
+    assert!(
+        matches!(&e, RematError::PlaceholderRead { region, record, producer }
+        if region == "blk" && record == "s" && producer == "h"),
+        "{e:?}"
+    );
     let msg = e.to_string();
-    assert!(msg.contains("`s`") && msg.contains("`h`") && msg.contains("blk"), "{msg}");
+    assert!(
+        msg.contains("`s`") && msg.contains("`h`") && msg.contains("blk"),
+        "{msg}"
+    );
     // The tape was released whole: a second attempt says why, no panic.
     let again = backward(&y).unwrap_err();
     assert!(matches!(&again, RematError::TapeReleased { reason, .. } if reason.contains("failed")));
@@ -56,24 +62,38 @@ fn replay_shape_mismatch_from_a_changing_global() {
     WIDTH.store(5, Ordering::SeqCst);
     let e = backward(&y).unwrap_err();
     WIDTH.store(3, Ordering::SeqCst);
-    assert!(matches!(&e, RematError::ReplayMismatch { record, what: "shape", .. } if record == "widen"), "{e:?}");
+    assert!(
+        matches!(&e, RematError::ReplayMismatch { record, mismatch, .. } if record == "widen" && mismatch.what == "shape"),
+        "{e:?}"
+    );
     let msg = e.to_string();
-    assert!(msg.contains("`widen`") && msg.contains("[2, 3]") && msg.contains("[2, 5]"), "{msg}");
+    assert!(
+        msg.contains("`widen`") && msg.contains("[2, 3]") && msg.contains("[2, 5]"),
+        "{msg}"
+    );
 }
 
 #[test]
 fn second_backward_without_retain() {
     let x = x();
     let y = Region::new("blk")
-        .run(&[x.as_tensor()], |ctx, ins| ctx.save("sq", &[&ins[0]], |t| Ok(t[0].sqr()?.sum_all()?)))
+        .run(&[x.as_tensor()], |ctx, ins| {
+            ctx.save("sq", &[&ins[0]], |t| Ok(t[0].sqr()?.sum_all()?))
+        })
         .unwrap();
     backward(&y).unwrap();
     let e = backward(&y).unwrap_err();
-    assert!(matches!(&e, RematError::TapeReleased { region, .. } if region == "blk"), "{e:?}");
+    assert!(
+        matches!(&e, RematError::TapeReleased { region, .. } if region == "blk"),
+        "{e:?}"
+    );
     assert!(e.to_string().contains("retain_tape"));
     // Through candle's own backward the error is a message, not a panic.
     let plain = y.backward().unwrap_err().to_string();
-    assert!(plain.contains("blk") && plain.contains("retain_tape"), "{plain}");
+    assert!(
+        plain.contains("blk") && plain.contains("retain_tape"),
+        "{plain}"
+    );
 }
 
 static EARLY: AtomicBool = AtomicBool::new(false);
@@ -94,7 +114,10 @@ fn unconsumed_record() {
     EARLY.store(true, Ordering::SeqCst);
     let e = backward(&y).unwrap_err();
     EARLY.store(false, Ordering::SeqCst);
-    assert!(matches!(&e, RematError::UnconsumedRecord { region, record } if region == "blk" && record == "b"), "{e:?}");
+    assert!(
+        matches!(&e, RematError::UnconsumedRecord { region, record } if region == "blk" && record == "b"),
+        "{e:?}"
+    );
     assert!(e.to_string().contains("`b`"));
 }
 
@@ -104,7 +127,11 @@ fn replay_running_another_statement_is_a_desync() {
     let x = x();
     let y = Region::new("blk")
         .run(&[x.as_tensor()], |ctx, ins| {
-            let name = if FLIP.load(Ordering::SeqCst) { "other" } else { "first" };
+            let name = if FLIP.load(Ordering::SeqCst) {
+                "other"
+            } else {
+                "first"
+            };
             ctx.recompute(name, &[&ins[0]], |t| Ok(t[0].sum_all()?))
         })
         .unwrap();
@@ -124,7 +151,9 @@ fn duplicate_statement_name() {
             ctx.save("a", &[&a], |t| Ok(t[0].sum_all()?))
         })
         .unwrap_err();
-    assert!(matches!(&e, RematError::DuplicateName { region, record } if region == "blk" && record == "a"));
+    assert!(
+        matches!(&e, RematError::DuplicateName { region, record } if region == "blk" && record == "a")
+    );
 }
 
 #[test]
@@ -132,9 +161,14 @@ fn tracked_tensor_captured_from_outside_is_refused() {
     let x = x();
     let outside = (x.as_tensor() * 2.0).unwrap(); // tracked, not a Var
     let e = Region::new("blk")
-        .run(&[], move |ctx, _| ctx.recompute("use", &[&outside], |t| Ok(t[0].exp()?)))
+        .run(&[], move |ctx, _| {
+            ctx.recompute("use", &[&outside], |t| Ok(t[0].exp()?))
+        })
         .unwrap_err();
-    assert!(matches!(&e, RematError::ForeignTrackedInput { record, index: 0, .. } if record == "use"), "{e:?}");
+    assert!(
+        matches!(&e, RematError::ForeignTrackedInput { record, index: 0, .. } if record == "use"),
+        "{e:?}"
+    );
 }
 
 #[test]
@@ -149,9 +183,13 @@ fn failing_statement_names_itself_and_the_next_step_works() {
             ctx.recompute("bad", &[&h, &ins[0]], |t| Ok(t[0].matmul(&t[1])?))
         })
         .unwrap_err();
-    assert!(matches!(&e, RematError::Statement { region, record, .. } if region == "blk" && record == "bad"));
+    assert!(
+        matches!(&e, RematError::Statement { region, record, .. } if region == "blk" && record == "bad")
+    );
     assert!(e.to_string().contains("statement `bad`"));
     // Nothing half-recorded: the next call works.
-    let y = m.region("blk", x.as_tensor(), all(Policy::Save), true).unwrap();
+    let y = m
+        .region("blk", x.as_tensor(), all(Policy::Save), true)
+        .unwrap();
     assert!(backward(&y.sum_all().unwrap()).unwrap().get(&x).is_some());
 }

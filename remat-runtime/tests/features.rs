@@ -20,7 +20,10 @@ fn grads_of(loss: &Tensor, wrt: &[&Var]) -> Vec<Tensor> {
 fn assert_close(label: &str, a: &[Tensor], b: &[Tensor], tol: f64) {
     for (i, (a, b)) in a.iter().zip(b).enumerate() {
         let d = rel_diff(a, b);
-        assert!(d <= tol, "{label}: gradient {i} differs by {d:e} (tolerance {tol:e})");
+        assert!(
+            d <= tol,
+            "{label}: gradient {i} differs by {d:e} (tolerance {tol:e})"
+        );
     }
 }
 
@@ -54,7 +57,10 @@ fn tied_weights_shared_between_regions_and_outside() {
 }
 
 fn weighted(t: &Tensor) -> Tensor {
-    (t * tensor(t.dims(), 77, 1.0, t.dtype())).unwrap().sum_all().unwrap()
+    (t * tensor(t.dims(), 77, 1.0, t.dtype()))
+        .unwrap()
+        .sum_all()
+        .unwrap()
 }
 
 #[test]
@@ -142,7 +148,9 @@ fn inert_region_keeps_no_tape() {
     let x = tensor(&[4, 4], 9, 1.0, DType::F32);
     let w = tensor(&[4, 4], 10, 1.0, DType::F32);
     let y = Region::new("inference")
-        .run(&[&x], move |ctx, ins| ctx.save("mm", &[&ins[0]], |t| Ok(t[0].matmul(&w)?)))
+        .run(&[&x], move |ctx, ins| {
+            ctx.save("mm", &[&ins[0]], |t| Ok(t[0].matmul(&w)?))
+        })
         .unwrap();
     assert!(!y.track_op(), "an inert region returns untracked tensors");
     assert!(MemoryReport::capture().entries.is_empty());
@@ -152,7 +160,9 @@ fn inert_region_keeps_no_tape() {
 fn retained_tape_allows_a_second_backward() {
     let m = Mlp::new(6, 12, 11, DType::F32);
     let x = var(&[3, 6], 12, 1.0, DType::F32);
-    let y = m.region("mlp", x.as_tensor(), saving(&["fc1"]), true).unwrap();
+    let y = m
+        .region("mlp", x.as_tensor(), saving(&["fc1"]), true)
+        .unwrap();
     let loss = weighted(&y);
     let mut wrt = vec![&x];
     let vars = m.vars();
@@ -172,7 +182,9 @@ fn optimizer_backward_step_matches_plain_training() {
     // on gradients that are zero in exact arithmetic (the key bias of
     // attention) into full-size updates of either sign in both runs alike.
     let train = |enabled: bool| -> Vec<Tensor> {
-        let blocks: Vec<Gpt> = (0..2).map(|i| Gpt::new(16, 2, 200 + 20 * i, DType::F32)).collect();
+        let blocks: Vec<Gpt> = (0..2)
+            .map(|i| Gpt::new(16, 2, 200 + 20 * i, DType::F32))
+            .collect();
         let x = tensor(&[2, 4, 16], 13, 1.0, DType::F32);
         let mask = causal_mask(4, DType::F32);
         let vars: Vec<Var> = blocks.iter().flat_map(|b| b.vars()).collect();
@@ -189,4 +201,25 @@ fn optimizer_backward_step_matches_plain_training() {
     };
     // Gradients agree to ~1e-7 relative and the step is 0.1 x gradient.
     assert_close("sgd", &train(true), &train(false), 1e-6);
+}
+
+#[test]
+fn parameter_used_by_several_units_sums_its_gradients() {
+    // `w` is used by a saved, a recomputed and another saved statement: three
+    // units of the sweep, whose contributions the runtime adds up.
+    let w = var(&[5, 5], 14, 0.5, DType::F32);
+    let x = var(&[3, 5], 15, 1.0, DType::F32);
+    let run = |enabled: bool| -> Vec<Tensor> {
+        let wt = w.as_tensor().clone();
+        let y = Region::new("r")
+            .enabled(enabled)
+            .run(&[x.as_tensor()], move |ctx, ins| {
+                let a = ctx.save("a", &[&ins[0]], |t| Ok(t[0].matmul(&wt)?.tanh()?))?;
+                let b = ctx.recompute("b", &[&a], |t| Ok(t[0].matmul(&wt)?.sin()?))?;
+                ctx.save("c", &[&b], |t| Ok(t[0].matmul(&wt)?))
+            })
+            .unwrap();
+        grads_of(&weighted(&y), &[&x, &w])
+    };
+    assert_close("shared parameter", &run(true), &run(false), 1e-6);
 }

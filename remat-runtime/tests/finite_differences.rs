@@ -13,9 +13,18 @@ use common::*;
 
 fn loss(m: &Gpt, x: &Tensor, mask: &Tensor, enabled: bool) -> Tensor {
     let y = m
-        .region("gpt", x, mask, saving(&["attn.qkv", "attn.core", "mlp.proj"]), enabled)
+        .region(
+            "gpt",
+            x,
+            mask,
+            saving(&["attn.qkv", "attn.core", "mlp.proj"]),
+            enabled,
+        )
         .unwrap();
-    (&y * tensor(y.dims(), 5, 1.0, DType::F64)).unwrap().sum_all().unwrap()
+    (&y * tensor(y.dims(), 5, 1.0, DType::F64))
+        .unwrap()
+        .sum_all()
+        .unwrap()
 }
 
 fn value(t: &Tensor) -> f64 {
@@ -30,17 +39,34 @@ fn gpt_block_gradients_match_central_differences() {
     let grads = loss(&m, x.as_tensor(), &mask, true).backward().unwrap();
     let h = 1e-5;
     let mut vars: Vec<(String, Var)> = vec![("x".into(), x.clone())];
-    vars.extend(m.vars().into_iter().enumerate().map(|(i, v)| (format!("param {i}"), v)));
+    vars.extend(
+        m.vars()
+            .into_iter()
+            .enumerate()
+            .map(|(i, v)| (format!("param {i}"), v)),
+    );
     let mut checked = 0;
     for (name, v) in &vars {
-        let analytic = grads.get(v).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        let analytic = grads
+            .get(v)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap();
         let scale = analytic.iter().fold(0f64, |a, b| a.max(b.abs())).max(1e-3);
-        let base = v.as_tensor().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        let base = v
+            .as_tensor()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap();
         for i in 0..base.len() {
             let at = |delta: f64| {
                 let mut p = base.clone();
                 p[i] += delta;
-                v.set(&Tensor::from_vec(p, v.dims(), v.device()).unwrap()).unwrap();
+                v.set(&Tensor::from_vec(p, v.dims(), v.device()).unwrap())
+                    .unwrap();
                 // The finite differences use the plain forward: no runtime code.
                 value(&loss(&m, x.as_tensor(), &mask, false))
             };
@@ -53,7 +79,8 @@ fn gpt_block_gradients_match_central_differences() {
             );
             checked += 1;
         }
-        v.set(&Tensor::from_vec(base, v.dims(), v.device()).unwrap()).unwrap();
+        v.set(&Tensor::from_vec(base, v.dims(), v.device()).unwrap())
+            .unwrap();
     }
     assert!(checked > 900, "checked {checked} elements");
 }

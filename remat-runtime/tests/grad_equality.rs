@@ -14,7 +14,7 @@ mod common;
 
 use candle_core::{DType, Tensor, Var};
 use common::*;
-use remat_runtime::{retain_tape, Policy, Region};
+use remat_runtime::{Policy, Region};
 
 struct Run {
     out: Vec<Tensor>,
@@ -70,8 +70,14 @@ fn mlp_case(pol: PolicyFn) -> f64 {
     let vars = m.vars();
     wrt.extend(vars.iter());
     let plain = run(vec![m.plain(x.as_tensor()).unwrap()], &wrt);
-    let off = run(vec![m.region("mlp", x.as_tensor(), pol.clone(), false).unwrap()], &wrt);
-    let on = run(vec![m.region("mlp", x.as_tensor(), pol, true).unwrap()], &wrt);
+    let off = run(
+        vec![m.region("mlp", x.as_tensor(), pol.clone(), false).unwrap()],
+        &wrt,
+    );
+    let on = run(
+        vec![m.region("mlp", x.as_tensor(), pol, true).unwrap()],
+        &wrt,
+    );
     assert_eq!(compare("statements vs hand-written", &off, &plain), 0.0);
     compare("remat vs hand-written", &on, &plain)
 }
@@ -99,8 +105,16 @@ fn gpt_case(pol: PolicyFn) -> f64 {
     let vars = m.vars();
     let mut wrt: Vec<&Var> = vec![&x];
     wrt.extend(vars.iter());
-    let plain = run(vec![m.region("gpt", x.as_tensor(), &mask, pol.clone(), false).unwrap()], &wrt);
-    let on = run(vec![m.region("gpt", x.as_tensor(), &mask, pol, true).unwrap()], &wrt);
+    let plain = run(
+        vec![m
+            .region("gpt", x.as_tensor(), &mask, pol.clone(), false)
+            .unwrap()],
+        &wrt,
+    );
+    let on = run(
+        vec![m.region("gpt", x.as_tensor(), &mask, pol, true).unwrap()],
+        &wrt,
+    );
     compare("gpt remat vs plain", &on, &plain)
 }
 
@@ -121,12 +135,22 @@ fn gpt_block_mixed_with_ferried_outputs() {
     // ferried on the tape. `mlp.proj` is saved and read by `mlp.res`.
     assert!(gpt_case(saving(&["attn.qkv", "attn.core", "mlp.proj"])) <= 1e-6);
     // saved statements feeding saved statements: outputs become placeholders.
-    assert!(gpt_case(saving(&["heads", "attn.core", "merge", "mlp.fc", "mlp.proj"])) <= 1e-6);
+    assert!(
+        gpt_case(saving(&[
+            "heads",
+            "attn.core",
+            "merge",
+            "mlp.fc",
+            "mlp.proj"
+        ])) <= 1e-6
+    );
 }
 
 #[test]
 fn stack_of_gpt_blocks_called_in_a_loop() {
-    let blocks: Vec<Gpt> = (0..4).map(|i| Gpt::new(32, 4, 100 + 20 * i, DType::F32)).collect();
+    let blocks: Vec<Gpt> = (0..4)
+        .map(|i| Gpt::new(32, 4, 100 + 20 * i, DType::F32))
+        .collect();
     let x = var(&[2, 8, 32], 9, 1.0, DType::F32);
     let mask = causal_mask(8, DType::F32);
     let mut wrt: Vec<&Var> = vec![&x];
@@ -135,8 +159,14 @@ fn stack_of_gpt_blocks_called_in_a_loop() {
     let stack = |enabled: bool| {
         let mut h = x.as_tensor().clone();
         for (i, b) in blocks.iter().enumerate() {
-            let pol = if i % 2 == 0 { all(Policy::Recompute) } else { saving(&["attn.qkv", "mlp.fc"]) };
-            h = b.region(&format!("block.{i}"), &h, &mask, pol, enabled).unwrap();
+            let pol = if i % 2 == 0 {
+                all(Policy::Recompute)
+            } else {
+                saving(&["attn.qkv", "mlp.fc"])
+            };
+            h = b
+                .region(&format!("block.{i}"), &h, &mask, pol, enabled)
+                .unwrap();
         }
         h
     };
@@ -148,14 +178,18 @@ fn stack_of_gpt_blocks_called_in_a_loop() {
 /// A region with 5 inputs (anchor chain longer than one op can take) and 2
 /// outputs, both used by the loss.
 fn five_in_two_out(enabled: bool, pol: PolicyFn) -> (Vec<Tensor>, Vec<Var>) {
-    let ins: Vec<Var> = (0..5).map(|i| var(&[4, 6], 20 + i, 1.0, DType::F32)).collect();
+    let ins: Vec<Var> = (0..5)
+        .map(|i| var(&[4, 6], 20 + i, 1.0, DType::F32))
+        .collect();
     let w = var(&[6, 6], 30, 0.5, DType::F32);
     let wt = w.as_tensor().clone();
     let refs: Vec<&Tensor> = ins.iter().map(|v| v.as_tensor()).collect();
     let (a, b): (Tensor, Tensor) = Region::new("five")
         .enabled(enabled)
         .run(&refs, move |ctx, t| {
-            let s = ctx.statement("sum01", pol("sum01"), &[&t[0], &t[1]], |a| Ok((&a[0] * &a[1])?))?;
+            let s = ctx.statement("sum01", pol("sum01"), &[&t[0], &t[1]], |a| {
+                Ok((&a[0] * &a[1])?)
+            })?;
             let m = ctx.statement("mm", pol("mm"), &[&s, &t[2]], |a| {
                 Ok((a[0].matmul(&wt)? + a[1].tanh()?)?)
             })?;
@@ -173,7 +207,12 @@ fn five_in_two_out(enabled: bool, pol: PolicyFn) -> (Vec<Tensor>, Vec<Var>) {
 
 #[test]
 fn five_inputs_two_outputs() {
-    for pol in [all(Policy::Recompute), all(Policy::Save), saving(&["mm", "q2"]), saving(&["pair"])] {
+    for pol in [
+        all(Policy::Recompute),
+        all(Policy::Save),
+        saving(&["mm", "q2"]),
+        saving(&["pair"]),
+    ] {
         let (outs, vars) = five_in_two_out(false, pol.clone());
         let wrt: Vec<&Var> = vars.iter().collect();
         let plain = run(outs, &wrt);

@@ -9,10 +9,14 @@ use remat_runtime::{Ctx, Policy, Region, Result};
 /// Deterministic pseudo-random numbers in [-scale, scale] (candle's CPU RNG
 /// cannot be seeded).
 pub fn lcg(n: usize, seed: u64, scale: f64) -> Vec<f64> {
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     (0..n)
         .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             let u = (s >> 11) as f64 / (1u64 << 53) as f64;
             (2.0 * u - 1.0) * scale
         })
@@ -35,8 +39,19 @@ pub fn var(dims: &[usize], seed: u64, scale: f64, dtype: DType) -> Var {
 pub fn rel_diff(a: &Tensor, reference: &Tensor) -> f64 {
     assert_eq!(a.dims(), reference.dims());
     let a = a.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
-    let r = reference.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
-    let diff: f64 = (&a - &r).unwrap().abs().unwrap().max(0).unwrap().to_scalar().unwrap();
+    let r = reference
+        .to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap();
+    let diff: f64 = (&a - &r)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar()
+        .unwrap();
     let scale: f64 = r.abs().unwrap().max(0).unwrap().to_scalar().unwrap();
     if diff == 0.0 {
         0.0
@@ -83,7 +98,12 @@ impl Mlp {
     }
 
     pub fn vars(&self) -> Vec<Var> {
-        vec![self.w1.clone(), self.b1.clone(), self.w2.clone(), self.b2.clone()]
+        vec![
+            self.w1.clone(),
+            self.b1.clone(),
+            self.w2.clone(),
+            self.b2.clone(),
+        ]
     }
 
     /// The block written as plain candle code, with no runtime involved.
@@ -104,7 +124,9 @@ impl Mlp {
         let o = ctx.statement("fc2", pol("fc2"), &[&g], |t| {
             Ok(t[0].matmul(&p.w2)?.broadcast_add(&p.b2)?)
         })?;
-        ctx.statement("residual", pol("residual"), &[x, &o], |t| Ok((&t[0] + &t[1])?))
+        ctx.statement("residual", pol("residual"), &[x, &o], |t| {
+            Ok((&t[0] + &t[1])?)
+        })
     }
 
     pub fn region(&self, name: &str, x: &Tensor, pol: PolicyFn, enabled: bool) -> Result<Tensor> {
@@ -135,7 +157,15 @@ pub struct Gpt {
 }
 
 pub const GPT_STATEMENTS: [&str; 10] = [
-    "ln1", "attn.qkv", "heads", "attn.core", "merge", "attn.res", "ln2", "mlp.fc", "mlp.proj",
+    "ln1",
+    "attn.qkv",
+    "heads",
+    "attn.core",
+    "merge",
+    "attn.res",
+    "ln2",
+    "mlp.fc",
+    "mlp.proj",
     "mlp.res",
 ];
 
@@ -184,7 +214,9 @@ impl Gpt {
         let nh = self.n_head;
         let hd = c / nh;
         let h = ctx.statement("ln1", pol("ln1"), &[x], |a| {
-            Ok(candle_nn::ops::layer_norm_slow(&a[0], &p.ln1_g, &p.ln1_b, 1e-5)?)
+            Ok(candle_nn::ops::layer_norm_slow(
+                &a[0], &p.ln1_g, &p.ln1_b, 1e-5,
+            )?)
         })?;
         let qkv = ctx.statement("attn.qkv", pol("attn.qkv"), &[&h], |a| {
             Ok(a[0].broadcast_matmul(&p.w_qkv)?.broadcast_add(&p.b_qkv)?)
@@ -212,15 +244,22 @@ impl Gpt {
             Ok((&a[0] + proj)?)
         })?;
         let h = ctx.statement("ln2", pol("ln2"), &[&x], |a| {
-            Ok(candle_nn::ops::layer_norm_slow(&a[0], &p.ln2_g, &p.ln2_b, 1e-5)?)
+            Ok(candle_nn::ops::layer_norm_slow(
+                &a[0], &p.ln2_g, &p.ln2_b, 1e-5,
+            )?)
         })?;
         let f = ctx.statement("mlp.fc", pol("mlp.fc"), &[&h], |a| {
-            Ok(a[0].broadcast_matmul(&p.w_fc)?.broadcast_add(&p.b_fc)?.gelu()?)
+            Ok(a[0]
+                .broadcast_matmul(&p.w_fc)?
+                .broadcast_add(&p.b_fc)?
+                .gelu()?)
         })?;
         let o = ctx.statement("mlp.proj", pol("mlp.proj"), &[&f], |a| {
             Ok(a[0].broadcast_matmul(&p.w_out)?.broadcast_add(&p.b_out)?)
         })?;
-        ctx.statement("mlp.res", pol("mlp.res"), &[&x, &o], |a| Ok((&a[0] + &a[1])?))
+        ctx.statement("mlp.res", pol("mlp.res"), &[&x, &o], |a| {
+            Ok((&a[0] + &a[1])?)
+        })
     }
 
     pub fn region(
@@ -234,14 +273,25 @@ impl Gpt {
         let me = self.clone();
         Region::new(name)
             .enabled(enabled)
-            .run(&[x, mask], move |ctx, ins| me.body(ctx, &ins[0], &ins[1], &pol))
+            .run(&[x, mask], move |ctx, ins| {
+                me.body(ctx, &ins[0], &ins[1], &pol)
+            })
     }
 }
 
 /// Additive causal mask: 0 on and below the diagonal, -inf above.
 pub fn causal_mask(t: usize, dtype: DType) -> Tensor {
     let v: Vec<f32> = (0..t * t)
-        .map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 })
+        .map(|i| {
+            if i % t > i / t {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
         .collect();
-    Tensor::from_vec(v, (t, t), &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
+    Tensor::from_vec(v, (t, t), &Device::Cpu)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
 }

@@ -1,1 +1,2 @@
-//! The remat! macro (placeholder until the macro issue lands).
+//! The `remat!` macro (parse -> analyse -> generate) will live here. Until it
+//! lands, blocks use `remat_runtime::Ctx` statements directly.

@@ -60,5 +60,9 @@ pub use policy::Policy;
 pub use region::{checkpoint, Region};
 pub use retain::{backward, retain_tape};
 
+#[doc = include_str!("../../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
+
 /// candle's core crate, as the runtime uses it.
 pub use candle_core;

@@ -94,7 +94,6 @@ fn storage_extent(t: &Tensor) -> (usize, usize) {
 
 struct Counter<'a> {
     seen: &'a mut HashSet<usize>,
-    skip: HashSet<candle_core::TensorId>,
 }
 
 impl Counter<'_> {
@@ -108,7 +107,6 @@ impl Counter<'_> {
         };
         nodes
             .iter()
-            .filter(|n| !self.skip.contains(&n.id()))
             .map(|n| {
                 let (key, bytes) = storage_extent(n);
                 if self.seen.insert(key) {
@@ -146,10 +144,12 @@ impl MemoryReport {
                     0
                 }
             };
-            let mut counter = Counter {
-                seen: &mut seen,
-                skip: tape.params.iter().map(|p| p.id()).collect(),
-            };
+            // Parameters, and views of them (a broadcast bias), are not tape
+            // memory: mark their storages as seen.
+            for p in &tape.params {
+                seen.insert(storage_extent(p).0);
+            }
+            let mut counter = Counter { seen: &mut seen };
             let entry = |record: &str, policy, bytes, shapes: Vec<Vec<usize>>, dtype| MemoryEntry {
                 region: state.name.clone(),
                 call,

@@ -1,2 +1,51 @@
-//! The `remat!` macro (parse -> analyse -> generate) will live here. Until it
-//! lands, blocks use `remat_runtime::Ctx` statements directly.
+//! The `remat!` macro: a block of candle code compiled into a checkpointed
+//! region. Use it through `remat_runtime`, which re-exports it and documents
+//! it; this crate holds the implementation:
+//!
+//! * [`parse`]: the token stream to an internal model of the block, with
+//!   syntax errors collected;
+//! * [`analyse`]: names, static dataflow (who reads which binding), ferried
+//!   outputs, early drops, and the semantic errors;
+//! * [`generate`]: the code, a forward-and-replay body for
+//!   `remat_runtime::Region`.
+//!
+//! Every error of a block is reported at once; the expansion then still
+//! emits the function with a body that never runs, so that one mistake does
+//! not cascade into errors at every call site.
+
+mod analyse;
+mod errors;
+mod generate;
+mod parse;
+
+use proc_macro2::TokenStream;
+
+/// See `remat_runtime::remat`.
+#[proc_macro]
+pub fn remat(input: proc_macro::TokenStream) -> proc_macro::TokenStream {
+    expand(input.into()).into()
+}
+
+/// The whole pipeline over `proc_macro2` tokens, for tests and fuzzing.
+fn expand(input: TokenStream) -> TokenStream {
+    let mut errors = errors::Errors::default();
+    let blocks = match parse::parse(input, &mut errors) {
+        Ok(blocks) => blocks,
+        Err(e) => return e.to_compile_error(),
+    };
+    let mut out = TokenStream::new();
+    for block in &blocks {
+        let before = errors.len();
+        let plan = analyse::analyse(block, &mut errors);
+        if errors.len() == before {
+            out.extend(generate::generate(block, &plan));
+        } else {
+            out.extend(generate::stub(block));
+        }
+    }
+    out.extend(errors.into_compile_errors());
+    out
+}
+
+#[cfg(test)]
+mod tests;

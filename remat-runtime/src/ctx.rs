@@ -119,7 +119,7 @@ impl Ctx {
                 let args: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
                 f(&args).map_err(|e| e.in_statement(&self.region, name))
             }
-            Mode::Forward(state) => state.statement(&self.region, name, policy, inputs, f),
+            Mode::Forward(state) => state.statement(&self.region, name, policy, false, inputs, f),
             Mode::Replay(state) => state.statement(&self.region, name, policy, inputs, f),
         }
     }
@@ -144,6 +144,38 @@ impl Ctx {
         f: impl FnOnce(&[Tensor]) -> Result<O>,
     ) -> Result<O> {
         self.statement(name, Policy::Save, inputs, f)
+    }
+
+    /// Runs a saved statement whose outputs also stay on the tape for the
+    /// replay, because a recomputed statement reads them (the "ferry").
+    ///
+    /// [`Ctx::save`] finds this out by itself when the reader declares the
+    /// output as an input; the `remat!` macro, which knows the dataflow
+    /// statically, says it up front with this method.
+    ///
+    /// ```
+    /// # use candle_core::{Device, Var};
+    /// # use remat_runtime::Region;
+    /// let x = Var::ones(2, candle_core::DType::F32, &Device::Cpu)?;
+    /// let y = Region::new("r").run(&[x.as_tensor()], |ctx, ins| {
+    ///     let e = ctx.save_kept("e", &[&ins[0]], |t| Ok(t[0].exp()?))?;
+    ///     ctx.recompute("s", &[&e], |t| Ok(t[0].sum_all()?))
+    /// })?;
+    /// assert_eq!(y.backward()?.get(&x).unwrap().to_vec1::<f32>()?, vec![1f32.exp(); 2]);
+    /// # Ok::<(), remat_runtime::RematError>(())
+    /// ```
+    pub fn save_kept<O: Outputs>(
+        &mut self,
+        name: &str,
+        inputs: &[&Tensor],
+        f: impl FnOnce(&[Tensor]) -> Result<O>,
+    ) -> Result<O> {
+        match &mut self.mode {
+            Mode::Forward(state) => {
+                state.statement(&self.region, name, Policy::Save, true, inputs, f)
+            }
+            _ => self.statement(name, Policy::Save, inputs, f),
+        }
     }
 
     /// Runs a statement that is computed again during replay:

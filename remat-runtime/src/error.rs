@@ -144,6 +144,20 @@ impl From<candle_core::Error> for RematError {
     }
 }
 
+impl From<RematError> for candle_core::Error {
+    /// Wraps the error so that `?` works in functions returning
+    /// `candle_core::Result`; the message is kept.
+    fn from(e: RematError) -> Self {
+        match e {
+            RematError::Candle(inner) => match std::sync::Arc::try_unwrap(inner) {
+                Ok(inner) => inner,
+                Err(shared) => candle_core::Error::wrap(RematError::Candle(shared)),
+            },
+            other => candle_core::Error::wrap(other),
+        }
+    }
+}
+
 impl RematError {
     /// The innermost error: follows [`RematError::Statement`] wrappers down to
     /// the error that caused them.

@@ -83,6 +83,7 @@ impl ForwardState {
         region: &str,
         name: &str,
         policy: Policy,
+        keep: bool,
         inputs: &[&Tensor],
         f: impl FnOnce(&[Tensor]) -> Result<O>,
     ) -> Result<O> {
@@ -159,6 +160,9 @@ impl ForwardState {
                     self.saved_outputs.insert(d.id(), (index, j));
                     metas.push(Meta::of(t));
                     outputs.push(d);
+                }
+                if keep {
+                    self.ferried.extend((0..outputs.len()).map(|j| (index, j)));
                 }
                 let any_tracked = tracked.iter().any(|t| t.track_op());
                 let saved = Saved {

@@ -45,6 +45,7 @@ mod memory;
 mod ops;
 mod outputs;
 mod policy;
+mod private;
 mod region;
 mod replay;
 mod retain;
@@ -59,6 +60,15 @@ pub use outputs::Outputs;
 pub use policy::Policy;
 pub use region::{checkpoint, Region};
 pub use retain::{backward, retain_tape};
+
+#[doc = include_str!("remat.md")]
+pub use remat_macros::remat;
+
+/// Support for the code `remat!` generates; not a public API.
+#[doc(hidden)]
+pub mod __private {
+    pub use crate::private::*;
+}
 
 #[doc = include_str!("../../README.md")]
 #[cfg(doctest)]

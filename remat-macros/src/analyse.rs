@@ -1,0 +1,329 @@
+//! Names, static dataflow and the semantic checks of a parsed block.
+
+use std::collections::{HashMap, HashSet};
+
+use proc_macro2::{Span, TokenStream, TokenTree};
+use quote::ToTokens;
+use syn::spanned::Spanned;
+use syn::visit::Visit;
+use syn::{Expr, Ident, Pat};
+
+use crate::errors::Errors;
+use crate::parse::{Block, Kind, StmtKind};
+
+/// A binding a statement reads.
+#[derive(Debug, Clone)]
+pub(crate) struct Read {
+    pub ident: Ident,
+    /// A `&T` parameter: the statement sees a reference to its own copy.
+    pub by_ref: bool,
+}
+
+/// What the analysis decided for one statement.
+#[derive(Debug, Clone)]
+pub(crate) struct StmtPlan {
+    /// The record name (empty for items and forward-only statements).
+    pub name: String,
+    /// Save, Recompute or ForwardOnly (unannotated statements recompute).
+    pub kind: Kind,
+    /// The bindings it reads, in order of first use.
+    pub reads: Vec<Read>,
+    /// A saved statement whose outputs a recomputed statement reads: they
+    /// stay on the tape for the replay.
+    pub kept: bool,
+    /// Owned bindings whose last reader this statement is: dropped after it.
+    pub releases: Vec<Ident>,
+}
+
+pub(crate) struct Plan {
+    pub statements: Vec<StmtPlan>,
+    pub tail_reads: Vec<Read>,
+}
+
+struct Binding {
+    ident: Ident,
+    by_ref: bool,
+    /// The statement that bound it; `None` for parameters.
+    producer: Option<usize>,
+    last_reader: Option<usize>,
+}
+
+/// Identifiers an expression mentions, in order, with the span of their first
+/// use: paths of one segment, identifiers inside macro invocations, and
+/// inline arguments of format strings (`"{x}"`).
+fn mentions(expr: &Expr) -> Vec<(String, Span)> {
+    struct Collect(Vec<(String, Span)>);
+    impl Collect {
+        fn add(&mut self, name: String, span: Span) {
+            if !self.0.iter().any(|(n, _)| *n == name) {
+                self.0.push((name, span));
+            }
+        }
+        fn tokens(&mut self, ts: TokenStream) {
+            for tt in ts {
+                match tt {
+                    TokenTree::Ident(i) => self.add(i.to_string(), i.span()),
+                    TokenTree::Group(g) => self.tokens(g.stream()),
+                    TokenTree::Literal(l) => {
+                        if let Ok(s) = syn::parse2::<syn::LitStr>(l.to_token_stream()) {
+                            for name in format_args(&s.value()) {
+                                self.add(name, l.span());
+                            }
+                        }
+                    }
+                    TokenTree::Punct(_) => {}
+                }
+            }
+        }
+    }
+    impl<'ast> Visit<'ast> for Collect {
+        fn visit_expr_path(&mut self, p: &'ast syn::ExprPath) {
+            if p.qself.is_none() && p.path.segments.len() == 1 {
+                let seg = &p.path.segments[0];
+                self.add(seg.ident.to_string(), seg.ident.span());
+            }
+            syn::visit::visit_expr_path(self, p);
+        }
+        fn visit_macro(&mut self, m: &'ast syn::Macro) {
+            self.tokens(m.tokens.clone());
+        }
+    }
+    let mut c = Collect(Vec::new());
+    c.visit_expr(expr);
+    c.0
+}
+
+/// Inline arguments of a format string: `{x}`, `{x:?}`, `{x:>8}`.
+fn format_args(s: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = s;
+    while let Some(open) = rest.find('{') {
+        rest = &rest[open + 1..];
+        if rest.starts_with('{') {
+            rest = &rest[1..];
+            continue;
+        }
+        let end = rest.find(['}', ':']).unwrap_or(rest.len());
+        let name = &rest[..end];
+        if !name.is_empty()
+            && name.chars().all(|c| c.is_alphanumeric() || c == '_')
+            && !name.chars().next().is_some_and(|c| c.is_ascii_digit())
+        {
+            out.push(name.to_string());
+        }
+    }
+    out
+}
+
+/// The identifiers a pattern binds.
+pub(crate) fn bound(pat: &Pat) -> Vec<Ident> {
+    struct Collect(Vec<Ident>);
+    impl<'ast> Visit<'ast> for Collect {
+        fn visit_pat_ident(&mut self, p: &'ast syn::PatIdent) {
+            self.0.push(p.ident.clone());
+            syn::visit::visit_pat_ident(self, p);
+        }
+    }
+    let mut c = Collect(Vec::new());
+    c.visit_pat(pat);
+    c.0
+}
+
+/// The single identifier a pattern binds (`x`, `mut x`, `x: T`), if it is one.
+fn single(pat: &Pat) -> Option<&Ident> {
+    match pat {
+        Pat::Ident(p) if p.subpat.is_none() => Some(&p.ident),
+        Pat::Type(t) => single(&t.pat),
+        _ => None,
+    }
+}
+
+pub(crate) fn analyse(block: &Block, errors: &mut Errors) -> Plan {
+    let mut bindings: Vec<Binding> = block
+        .params
+        .iter()
+        .map(|p| Binding {
+            ident: p.ident.clone(),
+            by_ref: p.by_ref,
+            producer: None,
+            last_reader: None,
+        })
+        .collect();
+    let mut current: HashMap<String, usize> = bindings
+        .iter()
+        .enumerate()
+        .map(|(i, b)| (b.ident.to_string(), i))
+        .collect();
+    let kinds: Vec<Kind> = block
+        .statements
+        .iter()
+        .map(|s| s.annotation.as_ref().map_or(Kind::Recompute, |a| a.kind))
+        .collect();
+
+    // Dataflow: who reads which binding.
+    let mut reads: Vec<Vec<usize>> = Vec::new();
+    let resolve = |expr: &Expr,
+                   reader: usize,
+                   forward_only: bool,
+                   bindings: &mut Vec<Binding>,
+                   current: &HashMap<String, usize>,
+                   errors: &mut Errors|
+     -> Vec<usize> {
+        let mut out = Vec::new();
+        for (name, span) in mentions(expr) {
+            let Some(&b) = current.get(&name) else {
+                continue;
+            };
+            if let Some(p) = bindings[b].producer {
+                if kinds[p] == Kind::ForwardOnly && !forward_only {
+                    errors.push(
+                        span,
+                        format!(
+                            "`{name}` is bound by a #[forward_only] statement, which does not run \
+                             in the replay, so `{name}` would not exist there; compute it in a \
+                             statement that replays, or read it only from #[forward_only] \
+                             statements"
+                        ),
+                    );
+                }
+            }
+            bindings[b].last_reader = Some(reader);
+            out.push(b);
+        }
+        out
+    };
+    for (i, stmt) in block.statements.iter().enumerate() {
+        let forward_only = kinds[i] == Kind::ForwardOnly;
+        match &stmt.kind {
+            StmtKind::Let { pat, init } => {
+                reads.push(resolve(
+                    init,
+                    i,
+                    forward_only,
+                    &mut bindings,
+                    &current,
+                    errors,
+                ));
+                for ident in bound(pat) {
+                    current.insert(ident.to_string(), bindings.len());
+                    bindings.push(Binding {
+                        ident,
+                        by_ref: false,
+                        producer: Some(i),
+                        last_reader: None,
+                    });
+                }
+            }
+            StmtKind::Expr(e) => {
+                reads.push(resolve(e, i, forward_only, &mut bindings, &current, errors))
+            }
+            StmtKind::Item(_) => reads.push(Vec::new()),
+        }
+    }
+    let n = block.statements.len();
+    let tail_reads = match &block.tail {
+        Some(t) => resolve(t, n, false, &mut bindings, &current, errors),
+        None => Vec::new(),
+    };
+
+    // Names: explicit ones first (checked for duplicates), then the rest.
+    let mut names = vec![String::new(); n];
+    let mut first_use: HashMap<String, Span> = HashMap::new();
+    for (i, stmt) in block.statements.iter().enumerate() {
+        let Some(a) = &stmt.annotation else { continue };
+        let explicit = match (&a.name, &stmt.kind) {
+            (Some(lit), _) => Some((lit.value(), lit.span())),
+            (None, StmtKind::Let { pat, .. }) if a.kind == Kind::Save => match single(pat) {
+                Some(ident) => Some((ident.to_string(), ident.span())),
+                None => {
+                    errors.push(
+                        pat.span(),
+                        "#[save] on a destructuring pattern needs an explicit name: \
+                         `#[save(name = \"...\")]`",
+                    );
+                    None
+                }
+            },
+            _ => None,
+        };
+        let Some((name, span)) = explicit else {
+            continue;
+        };
+        if let Some(first) = first_use.get(&name) {
+            errors.push(
+                span,
+                format!("duplicate statement name `{name}`: names must be unique within a block"),
+            );
+            errors.push(*first, format!("`{name}` is first used here"));
+            continue;
+        }
+        first_use.insert(name.clone(), span);
+        names[i] = name;
+    }
+    let mut used: HashSet<String> = first_use.into_keys().collect();
+    let mut fresh = |base: String| -> String {
+        let mut name = base.clone();
+        let mut k = 2;
+        while used.contains(&name) {
+            name = format!("{base}#{k}");
+            k += 1;
+        }
+        used.insert(name.clone());
+        name
+    };
+    for (i, stmt) in block.statements.iter().enumerate() {
+        if !names[i].is_empty() || kinds[i] == Kind::ForwardOnly {
+            continue;
+        }
+        names[i] = match &stmt.kind {
+            StmtKind::Let { pat, .. } => fresh(match single(pat) {
+                Some(ident) => ident.to_string(),
+                None => pat.to_token_stream().to_string(),
+            }),
+            StmtKind::Expr(_) => fresh(format!("(statement {})", i + 1)),
+            StmtKind::Item(_) => String::new(),
+        };
+    }
+
+    // Saved outputs a replayed statement reads stay on the tape; owned
+    // bindings are dropped after their last reader (the tail's are dropped
+    // with the block anyway).
+    let mut kept = vec![false; n];
+    let mut releases: Vec<Vec<Ident>> = vec![Vec::new(); n];
+    for (bi, b) in bindings.iter().enumerate() {
+        if let Some(p) = b.producer {
+            let replayed = tail_reads.contains(&bi)
+                || (0..n).any(|r| kinds[r] == Kind::Recompute && reads[r].contains(&bi));
+            if kinds[p] == Kind::Save && replayed {
+                kept[p] = true;
+            }
+        }
+        if let Some(r) = b.last_reader {
+            if r < n && !b.by_ref {
+                releases[r].push(b.ident.clone());
+            }
+        }
+    }
+
+    let to_reads = |ids: &[usize]| -> Vec<Read> {
+        ids.iter()
+            .map(|&b| Read {
+                ident: bindings[b].ident.clone(),
+                by_ref: bindings[b].by_ref,
+            })
+            .collect()
+    };
+    let statements = (0..n)
+        .map(|i| StmtPlan {
+            name: std::mem::take(&mut names[i]),
+            kind: kinds[i],
+            reads: to_reads(&reads[i]),
+            kept: kept[i],
+            releases: std::mem::take(&mut releases[i]),
+        })
+        .collect();
+    Plan {
+        statements,
+        tail_reads: to_reads(&tail_reads),
+    }
+}

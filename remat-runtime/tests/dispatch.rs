@@ -1,4 +1,6 @@
 //! The macro's dispatch between values made of tensors and plain values.
+// The double borrows are the point: they select the impl.
+#![allow(clippy::needless_borrow)]
 
 use candle_core::{DType, Device, Tensor};
 use remat_runtime::__private::{Probe, ViaPlain as _, ViaTensor as _};

@@ -38,6 +38,29 @@ pub(crate) struct StmtPlan {
 pub(crate) struct Plan {
     pub statements: Vec<StmtPlan>,
     pub tail_reads: Vec<Read>,
+    /// The tail is `Ok(x)` with `x` a binding of a statement: the block
+    /// returns it as it is, with no statement of its own.
+    pub tail_passthrough: Option<Ident>,
+}
+
+/// `Ok(x)` with `x` bound by a statement of the block.
+fn passthrough(tail: &Expr, reads: &[usize], bindings: &[Binding]) -> Option<Ident> {
+    let Expr::Call(call) = tail else { return None };
+    let Expr::Path(f) = &*call.func else {
+        return None;
+    };
+    if !f.path.is_ident("Ok") || call.args.len() != 1 {
+        return None;
+    }
+    let Expr::Path(arg) = &call.args[0] else {
+        return None;
+    };
+    let ident = arg.path.get_ident()?;
+    reads
+        .iter()
+        .map(|&b| &bindings[b])
+        .find(|b| b.ident == *ident && b.producer.is_some())
+        .map(|b| b.ident.clone())
 }
 
 struct Binding {
@@ -225,6 +248,10 @@ pub(crate) fn analyse(block: &Block, errors: &mut Errors) -> Plan {
         Some(t) => resolve(t, n, false, &mut bindings, &current, errors),
         None => Vec::new(),
     };
+    let tail_passthrough = block
+        .tail
+        .as_ref()
+        .and_then(|t| passthrough(t, &tail_reads, &bindings));
 
     // Names: explicit ones first (checked for duplicates), then the rest.
     let mut names = vec![String::new(); n];
@@ -278,7 +305,10 @@ pub(crate) fn analyse(block: &Block, errors: &mut Errors) -> Plan {
         names[i] = match &stmt.kind {
             StmtKind::Let { pat, .. } => fresh(match single(pat) {
                 Some(ident) => ident.to_string(),
-                None => pat.to_token_stream().to_string(),
+                None => {
+                    let idents: Vec<String> = bound(pat).iter().map(|i| i.to_string()).collect();
+                    format!("({})", idents.join(", "))
+                }
             }),
             StmtKind::Expr(_) => fresh(format!("(statement {})", i + 1)),
             StmtKind::Item(_) => String::new(),
@@ -292,7 +322,7 @@ pub(crate) fn analyse(block: &Block, errors: &mut Errors) -> Plan {
     let mut releases: Vec<Vec<Ident>> = vec![Vec::new(); n];
     for (bi, b) in bindings.iter().enumerate() {
         if let Some(p) = b.producer {
-            let replayed = tail_reads.contains(&bi)
+            let replayed = (tail_passthrough.is_none() && tail_reads.contains(&bi))
                 || (0..n).any(|r| kinds[r] == Kind::Recompute && reads[r].contains(&bi));
             if kinds[p] == Kind::Save && replayed {
                 kept[p] = true;
@@ -325,5 +355,6 @@ pub(crate) fn analyse(block: &Block, errors: &mut Errors) -> Plan {
     Plan {
         statements,
         tail_reads: to_reads(&tail_reads),
+        tail_passthrough,
     }
 }

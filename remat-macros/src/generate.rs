@@ -3,35 +3,10 @@
 
 use proc_macro2::TokenStream;
 use quote::{format_ident, quote};
-use syn::{Expr, Ident};
+use syn::Ident;
 
 use crate::analyse::{Plan, Read, StmtPlan};
 use crate::parse::{Block, Kind, StmtKind};
-
-/// `collect` pushes the tensors of a read binding into `__remat_t`;
-/// `rebind` rebuilds it from the inputs the runtime hands the statement.
-fn collect_and_rebind(reads: &[Read]) -> (TokenStream, TokenStream) {
-    let mut collect = TokenStream::new();
-    let mut rebind = TokenStream::new();
-    for Read { ident, by_ref } in reads {
-        if *by_ref {
-            let own = format_ident!("__remat_own_{}", ident);
-            collect.extend(quote! { (&&__RematProbe(#ident)).__remat_collect(&mut __remat_t); });
-            rebind.extend(quote! {
-                let #own = (&&__RematProbe(#ident)).__remat_rebuild(&mut __remat_it)?;
-                #[allow(unused_variables)]
-                let #ident = &#own;
-            });
-        } else {
-            collect.extend(quote! { (&&__RematProbe(&#ident)).__remat_collect(&mut __remat_t); });
-            rebind.extend(quote! {
-                #[allow(unused_variables)]
-                let #ident = (&&__RematProbe(&#ident)).__remat_rebuild(&mut __remat_it)?;
-            });
-        }
-    }
-    (collect, rebind)
-}
 
 /// A call of a runtime statement method computing `body` from `reads`.
 fn statement_call(
@@ -40,22 +15,25 @@ fn statement_call(
     reads: &[Read],
     body: TokenStream,
 ) -> TokenStream {
+    let reads: Vec<TokenStream> = reads
+        .iter()
+        .map(|Read { ident, by_ref }| match by_ref {
+            true => quote!(ref #ident),
+            false => quote!(own #ident),
+        })
+        .collect();
     if reads.is_empty() {
-        return quote! { __remat_ctx.#method(#name, &[], |_| { #body })? };
+        return quote! { __remat_ctx.#method(#name, ::std::vec::Vec::new(), |_| { #body })? };
     }
-    let (collect, rebind) = collect_and_rebind(reads);
     quote! {
-        {
-            let mut __remat_t = ::std::vec::Vec::new();
-            #collect
-            let __remat_r: ::std::vec::Vec<&::remat_runtime::candle_core::Tensor> =
-                __remat_t.iter().collect();
-            __remat_ctx.#method(#name, &__remat_r, |__remat_in| {
-                let mut __remat_it = __remat_in.iter().cloned();
-                #rebind
+        __remat_ctx.#method(
+            #name,
+            ::remat_runtime::__remat_inputs![#(#reads),*],
+            |__remat_args| {
+                ::remat_runtime::__remat_rebind!(__remat_args; #(#reads),*);
                 #body
-            })?
-        }
+            },
+        )?
     }
 }
 
@@ -71,52 +49,30 @@ fn releases(idents: &[Ident]) -> TokenStream {
     quote! { #(::remat_runtime::__private::release(#idents);)* }
 }
 
-/// `Ok(x)` with `x` an owned binding: returned as it is, no statement needed.
-fn plain_ok(tail: &Expr, reads: &[Read]) -> Option<Ident> {
-    let Expr::Call(call) = tail else { return None };
-    let Expr::Path(f) = &*call.func else {
-        return None;
-    };
-    if !f.path.is_ident("Ok") || call.args.len() != 1 {
-        return None;
-    }
-    let Expr::Path(arg) = &call.args[0] else {
-        return None;
-    };
-    let ident = arg.path.get_ident()?;
-    reads
-        .iter()
-        .any(|r| r.ident == *ident && !r.by_ref)
-        .then(|| ident.clone())
-}
-
 pub(crate) fn generate(block: &Block, plan: &Plan) -> TokenStream {
     let func = &block.func;
     let (attrs, vis, sig) = (&func.attrs, &func.vis, &func.sig);
     let region = sig.ident.to_string();
 
-    let mut captures = TokenStream::new();
-    let mut params = TokenStream::new();
+    // The region's inputs are the tensors of the parameters; the body owns
+    // copies of the `&T` parameters (it runs again in the backward) and sees
+    // them as references again.
+    let mut inputs = Vec::new();
+    let mut copies = TokenStream::new();
+    let mut rebinds = Vec::new();
     for p in &block.params {
         let ident = &p.ident;
-        let arg = format_ident!("__remat_arg_{}", ident);
         if p.by_ref {
-            let own = format_ident!("__remat_own_{}", ident);
-            captures.extend(quote! { let #arg = ::core::clone::Clone::clone(#ident); });
-            params.extend(quote! {
-                let #own = (&&__RematProbe(&#arg)).__remat_rebuild(&mut __remat_it)?;
-                #[allow(unused_variables)]
-                let #ident = &#own;
-            });
+            inputs.push(quote!(ref #ident));
+            copies.extend(quote! { let #ident = ::core::clone::Clone::clone(#ident); });
+            rebinds.push(quote!(as_ref #ident));
         } else {
-            let mutability = p.mutable.then(|| quote!(mut));
-            captures.extend(quote! { let #arg = #ident; });
-            params.extend(quote! {
-                #[allow(unused_variables)]
-                let #mutability #ident = (&&__RematProbe(&#arg)).__remat_rebuild(&mut __remat_it)?;
+            inputs.push(quote!(own #ident));
+            rebinds.push(match p.mutable {
+                true => quote!(own_mut #ident),
+                false => quote!(own #ident),
             });
         }
-        captures.extend(quote! { (&&__RematProbe(&#arg)).__remat_collect(&mut __remat_t); });
     }
 
     let mut body = TokenStream::new();
@@ -146,10 +102,14 @@ pub(crate) fn generate(block: &Block, plan: &Plan) -> TokenStream {
                     &sp.reads,
                     quote! { ::core::result::Result::Ok(#init) },
                 );
-                body.extend(quote! {
-                    let #value = #call;
-                    #release
-                    #(#attrs)* let #pat = #value;
+                body.extend(if sp.releases.is_empty() {
+                    quote! { #(#attrs)* let #pat = #call; }
+                } else {
+                    quote! {
+                        let #value = #call;
+                        #release
+                        #(#attrs)* let #pat = #value;
+                    }
                 });
             }
             (StmtKind::Expr(e), _) => {
@@ -168,7 +128,7 @@ pub(crate) fn generate(block: &Block, plan: &Plan) -> TokenStream {
     }
     let ret = &block.ret;
     let result = match &block.tail {
-        Some(tail) => match plain_ok(tail, &plan.tail_reads) {
+        Some(tail) => match &plan.tail_passthrough {
             Some(ident) => quote! { ::core::result::Result::Ok(#ident) },
             None => {
                 let call = statement_call(
@@ -189,17 +149,14 @@ pub(crate) fn generate(block: &Block, plan: &Plan) -> TokenStream {
     quote! {
         #(#attrs)*
         #vis #sig {
-            #[allow(unused_imports)]
-            use ::remat_runtime::__private::{Probe as __RematProbe, ViaPlain as _, ViaTensor as _};
-            let mut __remat_t = ::std::vec::Vec::new();
-            #captures
-            let __remat_r: ::std::vec::Vec<&::remat_runtime::candle_core::Tensor> =
-                __remat_t.iter().collect();
+            let __remat_inputs = ::remat_runtime::__remat_inputs![#(#inputs),*];
+            #copies
+            // Statement bodies are wrapped as `Ok(body)`, and bodies end in `?`.
+            #[allow(clippy::needless_question_mark)]
             let __remat_out = ::remat_runtime::Region::new(#region).run(
-                &__remat_r,
-                move |__remat_ctx, __remat_ins| {
-                    let mut __remat_it = __remat_ins.iter().cloned();
-                    #params
+                __remat_inputs,
+                move |__remat_ctx, __remat_args| {
+                    ::remat_runtime::__remat_rebind!(__remat_args; #(#rebinds),*);
                     #body
                     #result
                 },

@@ -6,7 +6,7 @@ use candle_core::Tensor;
 
 use crate::forward::ForwardState;
 use crate::replay::ReplayState;
-use crate::{Outputs, Policy, RematError, Result};
+use crate::{Inputs, Outputs, Policy, RematError, Result};
 
 pub(crate) enum Mode {
     /// No checkpointing: statements run as plain candle code.
@@ -105,9 +105,12 @@ impl Ctx {
         &mut self,
         name: &str,
         policy: Policy,
-        inputs: &[&Tensor],
+        inputs: impl Inputs,
         f: impl FnOnce(&[Tensor]) -> Result<O>,
     ) -> Result<O> {
+        let inputs = inputs.into_tensors();
+        let inputs: Vec<&Tensor> = inputs.iter().collect();
+        let inputs = inputs.as_slice();
         match &mut self.mode {
             Mode::Plain(names) => {
                 if !names.insert(name.to_string()) {
@@ -140,7 +143,7 @@ impl Ctx {
     pub fn save<O: Outputs>(
         &mut self,
         name: &str,
-        inputs: &[&Tensor],
+        inputs: impl Inputs,
         f: impl FnOnce(&[Tensor]) -> Result<O>,
     ) -> Result<O> {
         self.statement(name, Policy::Save, inputs, f)
@@ -167,12 +170,14 @@ impl Ctx {
     pub fn save_kept<O: Outputs>(
         &mut self,
         name: &str,
-        inputs: &[&Tensor],
+        inputs: impl Inputs,
         f: impl FnOnce(&[Tensor]) -> Result<O>,
     ) -> Result<O> {
         match &mut self.mode {
             Mode::Forward(state) => {
-                state.statement(&self.region, name, Policy::Save, true, inputs, f)
+                let inputs = inputs.into_tensors();
+                let inputs: Vec<&Tensor> = inputs.iter().collect();
+                state.statement(&self.region, name, Policy::Save, true, &inputs, f)
             }
             _ => self.statement(name, Policy::Save, inputs, f),
         }
@@ -194,7 +199,7 @@ impl Ctx {
     pub fn recompute<O: Outputs>(
         &mut self,
         name: &str,
-        inputs: &[&Tensor],
+        inputs: impl Inputs,
         f: impl FnOnce(&[Tensor]) -> Result<O>,
     ) -> Result<O> {
         self.statement(name, Policy::Recompute, inputs, f)

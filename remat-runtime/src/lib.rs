@@ -41,6 +41,7 @@
 mod ctx;
 mod error;
 mod forward;
+mod inputs;
 mod memory;
 mod ops;
 mod outputs;
@@ -55,6 +56,7 @@ mod tape;
 
 pub use ctx::Ctx;
 pub use error::{Mismatch, RematError, Result};
+pub use inputs::Inputs;
 pub use memory::{MemoryEntry, MemoryReport};
 pub use outputs::Outputs;
 pub use policy::Policy;

@@ -134,3 +134,65 @@ pub fn release<T>(_: T) {}
 pub fn tail<T, E: Into<RematError>>(r: std::result::Result<T, E>) -> Result<T> {
     r.map_err(Into::into)
 }
+
+/// The inputs of a `remat!` statement or region: the tensors of the bindings
+/// it reads (`own x` for a value, `ref x` for a `&T`), as a `Vec<Tensor>`.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __remat_inputs {
+    ($($how:ident $x:ident),*) => {{
+        #[allow(unused_imports)]
+        use $crate::__private::{ViaPlain as _, ViaTensor as _};
+        #[allow(unused_mut)]
+        let mut __inputs = ::std::vec::Vec::new();
+        $($crate::__remat_binding!(collect $how $x __inputs);)*
+        __inputs
+    }};
+}
+
+/// Inside a statement: rebinds each name it reads to the value rebuilt from
+/// the tensors the runtime handed the statement (leaf copies where the
+/// gradient is cut), in the order of [`__remat_inputs!`].
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __remat_rebind {
+    ($args:ident; $($how:ident $x:ident),*) => {
+        #[allow(unused_imports)]
+        use $crate::__private::{ViaPlain as _, ViaTensor as _};
+        #[allow(unused_mut, unused_variables)]
+        let mut __it = $args.iter().cloned();
+        $($crate::__remat_binding!(rebind $how $x __it);)*
+    };
+}
+
+/// One binding of [`__remat_inputs!`] and [`__remat_rebind!`].
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __remat_binding {
+    (collect own $x:ident $out:ident) => {
+        (&&$crate::__private::Probe(&$x)).__remat_collect(&mut $out);
+    };
+    (collect ref $x:ident $out:ident) => {
+        (&&$crate::__private::Probe($x)).__remat_collect(&mut $out);
+    };
+    (rebind own $x:ident $args:ident) => {
+        #[allow(unused_variables)]
+        let $x = (&&$crate::__private::Probe(&$x)).__remat_rebuild(&mut $args)?;
+    };
+    (rebind ref $x:ident $args:ident) => {
+        let __own = (&&$crate::__private::Probe($x)).__remat_rebuild(&mut $args)?;
+        #[allow(unused_variables)]
+        let $x = &__own;
+    };
+    // A `&T` parameter, captured by the region as an owned copy.
+    (rebind as_ref $x:ident $args:ident) => {
+        let __own = (&&$crate::__private::Probe(&$x)).__remat_rebuild(&mut $args)?;
+        #[allow(unused_variables)]
+        let $x = &__own;
+    };
+    // A `mut` parameter taken by value.
+    (rebind own_mut $x:ident $args:ident) => {
+        #[allow(unused_variables, unused_mut)]
+        let mut $x = (&&$crate::__private::Probe(&$x)).__remat_rebuild(&mut $args)?;
+    };
+}

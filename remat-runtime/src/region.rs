@@ -9,7 +9,7 @@ use crate::forward::ForwardState;
 use crate::ops::{AnchorFirst, AnchorLink, Tap};
 use crate::state::RegionState;
 use crate::tape::{Body, Meta, Tape};
-use crate::{memory, Outputs, Result};
+use crate::{memory, Inputs, Outputs, Result};
 
 /// A checkpointed region: a block of statements whose activations are
 /// recomputed (or kept, statement by statement) for the backward.
@@ -107,14 +107,14 @@ impl Region {
     /// assert_eq!(y.to_vec1::<f32>()?, vec![0.0, 1.0, 4.0, 9.0]);
     /// # Ok::<(), remat_runtime::RematError>(())
     /// ```
-    pub fn run<O, F>(&self, inputs: &[&Tensor], body: F) -> Result<O>
+    pub fn run<O, F>(&self, inputs: impl Inputs, body: F) -> Result<O>
     where
         O: Outputs,
         F: Fn(&mut Ctx, &[Tensor]) -> Result<O> + Send + Sync + 'static,
     {
+        let inputs = inputs.into_tensors();
         if !self.enabled {
             let mut ctx = Ctx::new(&self.name, Mode::Plain(Default::default()));
-            let inputs: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
             return body(&mut ctx, &inputs);
         }
         let detached: Vec<Tensor> = inputs.iter().map(|t| t.detach()).collect();
@@ -134,7 +134,7 @@ impl Region {
             .iter()
             .zip(&requires_grad)
             .filter(|(_, &r)| r)
-            .map(|(t, _)| (*t).clone())
+            .map(|(t, _)| t.clone())
             .chain(params.iter().cloned())
             .collect();
         if anchored.is_empty() {
@@ -203,7 +203,7 @@ fn anchor_chain(state: &Arc<RegionState>, args: &[Tensor]) -> Result<Tensor> {
 /// assert_eq!(y.backward()?.get(&x).unwrap().to_vec1::<f32>()?, vec![3.0; 3]);
 /// # Ok::<(), remat_runtime::RematError>(())
 /// ```
-pub fn checkpoint<O, F>(name: &str, inputs: &[&Tensor], body: F) -> Result<O>
+pub fn checkpoint<O, F>(name: &str, inputs: impl Inputs, body: F) -> Result<O>
 where
     O: Outputs,
     F: Fn(&mut Ctx, &[Tensor]) -> Result<O> + Send + Sync + 'static,

@@ -4,7 +4,6 @@ use std::collections::{HashMap, HashSet};
 
 use proc_macro2::{Span, TokenStream, TokenTree};
 use quote::ToTokens;
-use syn::spanned::Spanned;
 use syn::visit::Visit;
 use syn::{Expr, Ident, Pat};
 
@@ -263,8 +262,8 @@ pub(crate) fn analyse(block: &Block, errors: &mut Errors) -> Plan {
             (None, StmtKind::Let { pat, .. }) if a.kind == Kind::Save => match single(pat) {
                 Some(ident) => Some((ident.to_string(), ident.span())),
                 None => {
-                    errors.push(
-                        pat.span(),
+                    errors.push_spanned(
+                        pat,
                         "#[save] on a destructuring pattern needs an explicit name: \
                          `#[save(name = \"...\")]`",
                     );

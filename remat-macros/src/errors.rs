@@ -11,6 +11,11 @@ impl Errors {
         self.0.push(syn::Error::new(span, msg));
     }
 
+    /// An error spanning all of `tokens` (the whole attribute, pattern, ...).
+    pub fn push_spanned(&mut self, tokens: impl quote::ToTokens, msg: impl Display) {
+        self.0.push(syn::Error::new_spanned(tokens, msg));
+    }
+
     pub fn push_error(&mut self, e: syn::Error) {
         self.0.push(e);
     }

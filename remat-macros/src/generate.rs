@@ -1,20 +1,25 @@
 //! The code of a checkpointed block: a function that runs its body as a
 //! `remat_runtime::Region`, every top-level statement a runtime statement.
 
+use proc_macro2::Span;
 use proc_macro2::TokenStream;
-use quote::{format_ident, quote};
+use quote::{format_ident, quote, quote_spanned};
+use syn::spanned::Spanned;
 use syn::Ident;
 
 use crate::analyse::{Plan, Read, StmtPlan};
 use crate::parse::{Block, Kind, StmtKind};
 
-/// A call of a runtime statement method computing `body` from `reads`.
+/// A call of a runtime statement method computing `body` from `reads`,
+/// spanned at the user's statement so that type errors point there.
 fn statement_call(
-    method: TokenStream,
+    span: Span,
+    method: &str,
     name: &str,
     reads: &[Read],
     body: TokenStream,
 ) -> TokenStream {
+    let method = Ident::new(method, span);
     let reads: Vec<TokenStream> = reads
         .iter()
         .map(|Read { ident, by_ref }| match by_ref {
@@ -23,9 +28,11 @@ fn statement_call(
         })
         .collect();
     if reads.is_empty() {
-        return quote! { __remat_ctx.#method(#name, ::std::vec::Vec::new(), |_| { #body })? };
+        return quote_spanned! {span=>
+            __remat_ctx.#method(#name, ::std::vec::Vec::new(), |_| { #body })?
+        };
     }
-    quote! {
+    quote_spanned! {span=>
         __remat_ctx.#method(
             #name,
             ::remat_runtime::__remat_inputs![#(#reads),*],
@@ -37,11 +44,11 @@ fn statement_call(
     }
 }
 
-fn method(plan: &StmtPlan) -> TokenStream {
+fn method(plan: &StmtPlan) -> &'static str {
     match (plan.kind, plan.kept) {
-        (Kind::Save, true) => quote!(save_kept),
-        (Kind::Save, false) => quote!(save),
-        _ => quote!(recompute),
+        (Kind::Save, true) => "save_kept",
+        (Kind::Save, false) => "save",
+        _ => "recompute",
     }
 }
 
@@ -97,10 +104,11 @@ pub(crate) fn generate(block: &Block, plan: &Plan) -> TokenStream {
             }),
             (StmtKind::Let { pat, init }, _) => {
                 let call = statement_call(
+                    init.span(),
                     method(sp),
                     name,
                     &sp.reads,
-                    quote! { ::core::result::Result::Ok(#init) },
+                    quote_spanned! {init.span()=> ::core::result::Result::Ok(#init) },
                 );
                 body.extend(if sp.releases.is_empty() {
                     quote! { #(#attrs)* let #pat = #call; }
@@ -114,6 +122,7 @@ pub(crate) fn generate(block: &Block, plan: &Plan) -> TokenStream {
             }
             (StmtKind::Expr(e), _) => {
                 let call = statement_call(
+                    e.span(),
                     method(sp),
                     name,
                     &sp.reads,
@@ -132,7 +141,8 @@ pub(crate) fn generate(block: &Block, plan: &Plan) -> TokenStream {
             Some(ident) => quote! { ::core::result::Result::Ok(#ident) },
             None => {
                 let call = statement_call(
-                    quote!(recompute),
+                    tail.span(),
+                    "recompute",
                     "(return)",
                     &plan.tail_reads,
                     quote! {

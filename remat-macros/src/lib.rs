@@ -37,7 +37,7 @@ fn expand(input: TokenStream) -> TokenStream {
     for block in &blocks {
         let before = errors.len();
         let plan = analyse::analyse(block, &mut errors);
-        if errors.len() == before {
+        if !block.failed && errors.len() == before {
             out.extend(generate::generate(block, &plan));
         } else {
             out.extend(generate::stub(block));

@@ -1,6 +1,7 @@
 //! From tokens to the model of a `remat!` block, collecting syntax errors.
 
 use proc_macro2::{Span, TokenStream};
+use quote::ToTokens;
 use syn::parse::{Parse, ParseStream};
 use syn::spanned::Spanned;
 use syn::visit::Visit;
@@ -51,7 +52,8 @@ const MISTAKES: &[(&str, &str)] = &[
 pub(crate) struct Annotation {
     pub kind: Kind,
     pub name: Option<LitStr>,
-    pub span: Span,
+    /// The whole attribute, for error spans.
+    pub tokens: TokenStream,
 }
 
 /// A function parameter of the block.
@@ -79,6 +81,8 @@ pub(crate) struct Statement {
 }
 
 pub(crate) struct Block {
+    /// Whether parsing this block reported errors.
+    pub failed: bool,
     pub func: ItemFn,
     pub params: Vec<Param>,
     pub statements: Vec<Statement>,
@@ -110,6 +114,7 @@ pub(crate) fn parse(input: TokenStream, errors: &mut Errors) -> syn::Result<Vec<
 }
 
 fn parse_fn(func: ItemFn, errors: &mut Errors) -> Block {
+    let before = errors.len();
     let sig = &func.sig;
     if let Some(a) = &sig.asyncness {
         errors.push(
@@ -120,8 +125,8 @@ fn parse_fn(func: ItemFn, errors: &mut Errors) -> Block {
     let mut params = Vec::new();
     for arg in &sig.inputs {
         match arg {
-            FnArg::Receiver(r) => errors.push(
-                r.span(),
+            FnArg::Receiver(r) => errors.push_spanned(
+                r,
                 "remat! does not support methods: write the block as a free function taking the \
                  values it needs, and call it from the method",
             ),
@@ -141,8 +146,8 @@ fn parse_fn(func: ItemFn, errors: &mut Errors) -> Block {
                 };
                 let by_ref = match &*t.ty {
                     Type::Reference(r) if r.mutability.is_some() => {
-                        errors.push(
-                            r.span(),
+                        errors.push_spanned(
+                            r,
                             "a remat! block cannot take `&mut` parameters: it runs twice (forward \
                              and replay), so mutation would happen twice",
                         );
@@ -195,6 +200,7 @@ fn parse_fn(func: ItemFn, errors: &mut Errors) -> Block {
         );
     }
     Block {
+        failed: errors.len() > before,
         func,
         params,
         statements,
@@ -213,8 +219,8 @@ fn annotations(attrs: &[Attribute], errors: &mut Errors) -> (Option<Annotation>,
             continue;
         };
         if let Some((_, meant)) = MISTAKES.iter().find(|(w, _)| *w == ident) {
-            errors.push(
-                attr.span(),
+            errors.push_spanned(
+                attr,
                 format!("unknown remat annotation `#[{ident}]`; did you mean `#[{meant}]`? (remat knows `#[save]`, `#[recompute]` and `#[forward_only]`)"),
             );
             continue;
@@ -225,8 +231,8 @@ fn annotations(attrs: &[Attribute], errors: &mut Errors) -> (Option<Annotation>,
         };
         let name = parse_args(attr, kind, errors);
         if let Some(prev) = &found {
-            errors.push(
-                attr.span(),
+            errors.push_spanned(
+                attr,
                 format!(
                     "conflicting annotations: this statement is already {}; a statement has one policy",
                     prev.kind.attr()
@@ -237,7 +243,7 @@ fn annotations(attrs: &[Attribute], errors: &mut Errors) -> (Option<Annotation>,
         found = Some(Annotation {
             kind,
             name,
-            span: attr.span(),
+            tokens: attr.to_token_stream(),
         });
     }
     (found, rest)
@@ -346,8 +352,8 @@ fn parse_statement(stmt: &Stmt, errors: &mut Errors) -> Option<Statement> {
 fn check_statement_expr(expr: &Expr, annotation: Option<&Annotation>, errors: &mut Errors) {
     if let Some(a) = annotation {
         if a.kind != Kind::ForwardOnly {
-            errors.push(
-                a.span,
+            errors.push_spanned(
+                &a.tokens,
                 format!(
                     "{} goes on a `let` statement: a statement's name and outputs come from its \
                      binding; write `{} let y = ...;`",
@@ -472,8 +478,8 @@ fn check_nested(expr: &Expr, errors: &mut Errors) {
                     continue;
                 };
                 if let Some(kind) = Kind::from_ident(&ident.to_string()) {
-                    self.errors.push(
-                        attr.span(),
+                    self.errors.push_spanned(
+                        attr,
                         format!(
                             "{} is only allowed on top-level statements of a remat! block: a \
                              statement inside a loop, branch, closure or inner block can run zero \
@@ -520,7 +526,7 @@ fn check_return(expr: &Expr, errors: &mut Errors, in_tail: bool) {
                 "`return` in the middle of a remat! block: the replay must run every statement \
                  the forward ran; compute the result in the tail expression"
             };
-            self.errors.push(r.span(), msg);
+            self.errors.push_spanned(r, msg);
         }
         fn visit_expr_closure(&mut self, _: &'ast syn::ExprClosure) {}
         fn visit_expr_async(&mut self, _: &'ast syn::ExprAsync) {}

@@ -24,6 +24,11 @@ use crate::{RematError, Result};
 /// assert_eq!((u.dims(), n), (&[2][..], 3));
 /// # Ok::<(), remat_runtime::RematError>(())
 /// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be the value of a remat statement or region",
+    label = "this value is a statement's output",
+    note = "statements return tensors, `Vec<Tensor>`, tuples of them, or plain values such as `usize` and `Shape`; clone a borrowed tensor (`x.clone()`) instead of returning a reference"
+)]
 pub trait Outputs: Sized {
     /// The plain data and structure of the value.
     type Skeleton: Clone + Send + Sync + 'static;

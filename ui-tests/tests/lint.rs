@@ -1,0 +1,52 @@
+//! The expansion of `remat!` compiles without a single warning, rustc's or
+//! clippy's (CI runs clippy with `-D warnings` over all targets, this file
+//! included), like pin-project-lite's lint test.
+#![deny(warnings, clippy::all)]
+
+use candle_core::{DType, Device, Result, Tensor, Var};
+use remat_runtime::remat;
+
+#[derive(Clone)]
+pub struct Params {
+    pub w1: Var,
+    pub w2: Var,
+    pub n: usize,
+}
+
+remat! {
+    /// Every kind of statement: saved (kept and not), recomputed, plain
+    /// values, tuples, forward-only, a pass-through tail.
+    pub fn lint_block(x: &Tensor, p: &Params, mask: &Tensor) -> Result<Tensor> {
+        let (rows, _cols) = x.dims2()?;
+        #[save(name = "proj")] let h = x.matmul(&p.w1)?;
+        let a = h.gelu_erf()?.broadcast_mul(mask)?;
+        #[save] let o = a.matmul(&p.w2)?;
+        #[forward_only] let _shape = o.shape().clone();
+        #[recompute] let r = ((x + &o)? * (p.n + rows) as f64)?;
+        #[save] let out = r.tanh()?;
+        Ok(out)
+    }
+
+    pub(crate) fn lint_tail(x: Tensor) -> candle_core::Result<Tensor> {
+        let y = x.exp()?;
+        Ok((y * 2.0)?)
+    }
+}
+
+#[test]
+fn lint_blocks_run() -> Result<()> {
+    let dev = Device::Cpu;
+    let p = Params {
+        w1: Var::ones((4, 8), DType::F32, &dev)?,
+        w2: Var::ones((8, 4), DType::F32, &dev)?,
+        n: 1,
+    };
+    let x = Var::ones((2, 4), DType::F32, &dev)?;
+    let mask = Tensor::ones(8, DType::F32, &dev)?;
+    let y = lint_block(x.as_tensor(), &p, &mask)?;
+    let g = y.sum_all()?.backward()?;
+    assert!(g.get(&p.w1).is_some() && g.get(&x).is_some());
+    let z = lint_tail(x.as_tensor().clone())?;
+    assert_eq!(z.dims(), &[2, 4]);
+    Ok(())
+}

@@ -1,0 +1,13 @@
+use candle_core::{Result, Tensor, Var};
+use remat_runtime::remat;
+
+remat! {
+    fn block(x: &Tensor, w: &Var) -> Result<Tensor> {
+        #[save]
+        #[recompute]
+        let y = x.matmul(w)?;
+        Ok(y)
+    }
+}
+
+fn main() {}

@@ -69,3 +69,37 @@ fn early_drops_and_forward_only() {
         }
     }));
 }
+
+/// Benchmark, not a test: expansion time of a 30-statement block.
+/// `cargo test -p remat-macros --release -- --ignored --nocapture expand_speed`
+#[test]
+#[ignore]
+fn expand_speed() {
+    let mut body = TokenStream::new();
+    for i in 0..30usize {
+        let prev = quote::format_ident!("h{}", i);
+        let next = quote::format_ident!("h{}", i + 1);
+        body.extend(match i % 3 {
+            0 => quote! { #[save] let #next = #prev.matmul(w)?; },
+            1 => quote! { let #next = (#prev.gelu()? + x)?; },
+            _ => quote! { #[recompute] let #next = #prev.broadcast_mul(mask)?; },
+        });
+    }
+    let input = quote! {
+        pub fn deep(h0: &Tensor, x: &Tensor, w: &Var, mask: &Tensor) -> Result<Tensor> {
+            #body
+            Ok(h30)
+        }
+    };
+    let runs = 200;
+    let start = std::time::Instant::now();
+    let mut bytes = 0;
+    for _ in 0..runs {
+        bytes += crate::expand(input.clone()).to_string().len();
+    }
+    let per = start.elapsed() / runs;
+    println!(
+        "expand 30 statements: {per:?} per expansion ({} bytes of output)",
+        bytes / runs as usize
+    );
+}

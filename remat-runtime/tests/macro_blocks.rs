@@ -245,3 +245,118 @@ fn saved_statements_run_once_recomputed_twice() {
         0.0
     );
 }
+
+remat! {
+    /// Five inputs, two outputs, a tuple statement.
+    fn five(a: &Tensor, b: &Tensor, c: &Tensor, d: &Tensor, e: &Tensor, w: &Var) -> Result<(Tensor, Tensor)> {
+        let s = (a * b)?;
+        #[save] let m = (s.matmul(w)? + c.tanh()?)?;
+        let (p, q) = ((&m * d)?.exp()?, (m.sqr()? - e)?);
+        #[save] let q2 = (q + a)?;
+        Ok((p, q2))
+    }
+
+    /// A block calling another checkpointed block inside a statement.
+    fn outer(x: &Tensor, w: &Var) -> Result<Tensor> {
+        let h = x.matmul(w)?;
+        #[save] let inner = five(&h, &h, x, x, &h, w)?;
+        let y = (inner.0.sin()? + inner.1)?;
+        Ok(y)
+    }
+}
+
+fn five_plain(
+    a: &Tensor,
+    b: &Tensor,
+    c: &Tensor,
+    d: &Tensor,
+    e: &Tensor,
+    w: &Var,
+) -> Result<(Tensor, Tensor)> {
+    let s = (a * b)?;
+    let m = (s.matmul(w)? + c.tanh()?)?;
+    let (p, q) = ((&m * d)?.exp()?, (m.sqr()? - e)?);
+    let q2 = (q + a)?;
+    Ok((p, q2))
+}
+
+fn weighted(t: &Tensor, seed: u64) -> Tensor {
+    (t * tensor(t.dims(), seed, 1.0, t.dtype()))
+        .unwrap()
+        .sum_all()
+        .unwrap()
+}
+
+#[test]
+fn five_inputs_two_outputs_through_the_macro() {
+    let ins: Vec<Var> = (0..5)
+        .map(|i| var(&[4, 4], 40 + i, 1.0, DType::F32))
+        .collect();
+    let w = var(&[4, 4], 50, 0.5, DType::F32);
+    let t: Vec<&Tensor> = ins.iter().map(|v| v.as_tensor()).collect();
+    let run =
+        |f: fn(&Tensor, &Tensor, &Tensor, &Tensor, &Tensor, &Var) -> Result<(Tensor, Tensor)>| {
+            let (p, q) = f(t[0], t[1], t[2], t[3], t[4], &w).unwrap();
+            let g = (weighted(&p, 1) + weighted(&q, 2))
+                .unwrap()
+                .backward()
+                .unwrap();
+            let mut out = vec![p, q];
+            out.extend(ins.iter().chain([&w]).map(|v| g.get(v).unwrap().clone()));
+            out
+        };
+    for (a, b) in run(five).iter().zip(run(five_plain)) {
+        assert_eq!(rel_diff(a, &b), 0.0);
+    }
+}
+
+#[test]
+fn nested_macro_blocks() {
+    let x = var(&[4, 4], 60, 1.0, DType::F32);
+    let w = var(&[4, 4], 61, 0.5, DType::F32);
+    let y = outer(x.as_tensor(), &w).unwrap();
+    let g = weighted(&y, 3).backward().unwrap();
+    let h = x.as_tensor().matmul(&w).unwrap();
+    let (p, q) = five_plain(&h, &h, x.as_tensor(), x.as_tensor(), &h, &w).unwrap();
+    let y_ref = (p.sin().unwrap() + q).unwrap();
+    let g_ref = weighted(&y_ref, 3).backward().unwrap();
+    assert_eq!(rel_diff(&y, &y_ref), 0.0);
+    for v in [&x, &w] {
+        let d = rel_diff(g.get(v).unwrap(), g_ref.get(v).unwrap());
+        assert!(d <= 1e-6, "{d:e}");
+    }
+}
+
+#[test]
+fn stack_of_macro_blocks() {
+    let layers: Vec<BlockParams> = (0..4)
+        .map(|i| BlockParams::new(32, 4, 100 + 20 * i))
+        .collect();
+    let x = var(&[2, 8, 32], 70, 1.0, DType::F32);
+    let mask = causal_mask(8, DType::F32);
+    let run = |f: BlockFn| {
+        let mut h = x.as_tensor().clone();
+        for p in &layers {
+            h = f(&h, p, &mask).unwrap();
+        }
+        let g = weighted(&h, 4).backward().unwrap();
+        let mut vars = vec![x.clone()];
+        vars.extend(layers.iter().flat_map(|p| p.vars()));
+        (
+            h,
+            vars.iter()
+                .map(|v| g.get(v).unwrap().clone())
+                .collect::<Vec<_>>(),
+        )
+    };
+    let (y_ref, g_ref) = run(plain);
+    let (y, g) = run(block);
+    assert_eq!(rel_diff(&y, &y_ref), 0.0);
+    let worst = g
+        .iter()
+        .zip(&g_ref)
+        .map(|(a, b)| rel_diff(a, b))
+        .fold(0.0, f64::max);
+    println!("4-layer macro stack: max relative gradient difference {worst:e}");
+    assert!(worst <= 1e-6);
+}

@@ -287,6 +287,8 @@ fn weighted(t: &Tensor, seed: u64) -> Tensor {
         .unwrap()
 }
 
+type FiveFn = fn(&Tensor, &Tensor, &Tensor, &Tensor, &Tensor, &Var) -> Result<(Tensor, Tensor)>;
+
 #[test]
 fn five_inputs_two_outputs_through_the_macro() {
     let ins: Vec<Var> = (0..5)

@@ -296,17 +296,16 @@ fn five_inputs_two_outputs_through_the_macro() {
         .collect();
     let w = var(&[4, 4], 50, 0.5, DType::F32);
     let t: Vec<&Tensor> = ins.iter().map(|v| v.as_tensor()).collect();
-    let run =
-        |f: fn(&Tensor, &Tensor, &Tensor, &Tensor, &Tensor, &Var) -> Result<(Tensor, Tensor)>| {
-            let (p, q) = f(t[0], t[1], t[2], t[3], t[4], &w).unwrap();
-            let g = (weighted(&p, 1) + weighted(&q, 2))
-                .unwrap()
-                .backward()
-                .unwrap();
-            let mut out = vec![p, q];
-            out.extend(ins.iter().chain([&w]).map(|v| g.get(v).unwrap().clone()));
-            out
-        };
+    let run = |f: FiveFn| {
+        let (p, q) = f(t[0], t[1], t[2], t[3], t[4], &w).unwrap();
+        let g = (weighted(&p, 1) + weighted(&q, 2))
+            .unwrap()
+            .backward()
+            .unwrap();
+        let mut out = vec![p, q];
+        out.extend(ins.iter().chain([&w]).map(|v| g.get(v).unwrap().clone()));
+        out
+    };
     for (a, b) in run(five).iter().zip(run(five_plain)) {
         assert_eq!(rel_diff(a, &b), 0.0);
     }

@@ -2,11 +2,11 @@
 //! region. Use it through `remat_runtime`, which re-exports it and documents
 //! it; this crate holds the implementation:
 //!
-//! * [`parse`]: the token stream to an internal model of the block, with
+//! * `parse`: the token stream to an internal model of the block, with
 //!   syntax errors collected;
-//! * [`analyse`]: names, static dataflow (who reads which binding), ferried
+//! * `analyse`: names, static dataflow (who reads which binding), ferried
 //!   outputs, early drops, and the semantic errors;
-//! * [`generate`]: the code, a forward-and-replay body for
+//! * `generate`: the code, a forward-and-replay body for
 //!   `remat_runtime::Region`.
 //!
 //! Every error of a block is reported at once; the expansion then still

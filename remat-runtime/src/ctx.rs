@@ -108,6 +108,19 @@ impl Ctx {
         inputs: impl Inputs,
         f: impl FnOnce(&[Tensor]) -> Result<O>,
     ) -> Result<O> {
+        self.run(name, policy, false, inputs, f)
+    }
+
+    /// Every statement method ends here. `keep`: the outputs of a saved
+    /// statement stay on the tape for the replay.
+    fn run<O: Outputs>(
+        &mut self,
+        name: &str,
+        policy: Policy,
+        keep: bool,
+        inputs: impl Inputs,
+        f: impl FnOnce(&[Tensor]) -> Result<O>,
+    ) -> Result<O> {
         let inputs = inputs.into_tensors();
         let inputs: Vec<&Tensor> = inputs.iter().collect();
         let inputs = inputs.as_slice();
@@ -122,7 +135,7 @@ impl Ctx {
                 let args: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
                 f(&args).map_err(|e| e.in_statement(&self.region, name))
             }
-            Mode::Forward(state) => state.statement(&self.region, name, policy, false, inputs, f),
+            Mode::Forward(state) => state.statement(&self.region, name, policy, keep, inputs, f),
             Mode::Replay(state) => state.statement(&self.region, name, policy, inputs, f),
         }
     }
@@ -173,14 +186,7 @@ impl Ctx {
         inputs: impl Inputs,
         f: impl FnOnce(&[Tensor]) -> Result<O>,
     ) -> Result<O> {
-        match &mut self.mode {
-            Mode::Forward(state) => {
-                let inputs = inputs.into_tensors();
-                let inputs: Vec<&Tensor> = inputs.iter().collect();
-                state.statement(&self.region, name, Policy::Save, true, &inputs, f)
-            }
-            _ => self.statement(name, Policy::Save, inputs, f),
-        }
+        self.run(name, Policy::Save, true, inputs, f)
     }
 
     /// Runs a statement that is computed again during replay:

@@ -38,6 +38,7 @@
 
 #![warn(missing_docs)]
 
+mod counting;
 mod ctx;
 mod error;
 mod forward;
@@ -54,6 +55,7 @@ mod state;
 mod sweep;
 mod tape;
 
+pub use counting::CountingAlloc;
 pub use ctx::Ctx;
 pub use error::{Mismatch, RematError, Result};
 pub use inputs::Inputs;

@@ -6,49 +6,15 @@
 
 mod common;
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use candle_core::{DType, Tensor};
 use common::*;
-use remat_runtime::{MemoryReport, Policy, Region, RematError};
-
-struct Counting;
-
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: every method forwards to `System` with the caller's arguments
-// unchanged, so `System`'s guarantees hold; the counters only do arithmetic.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            let now = LIVE.fetch_add(layout.size(), Ordering::SeqCst) + layout.size();
-            PEAK.fetch_max(now, Ordering::SeqCst);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) };
-        LIVE.fetch_sub(layout.size(), Ordering::SeqCst);
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let p = unsafe { System.realloc(ptr, layout, new_size) };
-        if !p.is_null() {
-            LIVE.fetch_sub(layout.size(), Ordering::SeqCst);
-            let now = LIVE.fetch_add(new_size, Ordering::SeqCst) + new_size;
-            PEAK.fetch_max(now, Ordering::SeqCst);
-        }
-        p
-    }
-}
+use remat_runtime::{CountingAlloc, MemoryReport, Policy, Region, RematError};
 
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static ALLOC: CountingAlloc = CountingAlloc::new();
 
 fn live() -> usize {
-    LIVE.load(Ordering::SeqCst)
+    ALLOC.live()
 }
 
 const BLOCKS: usize = 8;
@@ -65,7 +31,7 @@ struct Measured {
 /// Forward of the 8-block stack, then backward, then everything dropped.
 /// Returns what was held after the forward and the peak, both over `base`.
 fn step(blocks: &[Mlp], x: &Tensor, pol: &PolicyFn, enabled: bool, base: usize) -> Measured {
-    PEAK.store(live(), Ordering::SeqCst);
+    ALLOC.reset_peak();
     let mut h = x.clone();
     for (i, b) in blocks.iter().enumerate() {
         h = b
@@ -79,7 +45,7 @@ fn step(blocks: &[Mlp], x: &Tensor, pol: &PolicyFn, enabled: bool, base: usize) 
     drop((grads, loss, h));
     Measured {
         held_after_forward,
-        peak_over_base: PEAK.load(Ordering::SeqCst) - base,
+        peak_over_base: ALLOC.peak() - base,
         report_bytes,
     }
 }

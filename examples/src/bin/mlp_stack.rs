@@ -8,37 +8,14 @@
 //! cargo run --release -p examples --bin mlp_stack [-- --blocks 8 --steps 30]
 //! ```
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::Optimizer;
-use remat_runtime::{Ctx, MemoryReport, Policy, Region};
-
-struct Counting;
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: every method forwards to `System` with the caller's arguments
-// unchanged; the counters only do arithmetic.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            let now = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
-            PEAK.fetch_max(now, Ordering::Relaxed);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) };
-        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-    }
-}
+use remat_runtime::{CountingAlloc, Ctx, MemoryReport, Policy, Region};
 
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static ALLOC: CountingAlloc = CountingAlloc::new();
 
 #[derive(Clone)]
 struct Block {
@@ -148,12 +125,12 @@ fn main() -> remat_runtime::Result<()> {
         let mut opt = candle_nn::SGD::new(vars, 0.05)?;
         let (mut first, mut last, mut held, mut peak) = (0f32, 0f32, 0usize, 0usize);
         for step in 0..steps {
-            let base = LIVE.load(Ordering::Relaxed);
-            PEAK.store(base, Ordering::Relaxed);
+            let base = ALLOC.live();
+            ALLOC.reset_peak();
             let y = forward(&blocks, &x, mode)?;
             let loss = (&y - &target)?.sqr()?.mean_all()?;
             if step == 1 {
-                held = LIVE.load(Ordering::Relaxed) - base;
+                held = ALLOC.live() - base;
                 if matches!(mode, Mode::SaveMatmuls) {
                     println!(
                         "memory report after the forward ({mode:?}):\n{}\n",
@@ -168,7 +145,7 @@ fn main() -> remat_runtime::Result<()> {
             }
             last = l;
             if step == 1 {
-                peak = PEAK.load(Ordering::Relaxed) - base;
+                peak = ALLOC.peak() - base;
             }
         }
         rows.push((mode, first, last, held, peak));

@@ -396,74 +396,41 @@ fn is_compound_assign(op: &syn::BinOp) -> bool {
     )
 }
 
-fn expr_attrs(expr: &Expr) -> &[Attribute] {
-    // syn keeps outer attributes of an expression statement on the expression.
-    match expr {
-        Expr::Array(e) => &e.attrs,
-        Expr::Assign(e) => &e.attrs,
-        Expr::Async(e) => &e.attrs,
-        Expr::Await(e) => &e.attrs,
-        Expr::Binary(e) => &e.attrs,
-        Expr::Block(e) => &e.attrs,
-        Expr::Call(e) => &e.attrs,
-        Expr::Cast(e) => &e.attrs,
-        Expr::Closure(e) => &e.attrs,
-        Expr::Field(e) => &e.attrs,
-        Expr::ForLoop(e) => &e.attrs,
-        Expr::If(e) => &e.attrs,
-        Expr::Index(e) => &e.attrs,
-        Expr::Loop(e) => &e.attrs,
-        Expr::Macro(e) => &e.attrs,
-        Expr::Match(e) => &e.attrs,
-        Expr::MethodCall(e) => &e.attrs,
-        Expr::Paren(e) => &e.attrs,
-        Expr::Path(e) => &e.attrs,
-        Expr::Reference(e) => &e.attrs,
-        Expr::Return(e) => &e.attrs,
-        Expr::Try(e) => &e.attrs,
-        Expr::Tuple(e) => &e.attrs,
-        Expr::Unary(e) => &e.attrs,
-        Expr::Unsafe(e) => &e.attrs,
-        Expr::While(e) => &e.attrs,
-        _ => &[],
-    }
+/// `expr_attrs` and `expr_attrs_mut`: the outer attributes syn keeps on an
+/// expression (an expression statement's attributes live there).
+macro_rules! expr_attrs {
+    ($($variant:ident),*) => {
+        fn expr_attrs(expr: &Expr) -> &[Attribute] {
+            match expr {
+                $(Expr::$variant(e) => &e.attrs,)*
+                _ => &[],
+            }
+        }
+
+        fn expr_attrs_mut(expr: &mut Expr) -> Option<&mut Vec<Attribute>> {
+            match expr {
+                $(Expr::$variant(e) => Some(&mut e.attrs),)*
+                _ => None,
+            }
+        }
+    };
 }
 
+expr_attrs!(
+    Array, Assign, Async, Await, Binary, Block, Call, Cast, Closure, Field, ForLoop, If, Index,
+    Loop, Macro, Match, MethodCall, Paren, Path, Reference, Return, Try, Tuple, Unary, Unsafe,
+    While
+);
+
+/// Takes our annotations off an expression statement's expression.
 fn strip_attrs(expr: &mut Expr) {
-    let attrs = match expr {
-        Expr::Array(e) => &mut e.attrs,
-        Expr::Assign(e) => &mut e.attrs,
-        Expr::Async(e) => &mut e.attrs,
-        Expr::Await(e) => &mut e.attrs,
-        Expr::Binary(e) => &mut e.attrs,
-        Expr::Block(e) => &mut e.attrs,
-        Expr::Call(e) => &mut e.attrs,
-        Expr::Cast(e) => &mut e.attrs,
-        Expr::Closure(e) => &mut e.attrs,
-        Expr::Field(e) => &mut e.attrs,
-        Expr::ForLoop(e) => &mut e.attrs,
-        Expr::If(e) => &mut e.attrs,
-        Expr::Index(e) => &mut e.attrs,
-        Expr::Loop(e) => &mut e.attrs,
-        Expr::Macro(e) => &mut e.attrs,
-        Expr::Match(e) => &mut e.attrs,
-        Expr::MethodCall(e) => &mut e.attrs,
-        Expr::Paren(e) => &mut e.attrs,
-        Expr::Path(e) => &mut e.attrs,
-        Expr::Reference(e) => &mut e.attrs,
-        Expr::Return(e) => &mut e.attrs,
-        Expr::Try(e) => &mut e.attrs,
-        Expr::Tuple(e) => &mut e.attrs,
-        Expr::Unary(e) => &mut e.attrs,
-        Expr::Unsafe(e) => &mut e.attrs,
-        Expr::While(e) => &mut e.attrs,
-        _ => return,
-    };
-    attrs.retain(|a| {
-        a.path()
-            .get_ident()
-            .is_none_or(|i| Kind::from_ident(&i.to_string()).is_none())
-    });
+    if let Some(attrs) = expr_attrs_mut(expr) {
+        attrs.retain(|a| {
+            a.path()
+                .get_ident()
+                .is_none_or(|i| Kind::from_ident(&i.to_string()).is_none())
+        });
+    }
 }
 
 /// Annotations anywhere below the top level.

@@ -193,3 +193,26 @@ fn failing_statement_names_itself_and_the_next_step_works() {
         .unwrap();
     assert!(backward(&y.sum_all().unwrap()).unwrap().get(&x).is_some());
 }
+
+#[test]
+fn replay_returning_another_number_of_outputs() {
+    static MORE: AtomicBool = AtomicBool::new(false);
+    let x = x();
+    let y: Vec<Tensor> = Region::new("blk")
+        .run(&[x.as_tensor()], |ctx, ins| {
+            let a = ctx.recompute("a", &[&ins[0]], |t| Ok(t[0].exp()?))?;
+            let mut outs = vec![a.sum_all()?];
+            if MORE.load(Ordering::SeqCst) {
+                outs.push(a);
+            }
+            Ok(outs)
+        })
+        .unwrap();
+    MORE.store(true, Ordering::SeqCst);
+    let e = backward(&y[0]).unwrap_err();
+    MORE.store(false, Ordering::SeqCst);
+    assert!(
+        matches!(&e, RematError::OutputCount { region, forward: 1, replay: 2 } if region == "blk"),
+        "{e:?}"
+    );
+}

@@ -223,3 +223,36 @@ fn parameter_used_by_several_units_sums_its_gradients() {
     };
     assert_close("shared parameter", &run(true), &run(false), 1e-6);
 }
+
+#[test]
+fn regions_on_several_threads_at_once() {
+    // Each thread trains its own copy of a 2-block stack; every thread's
+    // gradients must equal its own plain run.
+    let handles: Vec<_> = (0..4u64)
+        .map(|k| {
+            std::thread::spawn(move || {
+                let blocks: Vec<Gpt> = (0..2)
+                    .map(|i| Gpt::new(16, 2, 300 + 40 * k + 20 * i, DType::F32))
+                    .collect();
+                let x = var(&[2, 4, 16], 400 + k, 1.0, DType::F32);
+                let mask = causal_mask(4, DType::F32);
+                let mut wrt = vec![x.clone()];
+                wrt.extend(blocks.iter().flat_map(|b| b.vars()));
+                let run = |enabled: bool| {
+                    let mut h = x.as_tensor().clone();
+                    for (i, b) in blocks.iter().enumerate() {
+                        let pol = saving(&["attn.qkv", "mlp.proj"]);
+                        h = b.region(&format!("b{i}"), &h, &mask, pol, enabled).unwrap();
+                    }
+                    let refs: Vec<&Var> = wrt.iter().collect();
+                    grads_of(&weighted(&h), &refs)
+                };
+                let (on, plain) = (run(true), run(false));
+                assert_close(&format!("thread {k}"), &on, &plain, 1e-6);
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().expect("thread panicked");
+    }
+}

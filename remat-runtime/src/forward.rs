@@ -27,6 +27,9 @@ pub(crate) struct ForwardState {
     leaf_ids: HashSet<TensorId>,
     pub params: Vec<Tensor>,
     param_ids: HashSet<TensorId>,
+    /// First record of the run of chained saved records that ends with the
+    /// last record, if the last record is a saved one with a graph.
+    chain: Option<usize>,
 }
 
 impl ForwardState {
@@ -44,6 +47,7 @@ impl ForwardState {
             leaf_ids: HashSet::new(),
             params: Vec::new(),
             param_ids: HashSet::new(),
+            chain: None,
         }
     }
 
@@ -126,6 +130,7 @@ impl ForwardState {
                     outputs.push(d);
                 }
                 drop(tracked);
+                self.chain = None;
                 self.records.push(Record {
                     name: name.to_string(),
                     policy,
@@ -138,8 +143,15 @@ impl ForwardState {
             Policy::Save => {
                 let mut leaves = Vec::with_capacity(inputs.len());
                 let mut args = Vec::with_capacity(inputs.len());
+                let mut chained = false;
                 for (t, &need) in inputs.iter().zip(&needs) {
-                    if need {
+                    if let Some(tracked) = need.then(|| self.chainable(t)).flatten() {
+                        // Continue the previous saved statement's graph: no
+                        // leaf copy, and the two records form one unit.
+                        chained = true;
+                        leaves.push(None);
+                        args.push(tracked);
+                    } else if need {
                         let leaf = make_leaf(t)?;
                         self.leaf_ids.insert(leaf.id());
                         leaves.push(Some(leaf.clone()));
@@ -174,6 +186,12 @@ impl ForwardState {
                     outs: if any_tracked { tracked } else { Vec::new() },
                     kept: outputs.iter().cloned().map(Some).collect(),
                     skeleton: Arc::new(skeleton.clone()),
+                    chained: chained && any_tracked,
+                };
+                self.chain = match (any_tracked, chained) {
+                    (false, _) => None,
+                    (true, true) => self.chain,
+                    (true, false) => Some(index),
                 };
                 self.records.push(Record {
                     name: name.to_string(),
@@ -185,6 +203,21 @@ impl ForwardState {
                 O::join(&mut outputs.into_iter(), &skeleton)
             }
         }
+    }
+
+    /// The tracked output behind `t` when `t` is an output of the run of
+    /// saved records that ends just before the new statement: the new saved
+    /// statement continues that graph instead of copying `t` into a leaf. A
+    /// leaf there would be wrong, not only wasteful: its gradient would flow
+    /// to a unit the sweep has already finished.
+    fn chainable(&self, t: &Tensor) -> Option<Tensor> {
+        let start = self.chain?;
+        let &(k, j) = self.saved_outputs.get(&t.id())?;
+        if k < start {
+            return None;
+        }
+        let tracked = self.records.get(k)?.saved.as_ref()?.outs.get(j)?;
+        tracked.track_op().then(|| tracked.clone())
     }
 
     /// Ends the forward: saved outputs that no recomputed statement reads are

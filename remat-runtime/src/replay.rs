@@ -248,7 +248,6 @@ impl ReplayState {
     ) -> Result<O> {
         self.open = None;
         self.open_leaves.clear();
-        let u = self.units.len();
         let record = &mut self.records[k];
         let saved = record
             .saved
@@ -258,6 +257,12 @@ impl ReplayState {
                 expected: format!("saved statement `{name}` with its record"),
                 found: "a record that was already consumed".to_string(),
             })?;
+        // A chained record joins the unit of the saved record before it,
+        // which is the last unit.
+        let u = match (saved.chained, self.units.len()) {
+            (true, n) if n > 0 => n - 1,
+            (_, n) => n,
+        };
         let mut leaves = Vec::new();
         for (i, leaf) in saved.leaves.iter().enumerate() {
             let Some(leaf) = leaf else { continue };
@@ -309,11 +314,17 @@ impl ReplayState {
                 found: "another type".to_string(),
             })?
             .clone();
-        self.units.push(Unit {
-            label: name.to_string(),
-            leaves,
-            targets: Vec::new(),
-        });
+        if u < self.units.len() {
+            let unit = &mut self.units[u];
+            unit.label.push_str(&format!(", {name}"));
+            unit.leaves.extend(leaves);
+        } else {
+            self.units.push(Unit {
+                label: name.to_string(),
+                leaves,
+                targets: Vec::new(),
+            });
+        }
         O::join(&mut outputs.into_iter(), &skeleton)
     }
 

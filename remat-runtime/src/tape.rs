@@ -76,6 +76,10 @@ pub(crate) struct Saved {
     pub kept: Vec<Option<Tensor>>,
     /// The plain part of the statement's return value.
     pub skeleton: Arc<dyn Any + Send + Sync>,
+    /// The statement ran on the tracked outputs of the saved statement just
+    /// before it (no leaf copies between them): the two graphs are one, and
+    /// the sweep runs them as one unit.
+    pub chained: bool,
 }
 
 /// One statement of the forward.

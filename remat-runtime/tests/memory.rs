@@ -115,6 +115,16 @@ fn exact_memory_of_an_eight_block_stack() {
     // every tensor byte held.
     assert!(saved.report_bytes > recompute.report_bytes);
     assert!(saved.held_after_forward >= saved.report_bytes);
+    // Consecutive saved statements form one graph (no leaf copies between
+    // them), so saving everything holds what plain candle holds plus, per
+    // block, a leaf copy of its input, the tap's copy of its output and
+    // bookkeeping.
+    assert!(
+        saved.held_after_forward <= plain.held_after_forward + BLOCKS * (2 * act_bytes + 16 * 1024),
+        "save all holds {} B, plain {} B",
+        saved.held_after_forward,
+        plain.held_after_forward
+    );
 
     // Dropping the loss without a backward frees everything. (Re-baselined:
     // the test harness keeps printed output in a growing buffer.)

@@ -256,3 +256,26 @@ fn regions_on_several_threads_at_once() {
         h.join().expect("thread panicked");
     }
 }
+
+#[test]
+fn saved_statements_chained_and_read_across_the_chain() {
+    // `b` and `c` continue the graph of the saved statements before them; `c`
+    // also reads `a`, two records back, and the recomputed `d` reads `a` too.
+    let x = var(&[3, 3], 16, 1.0, DType::F32);
+    let w = var(&[3, 3], 17, 0.5, DType::F32);
+    let run = |enabled: bool| -> Vec<Tensor> {
+        let wt = w.as_tensor().clone();
+        let y = Region::new("chain")
+            .enabled(enabled)
+            .run(&[x.as_tensor()], move |ctx, ins| {
+                let a = ctx.save("a", &[&ins[0]], |t| Ok(t[0].matmul(&wt)?.tanh()?))?;
+                let b = ctx.save("b", &[&a], |t| Ok(t[0].exp()?))?;
+                let c = ctx.save("c", &[&a, &b], |t| Ok((&t[0] * &t[1])?))?;
+                let d = ctx.recompute("d", &[&a, &c], |t| Ok((&t[0] + t[1].sin()?)?))?;
+                ctx.save("e", &[&d, &ins[0]], |t| Ok((&t[0] * &t[1])?))
+            })
+            .unwrap();
+        grads_of(&weighted(&y), &[&x, &w])
+    };
+    assert_close("chain", &run(true), &run(false), 1e-6);
+}

@@ -121,8 +121,8 @@ impl Ctx {
         inputs: impl Inputs,
         f: impl FnOnce(&[Tensor]) -> Result<O>,
     ) -> Result<O> {
-        let inputs = inputs.into_tensors();
-        let inputs: Vec<&Tensor> = inputs.iter().collect();
+        let owned = inputs.into_tensors();
+        let inputs: Vec<&Tensor> = owned.iter().collect();
         let inputs = inputs.as_slice();
         match &mut self.mode {
             Mode::Plain(names) => {
@@ -132,8 +132,7 @@ impl Ctx {
                         record: name.to_string(),
                     });
                 }
-                let args: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
-                f(&args).map_err(|e| e.in_statement(&self.region, name))
+                f(&owned).map_err(|e| e.in_statement(&self.region, name))
             }
             Mode::Forward(state) => state.statement(&self.region, name, policy, keep, inputs, f),
             Mode::Replay(state) => state.statement(&self.region, name, policy, inputs, f),

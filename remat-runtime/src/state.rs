@@ -80,8 +80,11 @@ impl RegionState {
                 }
             }
         };
-        let output_grads = std::mem::take(&mut *lock(&self.output_grads));
-        *lock(&self.output_grads) = vec![None; output_grads.len()];
+        let output_grads = {
+            let mut stashed = lock(&self.output_grads);
+            let empty = vec![None; stashed.len()];
+            std::mem::replace(&mut *stashed, empty)
+        };
         match self.replay_and_sweep(tape, output_grads) {
             Ok(results) => {
                 *lock(&self.results) = results;

@@ -5,7 +5,7 @@ use candle_core::{Shape, Tensor};
 use crate::{RematError, Result};
 
 /// A value made of tensors and plain data that a statement or a region can
-/// return: a [`Tensor`], a `Vec<Tensor>`, tuples of such values, and plain
+/// return: a [`Tensor`], `Vec`s, `Option`s and tuples of such values, and plain
 /// values (`usize`, `f64`, [`Shape`], ...) that carry no tensor.
 ///
 /// The runtime splits a value into its tensors and a *skeleton* (the plain
@@ -57,17 +57,23 @@ impl Outputs for Tensor {
     }
 }
 
-impl Outputs for Vec<Tensor> {
-    type Skeleton = usize;
-    fn split_into(self, tensors: &mut Vec<Tensor>) -> usize {
-        let n = self.len();
-        tensors.extend(self);
-        n
+impl<T: Outputs> Outputs for Vec<T> {
+    type Skeleton = Vec<T::Skeleton>;
+    fn split_into(self, tensors: &mut Vec<Tensor>) -> Self::Skeleton {
+        self.into_iter().map(|v| v.split_into(tensors)).collect()
     }
-    fn join(tensors: &mut dyn Iterator<Item = Tensor>, n: &usize) -> Result<Self> {
-        (0..*n)
-            .map(|_| tensors.next().ok_or_else(missing))
-            .collect()
+    fn join(tensors: &mut dyn Iterator<Item = Tensor>, s: &Self::Skeleton) -> Result<Self> {
+        s.iter().map(|s| T::join(tensors, s)).collect()
+    }
+}
+
+impl<T: Outputs> Outputs for Option<T> {
+    type Skeleton = Option<T::Skeleton>;
+    fn split_into(self, tensors: &mut Vec<Tensor>) -> Self::Skeleton {
+        self.map(|v| v.split_into(tensors))
+    }
+    fn join(tensors: &mut dyn Iterator<Item = Tensor>, s: &Self::Skeleton) -> Result<Self> {
+        s.as_ref().map(|s| T::join(tensors, s)).transpose()
     }
 }
 
@@ -84,20 +90,7 @@ macro_rules! plain_outputs {
         }
     )*};
 }
-plain_outputs!(
-    (),
-    bool,
-    usize,
-    u32,
-    u64,
-    i32,
-    i64,
-    f32,
-    f64,
-    Shape,
-    Vec<usize>,
-    String
-);
+plain_outputs!((), bool, usize, u32, u64, i32, i64, f32, f64, Shape, String);
 
 macro_rules! tuple_outputs {
     ($($name:ident),+) => {

@@ -2,98 +2,20 @@
 //!
 //! The macro does not know the types of the bindings a statement reads. It
 //! wraps each in a [`Probe`] and calls `__remat_collect` / `__remat_rebuild`
-//! on `&Probe(..)`: method resolution picks [`ViaTensor`] when the value's
-//! type is [`TensorLike`] (its tensors become statement inputs and are
-//! rebuilt from what the runtime hands back) and falls back to [`ViaPlain`]
+//! on `&&Probe(..)`: method resolution picks [`ViaTensor`] when the value's
+//! type is [`Outputs`] (its tensors become statement inputs and are rebuilt
+//! from what the runtime hands back) and falls back to [`ViaPlain`]
 //! otherwise (the value is cloned and carries no statement input). This is
 //! the "autoref specialization" pattern: the `ViaTensor` impl is on
 //! `&Probe<T>`, found first; the `ViaPlain` impl is on `Probe<T>`, found one
 //! auto-deref later.
 
-use candle_core::{Shape, Tensor};
+use candle_core::Tensor;
 
-use crate::{RematError, Result};
+use crate::{Outputs, RematError, Result};
 
 /// A reference to a value of unknown type, for method-resolution dispatch.
 pub struct Probe<'a, T>(pub &'a T);
-
-/// Values made of tensors that statements pass to each other.
-pub trait TensorLike: Sized {
-    /// Appends the tensors of `self` to `out`.
-    fn collect(&self, out: &mut Vec<Tensor>);
-    /// A copy of `self` with its tensors taken from `it`, in `collect` order.
-    fn rebuild(&self, it: &mut dyn Iterator<Item = Tensor>) -> Result<Self>;
-}
-
-fn short() -> RematError {
-    RematError::Candle(std::sync::Arc::new(candle_core::Error::Msg(
-        "remat internal error: a statement got fewer inputs than it declared".into(),
-    )))
-}
-
-impl TensorLike for Tensor {
-    fn collect(&self, out: &mut Vec<Tensor>) {
-        out.push(self.clone());
-    }
-    fn rebuild(&self, it: &mut dyn Iterator<Item = Tensor>) -> Result<Self> {
-        it.next().ok_or_else(short)
-    }
-}
-
-impl<T: TensorLike> TensorLike for Vec<T> {
-    fn collect(&self, out: &mut Vec<Tensor>) {
-        self.iter().for_each(|t| t.collect(out));
-    }
-    fn rebuild(&self, it: &mut dyn Iterator<Item = Tensor>) -> Result<Self> {
-        self.iter().map(|t| t.rebuild(it)).collect()
-    }
-}
-
-impl<T: TensorLike> TensorLike for Option<T> {
-    fn collect(&self, out: &mut Vec<Tensor>) {
-        if let Some(t) = self {
-            t.collect(out);
-        }
-    }
-    fn rebuild(&self, it: &mut dyn Iterator<Item = Tensor>) -> Result<Self> {
-        self.as_ref().map(|t| t.rebuild(it)).transpose()
-    }
-}
-
-macro_rules! plain {
-    ($($t:ty),*) => {$(
-        impl TensorLike for $t {
-            fn collect(&self, _: &mut Vec<Tensor>) {}
-            fn rebuild(&self, _: &mut dyn Iterator<Item = Tensor>) -> Result<Self> {
-                Ok(self.clone())
-            }
-        }
-    )*};
-}
-plain!((), bool, usize, u32, u64, i32, i64, f32, f64, Shape, String);
-
-macro_rules! tuple {
-    ($($n:ident),+) => {
-        impl<$($n: TensorLike),+> TensorLike for ($($n,)+) {
-            #[allow(non_snake_case)]
-            fn collect(&self, out: &mut Vec<Tensor>) {
-                let ($($n,)+) = self;
-                $($n.collect(out);)+
-            }
-            #[allow(non_snake_case)]
-            fn rebuild(&self, it: &mut dyn Iterator<Item = Tensor>) -> Result<Self> {
-                let ($($n,)+) = self;
-                Ok(($($n.rebuild(it)?,)+))
-            }
-        }
-    };
-}
-tuple!(A);
-tuple!(A, B);
-tuple!(A, B, C);
-tuple!(A, B, C, D);
-tuple!(A, B, C, D, E);
-tuple!(A, B, C, D, E, F);
 
 /// Dispatch for values made of tensors.
 pub trait ViaTensor<T> {
@@ -103,12 +25,13 @@ pub trait ViaTensor<T> {
     fn __remat_rebuild(&self, it: &mut dyn Iterator<Item = Tensor>) -> Result<T>;
 }
 
-impl<T: TensorLike> ViaTensor<T> for &Probe<'_, T> {
+impl<T: Outputs + Clone> ViaTensor<T> for &Probe<'_, T> {
     fn __remat_collect(&self, out: &mut Vec<Tensor>) {
-        self.0.collect(out)
+        self.0.clone().split_into(out);
     }
     fn __remat_rebuild(&self, it: &mut dyn Iterator<Item = Tensor>) -> Result<T> {
-        self.0.rebuild(it)
+        let skeleton = self.0.clone().split_into(&mut Vec::new());
+        T::join(it, &skeleton)
     }
 }
 

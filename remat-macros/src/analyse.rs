@@ -23,13 +23,11 @@ pub(crate) struct Read {
 pub(crate) struct StmtPlan {
     /// The record name (empty for items and forward-only statements).
     pub name: String,
-    /// Save, Recompute or ForwardOnly (unannotated statements recompute).
-    pub kind: Kind,
+    /// Save, Recompute or ForwardOnly; `None` for an unannotated statement,
+    /// whose policy the region's plan decides at run time.
+    pub kind: Option<Kind>,
     /// The bindings it reads, in order of first use.
     pub reads: Vec<Read>,
-    /// A saved statement whose outputs a recomputed statement reads: they
-    /// stay on the tape for the replay.
-    pub kept: bool,
     /// Owned bindings whose last reader this statement is: dropped after it.
     pub releases: Vec<Ident>,
 }
@@ -176,10 +174,10 @@ pub(crate) fn analyse(block: &Block, errors: &mut Errors) -> Plan {
         .enumerate()
         .map(|(i, b)| (b.ident.to_string(), i))
         .collect();
-    let kinds: Vec<Kind> = block
+    let kinds: Vec<Option<Kind>> = block
         .statements
         .iter()
-        .map(|s| s.annotation.as_ref().map_or(Kind::Recompute, |a| a.kind))
+        .map(|s| s.annotation.as_ref().map(|a| a.kind))
         .collect();
 
     // Dataflow: who reads which binding.
@@ -197,7 +195,7 @@ pub(crate) fn analyse(block: &Block, errors: &mut Errors) -> Plan {
                 continue;
             };
             if let Some(p) = bindings[b].producer {
-                if kinds[p] == Kind::ForwardOnly && !forward_only {
+                if kinds[p] == Some(Kind::ForwardOnly) && !forward_only {
                     errors.push(
                         span,
                         format!(
@@ -215,7 +213,7 @@ pub(crate) fn analyse(block: &Block, errors: &mut Errors) -> Plan {
         out
     };
     for (i, stmt) in block.statements.iter().enumerate() {
-        let forward_only = kinds[i] == Kind::ForwardOnly;
+        let forward_only = kinds[i] == Some(Kind::ForwardOnly);
         match &stmt.kind {
             StmtKind::Let { pat, init } => {
                 reads.push(resolve(
@@ -298,7 +296,7 @@ pub(crate) fn analyse(block: &Block, errors: &mut Errors) -> Plan {
         name
     };
     for (i, stmt) in block.statements.iter().enumerate() {
-        if !names[i].is_empty() || kinds[i] == Kind::ForwardOnly {
+        if !names[i].is_empty() || kinds[i] == Some(Kind::ForwardOnly) {
             continue;
         }
         names[i] = match &stmt.kind {
@@ -314,19 +312,11 @@ pub(crate) fn analyse(block: &Block, errors: &mut Errors) -> Plan {
         };
     }
 
-    // Saved outputs a replayed statement reads stay on the tape; owned
-    // bindings are dropped after their last reader (the tail's are dropped
-    // with the block anyway).
-    let mut kept = vec![false; n];
+    // Owned bindings are dropped after their last reader (the tail's are
+    // dropped with the block anyway). Which saved outputs stay on the tape
+    // for the replay is decided at run time, where the plan is known.
     let mut releases: Vec<Vec<Ident>> = vec![Vec::new(); n];
-    for (bi, b) in bindings.iter().enumerate() {
-        if let Some(p) = b.producer {
-            let replayed = (tail_passthrough.is_none() && tail_reads.contains(&bi))
-                || (0..n).any(|r| kinds[r] == Kind::Recompute && reads[r].contains(&bi));
-            if kinds[p] == Kind::Save && replayed {
-                kept[p] = true;
-            }
-        }
+    for b in &bindings {
         if let Some(r) = b.last_reader {
             if r < n && !b.by_ref {
                 releases[r].push(b.ident.clone());
@@ -347,7 +337,6 @@ pub(crate) fn analyse(block: &Block, errors: &mut Errors) -> Plan {
             name: std::mem::take(&mut names[i]),
             kind: kinds[i],
             reads: to_reads(&reads[i]),
-            kept: kept[i],
             releases: std::mem::take(&mut releases[i]),
         })
         .collect();

@@ -45,10 +45,10 @@ fn statement_call(
 }
 
 fn method(plan: &StmtPlan) -> &'static str {
-    match (plan.kind, plan.kept) {
-        (Kind::Save, true) => "save_kept",
-        (Kind::Save, false) => "save",
-        _ => "recompute",
+    match plan.kind {
+        Some(Kind::Save) => "save",
+        Some(Kind::Recompute) => "recompute",
+        _ => "auto",
     }
 }
 
@@ -90,13 +90,13 @@ pub(crate) fn generate(block: &Block, plan: &Plan) -> TokenStream {
         let value = format_ident!("__remat_s{}", i + 1);
         match (&stmt.kind, sp.kind) {
             (StmtKind::Item(item), _) => body.extend(quote! { #item }),
-            (StmtKind::Let { pat, init }, Kind::ForwardOnly) => body.extend(quote! {
+            (StmtKind::Let { pat, init }, Some(Kind::ForwardOnly)) => body.extend(quote! {
                 if !__remat_ctx.is_replay() {
                     #(#attrs)* let #pat = #init;
                 }
                 #release
             }),
-            (StmtKind::Expr(e), Kind::ForwardOnly) => body.extend(quote! {
+            (StmtKind::Expr(e), Some(Kind::ForwardOnly)) => body.extend(quote! {
                 if !__remat_ctx.is_replay() {
                     #(#attrs)* #e;
                 }
@@ -142,7 +142,7 @@ pub(crate) fn generate(block: &Block, plan: &Plan) -> TokenStream {
             None => {
                 let call = statement_call(
                     tail.span(),
-                    "recompute",
+                    "auto",
                     "(return)",
                     &plan.tail_reads,
                     quote! {

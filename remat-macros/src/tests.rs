@@ -41,9 +41,9 @@ fn all_recompute() {
 
 #[test]
 fn saved_output_ferried_to_a_recomputed_statement() {
-    // `a` is saved and read by the recomputed `b`: `save_kept`. `c` is saved
-    // and read only by the saved `d`: a plain `save`, its output is a
-    // placeholder in the replay.
+    // `a` is saved and read by `b`, left to the plan: whether `a`'s output
+    // stays on the tape for the replay is decided at run time (kept when `b`
+    // is recomputed under the plan); the expansion is a plain `save`.
     insta::assert_snapshot!(pretty(quote! {
         pub(crate) fn ferry(x: &Tensor, w: &Var) -> Result<Tensor> {
             #[save] let a = x.matmul(w)?;

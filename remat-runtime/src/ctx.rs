@@ -4,9 +4,9 @@ use std::collections::HashSet;
 
 use candle_core::Tensor;
 
-use crate::forward::ForwardState;
+use crate::forward::{Decided, ForwardState};
 use crate::replay::ReplayState;
-use crate::{Inputs, Outputs, Policy, RematError, Result};
+use crate::{Inputs, Outputs, Plan, Policy, RematError, Result, StatementInfo};
 
 pub(crate) enum Mode {
     /// No checkpointing: statements run as plain candle code.
@@ -50,14 +50,30 @@ pub(crate) enum Mode {
 pub struct Ctx {
     region: String,
     pub(crate) mode: Mode,
+    plan: Plan,
 }
 
 impl Ctx {
-    pub(crate) fn new(region: &str, mode: Mode) -> Self {
+    pub(crate) fn new(region: &str, mode: Mode, plan: Plan) -> Self {
         Ctx {
             region: region.to_string(),
             mode,
+            plan,
         }
+    }
+
+    /// The plan deciding the policies of this region call.
+    ///
+    /// ```
+    /// # use remat_runtime::{Plan, Region};
+    /// let label = Region::new("blk")
+    ///     .plan(Plan::save_all())
+    ///     .run(&[], |ctx, _| Ok(ctx.plan().to_string()))?;
+    /// assert_eq!(label, "save all");
+    /// # Ok::<(), remat_runtime::RematError>(())
+    /// ```
+    pub fn plan(&self) -> &Plan {
+        &self.plan
     }
 
     /// The name of the region this context belongs to.
@@ -108,15 +124,40 @@ impl Ctx {
         inputs: impl Inputs,
         f: impl FnOnce(&[Tensor]) -> Result<O>,
     ) -> Result<O> {
-        self.run(name, policy, false, inputs, f)
+        self.run(name, Some(policy), false, inputs, f)
     }
 
-    /// Every statement method ends here. `keep`: the outputs of a saved
-    /// statement stay on the tape for the replay.
+    /// Runs a statement whose policy the region's [`Plan`] decides
+    /// (recomputed under the default plan). Unannotated `remat!` statements
+    /// are these.
+    ///
+    /// ```
+    /// use candle_core::{Device, Var};
+    /// use remat_runtime::{MemoryReport, Plan, Policy, Region};
+    /// let x = Var::ones(4, candle_core::DType::F32, &Device::Cpu)?;
+    /// let y = Region::new("r").plan(Plan::save_all()).run(&[x.as_tensor()], |ctx, ins| {
+    ///     ctx.auto("sq", &[&ins[0]], |t| Ok(t[0].sqr()?.sum_all()?))
+    /// })?;
+    /// assert_eq!(MemoryReport::capture().entries[1].policy, Some(Policy::Save));
+    /// assert_eq!(y.backward()?.get(&x).unwrap().to_vec1::<f32>()?, vec![2.0; 4]);
+    /// # Ok::<(), remat_runtime::RematError>(())
+    /// ```
+    pub fn auto<O: Outputs>(
+        &mut self,
+        name: &str,
+        inputs: impl Inputs,
+        f: impl FnOnce(&[Tensor]) -> Result<O>,
+    ) -> Result<O> {
+        self.run(name, None, false, inputs, f)
+    }
+
+    /// Every statement method ends here. `declared`: the policy written in
+    /// the code, if any; `keep`: the outputs of a saved statement stay on the
+    /// tape for the replay.
     fn run<O: Outputs>(
         &mut self,
         name: &str,
-        policy: Policy,
+        declared: Option<Policy>,
         keep: bool,
         inputs: impl Inputs,
         f: impl FnOnce(&[Tensor]) -> Result<O>,
@@ -134,8 +175,20 @@ impl Ctx {
                 }
                 f(&owned).map_err(|e| e.in_statement(&self.region, name))
             }
-            Mode::Forward(state) => state.statement(&self.region, name, policy, keep, inputs, f),
-            Mode::Replay(state) => state.statement(&self.region, name, policy, inputs, f),
+            Mode::Forward(state) => {
+                let policy = self.plan.policy(&StatementInfo {
+                    region: &self.region,
+                    name,
+                    declared,
+                });
+                let decided = Decided {
+                    declared,
+                    policy,
+                    keep: keep && policy == Policy::Save,
+                };
+                state.statement(&self.region, name, decided, inputs, f)
+            }
+            Mode::Replay(state) => state.statement(&self.region, name, declared, inputs, f),
         }
     }
 
@@ -185,7 +238,7 @@ impl Ctx {
         inputs: impl Inputs,
         f: impl FnOnce(&[Tensor]) -> Result<O>,
     ) -> Result<O> {
-        self.run(name, Policy::Save, true, inputs, f)
+        self.run(name, Some(Policy::Save), true, inputs, f)
     }
 
     /// Runs a statement that is computed again during replay:

@@ -14,6 +14,16 @@ pub(crate) fn make_leaf(t: &Tensor) -> Result<Tensor> {
     Ok(Var::from_tensor(&t.detach())?.into_inner())
 }
 
+/// A statement's policies, as the context decided them.
+pub(crate) struct Decided {
+    /// The policy written in the code, if any.
+    pub declared: Option<Policy>,
+    /// The policy the plan gave it.
+    pub policy: Policy,
+    /// The outputs of a saved statement stay on the tape for the replay.
+    pub keep: bool,
+}
+
 /// What the forward learns while the block runs.
 pub(crate) struct ForwardState {
     /// For every value the block has seen: does it need gradients?
@@ -86,11 +96,15 @@ impl ForwardState {
         &mut self,
         region: &str,
         name: &str,
-        policy: Policy,
-        keep: bool,
+        decided: Decided,
         inputs: &[&Tensor],
         f: impl FnOnce(&[Tensor]) -> Result<O>,
     ) -> Result<O> {
+        let Decided {
+            declared,
+            policy,
+            keep,
+        } = decided;
         if !self.names.insert(name.to_string()) {
             return Err(RematError::DuplicateName {
                 region: region.to_string(),
@@ -133,6 +147,7 @@ impl ForwardState {
                 self.chain = None;
                 self.records.push(Record {
                     name: name.to_string(),
+                    declared,
                     policy,
                     inputs: input_metas,
                     outputs: metas,
@@ -195,6 +210,7 @@ impl ForwardState {
                 };
                 self.records.push(Record {
                     name: name.to_string(),
+                    declared,
                     policy,
                     inputs: input_metas,
                     outputs: metas,

@@ -9,7 +9,7 @@ use crate::forward::ForwardState;
 use crate::ops::{AnchorFirst, AnchorLink, Tap};
 use crate::state::RegionState;
 use crate::tape::{Body, Meta, Tape};
-use crate::{memory, Inputs, Outputs, Result};
+use crate::{memory, Inputs, Outputs, Plan, Result};
 
 /// A checkpointed region: a block of statements whose activations are
 /// recomputed (or kept, statement by statement) for the backward.
@@ -41,6 +41,7 @@ use crate::{memory, Inputs, Outputs, Result};
 pub struct Region {
     name: String,
     enabled: bool,
+    plan: Option<Plan>,
 }
 
 impl Region {
@@ -54,6 +55,7 @@ impl Region {
         Region {
             name: name.into(),
             enabled: true,
+            plan: None,
         }
     }
 
@@ -81,6 +83,25 @@ impl Region {
     /// ```
     pub fn enabled(mut self, enabled: bool) -> Self {
         self.enabled = enabled;
+        self
+    }
+
+    /// Runs the region under `plan`, whatever [`Plan::scope`] is active.
+    ///
+    /// ```
+    /// # use candle_core::{Device, Var};
+    /// use remat_runtime::{MemoryReport, Plan, Policy, Region};
+    /// let x = Var::ones(8, candle_core::DType::F32, &Device::Cpu)?;
+    /// let region = Region::new("r").plan(Plan::recompute_all());
+    /// let y = region.run(&[x.as_tensor()], |ctx, ins| {
+    ///     ctx.save("e", &[&ins[0]], |t| Ok(t[0].exp()?.sum_all()?))
+    /// })?;
+    /// // `recompute_all` overrides the `save`: the tape holds nothing for `e`
+    /// assert_eq!(MemoryReport::capture().entries[1].policy, Some(Policy::Recompute));
+    /// # Ok::<(), remat_runtime::RematError>(())
+    /// ```
+    pub fn plan(mut self, plan: Plan) -> Self {
+        self.plan = Some(plan);
         self
     }
 
@@ -113,17 +134,21 @@ impl Region {
         F: Fn(&mut Ctx, &[Tensor]) -> Result<O> + Send + Sync + 'static,
     {
         let inputs = inputs.into_tensors();
-        if !self.enabled {
-            let mut ctx = Ctx::new(&self.name, Mode::Plain(Default::default()));
-            return body(&mut ctx, &inputs);
+        let plan = self.plan.clone().unwrap_or_else(Plan::current);
+        if !self.enabled || plan.is_off() {
+            let mut ctx = Ctx::new(&self.name, Mode::Plain(Default::default()), plan.clone());
+            return plan.scope(|| body(&mut ctx, &inputs));
         }
         let detached: Vec<Tensor> = inputs.iter().map(|t| t.detach()).collect();
         let requires_grad: Vec<bool> = inputs.iter().map(|t| t.track_op()).collect();
         let mut ctx = Ctx::new(
             &self.name,
             Mode::Forward(ForwardState::new(&detached, &requires_grad)),
+            plan.clone(),
         );
-        let out = body(&mut ctx, &detached)?;
+        // Regions nested in the block inherit its plan, in the forward as in
+        // the replay.
+        let out = plan.scope(|| body(&mut ctx, &detached))?;
         let mut outputs = Vec::new();
         let skeleton = out.split_into(&mut outputs);
         let Mode::Forward(state) = ctx.mode else {
@@ -153,6 +178,7 @@ impl Region {
             records,
             params,
             outputs: outputs.iter().map(Meta::of).collect(),
+            plan,
         };
         let state = Arc::new(RegionState::new(self.name.clone(), tape));
         memory::register(&state);

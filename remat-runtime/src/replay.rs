@@ -55,6 +55,14 @@ pub(crate) struct Replayed {
     pub units: Vec<Unit>,
 }
 
+/// How a statement was written, for desync messages.
+fn describe(declared: Option<Policy>) -> String {
+    match declared {
+        Some(p) => format!("{p} statement"),
+        None => "statement".to_string(),
+    }
+}
+
 /// A stand-in for a saved output that was not kept: a broadcast scalar with
 /// the right shape, dtype and device and one element of memory. Statements
 /// that declare it as an input get [`RematError::PlaceholderRead`]; code that
@@ -99,15 +107,16 @@ impl ReplayState {
     }
 
     /// Finds the forward record this statement replays and checks its inputs.
+    /// Returns its index and the policy the forward gave it.
     fn expect(
         &mut self,
         region: &str,
         name: &str,
-        policy: Policy,
+        declared: Option<Policy>,
         inputs: &[&Tensor],
-    ) -> Result<usize> {
+    ) -> Result<(usize, Policy)> {
         let k = self.next;
-        let found = format!("{policy} statement `{name}`");
+        let found = format!("{} `{name}`", describe(declared));
         let Some(record) = self.records.get(k) else {
             return Err(RematError::ReplayDesync {
                 region: region.to_string(),
@@ -115,12 +124,13 @@ impl ReplayState {
                 found,
             });
         };
-        if record.name != name || record.policy != policy || record.inputs.len() != inputs.len() {
+        if record.name != name || record.declared != declared || record.inputs.len() != inputs.len()
+        {
             return Err(RematError::ReplayDesync {
                 region: region.to_string(),
                 expected: format!(
-                    "{} statement `{}` with {} inputs",
-                    record.policy,
+                    "{} `{}` with {} inputs",
+                    describe(record.declared),
                     record.name,
                     record.inputs.len()
                 ),
@@ -131,18 +141,18 @@ impl ReplayState {
             meta.check(&Meta::of(t), region, name, format!("input {i}"))?;
         }
         self.next += 1;
-        Ok(k)
+        Ok((k, record.policy))
     }
 
     pub fn statement<O: Outputs>(
         &mut self,
         region: &str,
         name: &str,
-        policy: Policy,
+        declared: Option<Policy>,
         inputs: &[&Tensor],
         f: impl FnOnce(&[Tensor]) -> Result<O>,
     ) -> Result<O> {
-        let k = self.expect(region, name, policy, inputs)?;
+        let (k, policy) = self.expect(region, name, declared, inputs)?;
         match policy {
             Policy::Recompute => self.recompute(region, name, k, inputs, f),
             Policy::Save => self.skip_saved(region, name, k, inputs),

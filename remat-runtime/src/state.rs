@@ -111,12 +111,15 @@ impl RegionState {
             records,
             params,
             outputs,
+            plan,
         } = tape;
         let mut ctx = Ctx::new(
             &self.name,
             Mode::Replay(ReplayState::new(records, &inputs, &requires_grad)),
+            plan.clone(),
         );
-        let replay_outputs = body(&mut ctx, &inputs)?;
+        // Regions nested in the block run under the plan of the forward too.
+        let replay_outputs = plan.scope(|| body(&mut ctx, &inputs))?;
         if replay_outputs.len() != outputs.len() {
             return Err(RematError::OutputCount {
                 region: self.name.clone(),

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::ctx::Ctx;
-use crate::{Mismatch, Policy, RematError, Result};
+use crate::{Mismatch, Plan, Policy, RematError, Result};
 
 /// Shape, dtype and device of a value: what the replay is checked against.
 #[derive(Debug, Clone)]
@@ -86,6 +86,9 @@ pub(crate) struct Saved {
 #[derive(Clone)]
 pub(crate) struct Record {
     pub name: String,
+    /// The policy written in the code, if any.
+    pub declared: Option<Policy>,
+    /// The policy the plan gave the statement in the forward.
     pub policy: Policy,
     pub inputs: Vec<Meta>,
     pub outputs: Vec<Meta>,
@@ -108,4 +111,6 @@ pub(crate) struct Tape {
     /// The parameters (`Var`s) the block used, in order of first use.
     pub params: Vec<Tensor>,
     pub outputs: Vec<Meta>,
+    /// The plan the forward ran under: the replay runs under it too.
+    pub plan: Plan,
 }

@@ -1,0 +1,183 @@
+//! Plans: policies chosen at run time for statements the code leaves open.
+//! Gradients are compared with the same block run as plain candle code
+//! (`Plan::off`); tolerance 1e-6 relative, as in `grad_equality.rs` (f32
+//! sums reordered across units), and exact where nothing is reordered.
+
+mod common;
+
+use candle_core::{DType, Result, Tensor, Var};
+use common::*;
+use remat_runtime::{remat, MemoryReport, Plan, Policy, Region};
+
+#[derive(Clone)]
+pub struct P {
+    w1: Var,
+    w2: Var,
+}
+
+remat! {
+    /// Two open statements around one that insists on being saved and one
+    /// that insists on being recomputed.
+    fn mlp(x: &Tensor, p: &P) -> Result<Tensor> {
+        let h = x.matmul(&p.w1)?;
+        #[recompute] let g = h.tanh()?;
+        let o = g.matmul(&p.w2)?;
+        #[save(name = "out")] let y = (o.exp()? + x)?;
+        Ok(y)
+    }
+}
+
+fn params() -> (Var, P) {
+    let x = var(&[4, 8], 1, 1.0, DType::F32);
+    let p = P {
+        w1: var(&[8, 16], 2, 0.3, DType::F32),
+        w2: var(&[16, 8], 3, 0.3, DType::F32),
+    };
+    (x, p)
+}
+
+/// Runs the block under `plan`; returns the policies the tape recorded by
+/// name and the worst relative gradient difference to plain candle.
+fn run(plan: &Plan) -> (Vec<(String, Option<Policy>)>, f64) {
+    let (x, p) = params();
+    let weights = tensor(&[4, 8], 9, 1.0, DType::F32);
+    let loss = |y: &Tensor| (y * &weights).unwrap().sum_all().unwrap();
+    let y_ref = Plan::off().scope(|| mlp(x.as_tensor(), &p)).unwrap();
+    assert!(
+        MemoryReport::capture().entries.is_empty(),
+        "off keeps no tape"
+    );
+    let g_ref = loss(&y_ref).backward().unwrap();
+    let y = plan.scope(|| mlp(x.as_tensor(), &p)).unwrap();
+    let policies = MemoryReport::capture()
+        .entries
+        .into_iter()
+        .map(|e| (e.record, e.policy))
+        .collect();
+    assert_eq!(rel_diff(&y, &y_ref), 0.0);
+    // The backward runs outside the scope: the replay must follow the tape.
+    let g = loss(&y).backward().unwrap();
+    let worst = [&x, &p.w1, &p.w2]
+        .iter()
+        .map(|v| rel_diff(g.get(v).unwrap(), g_ref.get(v).unwrap()))
+        .fold(0.0, f64::max);
+    (policies, worst)
+}
+
+fn expect(entries: &[(&str, Option<Policy>)]) -> Vec<(String, Option<Policy>)> {
+    entries.iter().map(|(n, p)| (n.to_string(), *p)).collect()
+}
+
+const S: Option<Policy> = Some(Policy::Save);
+const R: Option<Policy> = Some(Policy::Recompute);
+
+#[test]
+fn declared_plan_recomputes_open_statements() {
+    let (policies, worst) = run(&Plan::declared());
+    assert_eq!(
+        policies,
+        expect(&[("(inputs)", None), ("h", R), ("g", R), ("o", R), ("out", S)])
+    );
+    assert!(worst <= 1e-6, "{worst}");
+}
+
+#[test]
+fn save_only_saves_named_open_statements_and_keeps_annotations() {
+    // `g` is listed but declared `#[recompute]`: the annotation wins.
+    let (policies, worst) = run(&Plan::save_only(["h", "g", "o"]));
+    assert_eq!(
+        policies,
+        expect(&[("(inputs)", None), ("h", S), ("g", R), ("o", S), ("out", S)])
+    );
+    assert!(worst <= 1e-6, "{worst}");
+}
+
+#[test]
+fn recompute_all_and_save_all_override_annotations() {
+    let (policies, worst) = run(&Plan::recompute_all());
+    assert_eq!(
+        policies,
+        expect(&[("(inputs)", None), ("h", R), ("g", R), ("o", R), ("out", R)])
+    );
+    assert_eq!(worst, 0.0, "one segment: the same graph as plain candle");
+    let (policies, worst) = run(&Plan::save_all());
+    assert_eq!(
+        policies,
+        expect(&[("(inputs)", None), ("h", S), ("g", S), ("o", S), ("out", S)])
+    );
+    assert!(worst <= 1e-6, "{worst}");
+}
+
+#[test]
+fn custom_plan_sees_names_and_declarations() {
+    let plan = Plan::from_fn("matmuls", |s| {
+        assert_eq!(s.region, "mlp");
+        s.declared.unwrap_or(if s.name == "o" {
+            Policy::Save
+        } else {
+            Policy::Recompute
+        })
+    });
+    let (policies, worst) = run(&plan);
+    assert_eq!(
+        policies,
+        expect(&[("(inputs)", None), ("h", R), ("g", R), ("o", S), ("out", S)])
+    );
+    assert!(worst <= 1e-6, "{worst}");
+}
+
+#[test]
+fn region_plan_beats_scope_and_nested_regions_inherit_it() {
+    let (x, p) = params();
+    let inner_policy = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = inner_policy.clone();
+    let pc = p.clone();
+    let outer = Region::new("outer").plan(Plan::save_all());
+    let y = Plan::recompute_all()
+        .scope(|| {
+            outer.run(&[x.as_tensor()], move |ctx, ins| {
+                let h = ctx.auto("pre", &[&ins[0]], |t| Ok(t[0].sqr()?))?;
+                // A region nested in the block: runs in the forward and again
+                // in the outer replay, both times under the outer plan.
+                let pc = pc.clone();
+                seen.lock().unwrap().push(ctx.plan().to_string());
+                ctx.auto("inner", &[&h], move |t| Ok(mlp(&t[0], &pc)?))
+            })
+        })
+        .unwrap();
+    let report = MemoryReport::capture();
+    // The outer region's statements and the inner region's statements are
+    // all saved: the scope's `recompute_all` is overridden by the region.
+    for e in report.entries.iter().filter(|e| e.policy.is_some()) {
+        assert_eq!(e.policy, S, "{}/{}", e.region, e.record);
+    }
+    assert!(report.entries.iter().any(|e| e.region == "mlp"));
+    let g = y.sum_all().unwrap().backward().unwrap();
+    assert_eq!(
+        *inner_policy.lock().unwrap(),
+        vec!["save all".to_string(), "save all".to_string()],
+        "forward and replay ran under the region's plan"
+    );
+    // Plain reference.
+    let h = x.as_tensor().sqr().unwrap();
+    let w = h
+        .matmul(&p.w1)
+        .unwrap()
+        .tanh()
+        .unwrap()
+        .matmul(&p.w2)
+        .unwrap();
+    let y_ref = (w.exp().unwrap() + &h).unwrap();
+    let g_ref = y_ref.sum_all().unwrap().backward().unwrap();
+    for v in [&x, &p.w1, &p.w2] {
+        let d = rel_diff(g.get(v).unwrap(), g_ref.get(v).unwrap());
+        assert!(d <= 1e-6, "{d}");
+    }
+}
+
+#[test]
+fn scope_is_popped_after_a_panic() {
+    let r = std::panic::catch_unwind(|| Plan::save_all().scope(|| panic!("inside")));
+    assert!(r.is_err());
+    assert_eq!(Plan::current().to_string(), "declared");
+}

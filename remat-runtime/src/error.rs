@@ -123,6 +123,20 @@ pub enum RematError {
         /// Outputs in the replay.
         replay: usize,
     },
+    /// Parameters that should have been trained received no gradient.
+    #[error(
+        "{} parameter(s) received no gradient: {}; the loss does not depend on them through \
+         differentiable ops. Common causes: a fused candle op without backward \
+         (`candle_nn::LayerNorm`/`RmsNorm` on contiguous input, `ops::layer_norm`, \
+         `ops::rms_norm`, `ops::softmax_last_dim`: use `ops::layer_norm_slow`, \
+         `ops::rms_norm_slow`, `ops::softmax`), a `detach`, or a parameter the model never uses",
+        names.len(),
+        names.join(", ")
+    )]
+    MissingGradients {
+        /// The names of the parameters without a gradient.
+        names: Vec<String>,
+    },
     /// A statement's own code failed.
     #[error("region `{region}`, statement `{record}`: {source}")]
     Statement {

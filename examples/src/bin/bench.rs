@@ -1,0 +1,330 @@
+//! Step time and exact memory of the example GPT under each checkpointing
+//! policy, measured side by side in one process: the policies take turns
+//! (ABCD ABCD ...) on the same weights and the same batch, so that machine
+//! noise hits them alike. Memory comes from a counting global allocator
+//! (exact bytes, CPU).
+//!
+//! ```text
+//! cargo run --release -p examples --bin bench [-- --steps 10 --out docs/bench]
+//! ```
+//!
+//! Writes `results.csv`, `results.md` and `tradeoff.svg` into `--out`.
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use candle_core::Device;
+use examples::cli::{device, Flags};
+use examples::data::{default_text, Corpus};
+use examples::gpt::{Checkpointing, Config, Gpt};
+use examples::rng::Rng;
+use plotters::prelude::*;
+use remat_runtime::{CountingAlloc, Plan};
+
+#[global_allocator]
+static ALLOC: CountingAlloc = CountingAlloc::new();
+
+const USAGE: &str = "\
+bench: step time and exact memory of the example GPT under each checkpointing policy
+
+usage: cargo run --release -p examples --bin bench -- [flags]
+
+  --layers N   [4]      --d-model N [256]   --heads N [4]
+  --seq N      [128]    --batch N   [8]
+  --steps N    measured steps per policy [10]
+  --warmup N   unmeasured steps per policy first [2]
+  --policies P,Q,..  which policies, starting with none [none,full,selective,save-all]
+  --save A,B   also measure a plan saving these statements (e.g. qkv,fc)
+  --device cpu|cuda [cpu]
+  --out DIR    where results.csv, results.md and tradeoff.svg go [docs/bench]
+";
+
+struct Variant {
+    name: String,
+    plan: Plan,
+    times: Vec<f64>,
+    /// Forward part of each measured step.
+    forward: Vec<f64>,
+    held: usize,
+    peak: usize,
+    loss: f32,
+    /// Gradients of the last step (until compared with plain candle's),
+    grad_diff: Option<Vec<candle_core::Tensor>>,
+    /// then the largest relative difference to them.
+    max_rel_diff: f64,
+}
+
+/// Largest |a - b| over largest |b|, over all parameters.
+fn rel_diff(a: &[candle_core::Tensor], b: &[candle_core::Tensor]) -> candle_core::Result<f64> {
+    let mut worst: f64 = 0.0;
+    for (a, b) in a.iter().zip(b) {
+        let d = (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
+        let s = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
+        worst = worst.max(if d == 0.0 { 0.0 } else { d / s.max(1e-30) });
+    }
+    Ok(worst)
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+fn mib(bytes: usize) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
+    let mut flags = match Flags::parse(std::env::args().skip(1)) {
+        Ok(f) => f,
+        Err(None) => {
+            print!("{USAGE}");
+            return Ok(());
+        }
+        Err(Some(e)) => return Err(e.into()),
+    };
+    let layers = flags.get("layers", 4usize)?;
+    let d_model = flags.get("d-model", 256usize)?;
+    let heads = flags.get("heads", 4usize)?;
+    let seq = flags.get("seq", 128usize)?;
+    let batch = flags.get("batch", 8usize)?;
+    let steps = flags.get("steps", 10usize)?.max(1);
+    let warmup = flags.get("warmup", 2usize)?;
+    let save: Option<String> = flags.opt("save")?;
+    let policies: String = flags.get("policies", "none,full,selective,save-all".to_string())?;
+    let policies = policies
+        .split(',')
+        .map(|p| p.trim().parse::<Checkpointing>())
+        .collect::<Result<Vec<_>, _>>()?;
+    if policies.first() != Some(&Checkpointing::None) {
+        return Err("--policies must start with none: ratios are to plain candle".into());
+    }
+    let dev = device(&flags.get("device", "cpu".to_string())?)?;
+    let out = flags.get("out", PathBuf::from("docs/bench"))?;
+    flags.finish()?;
+
+    let corpus = Corpus::new(&default_text());
+    let config = Config {
+        vocab: corpus.vocab_size(),
+        layers,
+        d_model,
+        heads,
+        seq,
+    };
+    let model = Gpt::new(config, &mut Rng::new(0), &dev)?;
+    let (x, y) = Corpus::batch(&corpus.train, batch, seq, &mut Rng::new(1), &dev)?;
+
+    let mut variants: Vec<Variant> = policies
+        .iter()
+        .map(|c| (c.to_string(), c.plan()))
+        .chain(save.map(|s| {
+            let names: Vec<String> = s.split(',').map(|n| n.trim().to_string()).collect();
+            (format!("save {}", names.join("+")), Plan::save_only(names))
+        }))
+        .map(|(name, plan)| Variant {
+            name,
+            plan,
+            times: Vec::new(),
+            forward: Vec::new(),
+            held: 0,
+            peak: 0,
+            loss: 0.0,
+            grad_diff: None,
+            max_rel_diff: 0.0,
+        })
+        .collect();
+
+    println!(
+        "GPT {layers} layers, d_model {d_model}, {heads} heads, T {seq}, B {batch}, f32, {}; \
+         {warmup} warm-up + {steps} measured steps per policy, interleaved",
+        device_name(&dev)
+    );
+    let vars = model.vars();
+    let n = variants.len();
+    let mut reference: Option<Vec<candle_core::Tensor>> = None;
+    for round in 0..warmup + steps {
+        // Rotate who goes first: ABCD, BCDA, ...
+        for i in 0..n {
+            let v = &mut variants[(round + i) % n];
+            let before = ALLOC.live();
+            ALLOC.reset_peak();
+            let start = Instant::now();
+            let loss = v.plan.scope(|| model.loss(&x, &y))?;
+            sync(&dev)?;
+            let forward = start.elapsed().as_secs_f64();
+            let held = ALLOC.live().saturating_sub(before);
+            let grads = loss.backward()?;
+            sync(&dev)?;
+            let elapsed = start.elapsed().as_secs_f64();
+            let peak = ALLOC.peak().saturating_sub(before);
+            v.loss = loss.to_scalar::<f32>()?;
+            if round == warmup + steps - 1 {
+                // Gradients against plain candle's (the first variant).
+                let g: Vec<candle_core::Tensor> = vars
+                    .iter()
+                    .map(|p| grads.get(p).cloned().ok_or("a parameter got no gradient"))
+                    .collect::<Result<_, _>>()?;
+                match &reference {
+                    None if v.name == "none" => reference = Some(g),
+                    _ => v.grad_diff = Some(g),
+                }
+            }
+            drop((loss, grads));
+            if round >= warmup {
+                v.times.push(elapsed);
+                v.forward.push(forward);
+            }
+            // Exact and the same every step; keep the last.
+            v.held = held;
+            v.peak = peak;
+        }
+    }
+
+    let reference = reference.ok_or("plain candle did not run")?;
+    for v in variants.iter_mut() {
+        if let Some(g) = v.grad_diff.take() {
+            v.max_rel_diff = rel_diff(&g, &reference)?;
+        }
+    }
+    let base = &variants[0];
+    let (t0, h0, p0) = (median(&base.times), base.held as f64, base.peak as f64);
+    let mut csv = String::from(
+        "policy,median_step_s,median_forward_s,time_ratio,held_bytes,held_ratio,peak_bytes,peak_ratio,loss,grad_max_rel_diff\n",
+    );
+    let mut md = String::from(
+        "| policy | step (ms, median) | forward (ms) | time vs plain | held after forward (MiB) | held vs plain | peak fwd+bwd (MiB) | peak vs plain | max grad rel. diff |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for v in &variants {
+        let t = median(&v.times);
+        writeln!(
+            csv,
+            "{},{t:.6},{:.6},{:.4},{},{:.4},{},{:.4},{},{:e}",
+            v.name,
+            median(&v.forward),
+            t / t0,
+            v.held,
+            v.held as f64 / h0,
+            v.peak,
+            v.peak as f64 / p0,
+            v.loss,
+            v.max_rel_diff
+        )?;
+        writeln!(
+            md,
+            "| {} | {:.1} | {:.1} | {:.2}x | {:.1} | {:.3}x | {:.1} | {:.3}x | {:.1e} |",
+            v.name,
+            t * 1e3,
+            median(&v.forward) * 1e3,
+            t / t0,
+            mib(v.held),
+            v.held as f64 / h0,
+            mib(v.peak),
+            v.peak as f64 / p0,
+            v.max_rel_diff
+        )?;
+    }
+    print!("{md}");
+    let same_loss = variants.iter().all(|v| v.loss == base.loss);
+    println!(
+        "loss {} under every policy{}",
+        base.loss,
+        if same_loss {
+            ""
+        } else {
+            " (DIFFERS: investigate)"
+        }
+    );
+    std::fs::create_dir_all(&out)?;
+    std::fs::write(out.join("results.csv"), csv)?;
+    std::fs::write(out.join("results.md"), md)?;
+    plot(
+        &variants,
+        t0,
+        &out.join("tradeoff.svg"),
+        &format!(
+            "GPT {layers}x{d_model}, T {seq}, B {batch}: step time vs memory held after forward"
+        ),
+    )?;
+    println!("wrote {}", out.display());
+    Ok(())
+}
+
+fn device_name(dev: &Device) -> String {
+    match dev {
+        Device::Cpu => format!(
+            "CPU ({} threads)",
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        ),
+        other => format!("{:?}", other.location()),
+    }
+}
+
+fn sync(dev: &Device) -> candle_core::Result<()> {
+    dev.synchronize()
+}
+
+/// Step time (relative to plain) against memory held after the forward, one
+/// labelled point per policy, with the Pareto front drawn through them.
+fn plot(
+    variants: &[Variant],
+    t0: f64,
+    path: &std::path::Path,
+    title: &str,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let points: Vec<(f64, f64, &str)> = variants
+        .iter()
+        .map(|v| (mib(v.held), median(&v.times) / t0, v.name.as_str()))
+        .collect();
+    let xmax = points.iter().map(|p| p.0).fold(0.0, f64::max) * 1.15;
+    let ymin = points.iter().map(|p| p.1).fold(f64::MAX, f64::min).min(1.0) * 0.95;
+    let ymax = points.iter().map(|p| p.1).fold(0.0, f64::max).max(1.0) * 1.05;
+    let root = SVGBackend::new(path, (720, 480)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 16))
+        .margin(16)
+        .x_label_area_size(40)
+        .y_label_area_size(56)
+        .build_cartesian_2d(0.0..xmax, ymin..ymax)?;
+    chart
+        .configure_mesh()
+        .x_desc("memory held after forward (MiB)")
+        .y_desc("step time / plain candle")
+        .draw()?;
+    let mut front: Vec<(f64, f64)> = points
+        .iter()
+        .filter(|p| {
+            !points
+                .iter()
+                .any(|q| q.0 <= p.0 && q.1 <= p.1 && (q.0 < p.0 || q.1 < p.1))
+        })
+        .map(|p| (p.0, p.1))
+        .collect();
+    front.sort_by(|a, b| a.0.total_cmp(&b.0));
+    chart.draw_series(LineSeries::new(front, BLUE.mix(0.5).stroke_width(2)))?;
+    for (x, y, name) in &points {
+        chart.draw_series(std::iter::once(Circle::new((*x, *y), 5, RED.filled())))?;
+        chart.draw_series(std::iter::once(Text::new(
+            name.to_string(),
+            (*x, *y),
+            ("sans-serif", 14).into_font(),
+        )))?;
+    }
+    root.present()?;
+    Ok(())
+}

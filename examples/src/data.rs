@@ -1,0 +1,124 @@
+//! A character-level corpus: vocabulary, encoding, random batches.
+
+use candle_core::{Device, Result, Tensor};
+
+use crate::rng::Rng;
+
+/// The default corpus: this project's README and book, built into the
+/// binary (no downloads).
+pub const DEFAULT_CORPUS: &[(&str, &str)] = &[
+    ("README.md", include_str!("../../README.md")),
+    ("docs/guide.md", include_str!("../../docs/guide.md")),
+    ("docs/semantics.md", include_str!("../../docs/semantics.md")),
+    ("docs/errors.md", include_str!("../../docs/errors.md")),
+    (
+        "docs/performance.md",
+        include_str!("../../docs/performance.md"),
+    ),
+    (
+        "remat-runtime/src/remat.md",
+        include_str!("../../remat-runtime/src/remat.md"),
+    ),
+];
+
+/// The default corpus as one text.
+pub fn default_text() -> String {
+    DEFAULT_CORPUS
+        .iter()
+        .map(|(_, t)| *t)
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// A text encoded character by character, split into a training part (the
+/// first 90%) and a held-out part.
+#[derive(Debug, Clone)]
+pub struct Corpus {
+    /// The characters of the vocabulary, sorted; a token is an index here.
+    pub vocab: Vec<char>,
+    /// The training tokens.
+    pub train: Vec<u32>,
+    /// The held-out tokens.
+    pub valid: Vec<u32>,
+}
+
+impl Corpus {
+    /// Builds the vocabulary of `text` and encodes it.
+    pub fn new(text: &str) -> Self {
+        let mut vocab: Vec<char> = text.chars().collect();
+        vocab.sort_unstable();
+        vocab.dedup();
+        let index = |c: char| vocab.binary_search(&c).expect("in the vocabulary") as u32;
+        let tokens: Vec<u32> = text.chars().map(index).collect();
+        let split = tokens.len() * 9 / 10;
+        Corpus {
+            train: tokens[..split].to_vec(),
+            valid: tokens[split..].to_vec(),
+            vocab,
+        }
+    }
+
+    /// The number of distinct characters.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab.len()
+    }
+
+    /// The tokens of `s`; characters outside the vocabulary are skipped.
+    pub fn encode(&self, s: &str) -> Vec<u32> {
+        s.chars()
+            .filter_map(|c| self.vocab.binary_search(&c).ok().map(|i| i as u32))
+            .collect()
+    }
+
+    /// The text of `tokens`.
+    pub fn decode(&self, tokens: &[u32]) -> String {
+        tokens.iter().map(|&t| self.vocab[t as usize]).collect()
+    }
+
+    /// Entropy in nats of the training text's character frequencies: the
+    /// loss of the best model that ignores context.
+    pub fn unigram_entropy(&self) -> f64 {
+        let mut counts = vec![0usize; self.vocab.len()];
+        for &t in &self.train {
+            counts[t as usize] += 1;
+        }
+        let n = self.train.len() as f64;
+        counts
+            .iter()
+            .filter(|&&c| c > 0)
+            .map(|&c| {
+                let p = c as f64 / n;
+                -p * p.ln()
+            })
+            .sum()
+    }
+
+    /// A batch of `batch` windows of `seq` tokens from `tokens` at random
+    /// offsets, and the same windows shifted by one (the targets), as `u32`
+    /// tensors of shape `(batch, seq)`.
+    pub fn batch(
+        tokens: &[u32],
+        batch: usize,
+        seq: usize,
+        rng: &mut Rng,
+        dev: &Device,
+    ) -> Result<(Tensor, Tensor)> {
+        if tokens.len() <= seq + 1 {
+            candle_core::bail!(
+                "the text has {} tokens: too short for windows of {seq} (use a longer text or a smaller --seq)",
+                tokens.len()
+            );
+        }
+        let mut xs = Vec::with_capacity(batch * seq);
+        let mut ys = Vec::with_capacity(batch * seq);
+        for _ in 0..batch {
+            let start = rng.below(tokens.len() - seq - 1);
+            xs.extend_from_slice(&tokens[start..start + seq]);
+            ys.extend_from_slice(&tokens[start + 1..start + seq + 1]);
+        }
+        Ok((
+            Tensor::from_vec(xs, (batch, seq), dev)?,
+            Tensor::from_vec(ys, (batch, seq), dev)?,
+        ))
+    }
+}

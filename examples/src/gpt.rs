@@ -1,0 +1,389 @@
+//! A small GPT-2 style language model: token and position embeddings, `N`
+//! transformer blocks written with `remat!`, a final layer norm and a linear
+//! head. The block leaves every statement to the plan, so one model runs
+//! under any checkpointing policy chosen at run time ([`Checkpointing`]).
+//!
+//! Only differentiable candle ops are used: `candle_nn::ops::layer_norm_slow`
+//! and `candle_nn::ops::softmax`. The fused `candle_nn::LayerNorm` (on
+//! contiguous inputs), `ops::layer_norm`, `ops::rms_norm` and
+//! `ops::softmax_last_dim` have no backward in candle 0.11: gradients stop
+//! there silently. [`remat_runtime::check_gradients`] finds the parameters
+//! that got none.
+
+use std::fmt;
+use std::str::FromStr;
+
+use candle_core::{DType, Device, Result, Tensor, Var, D};
+use remat_runtime::{remat, Plan};
+
+use crate::rng::Rng;
+
+/// The model's shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Config {
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Number of transformer blocks.
+    pub layers: usize,
+    /// Width of the residual stream.
+    pub d_model: usize,
+    /// Attention heads (must divide `d_model`).
+    pub heads: usize,
+    /// Context length.
+    pub seq: usize,
+}
+
+/// `x W + b` over the last dimension; `w` is `(in, out)`.
+#[derive(Clone)]
+pub struct Linear {
+    /// Weight, `(in, out)`.
+    pub w: Var,
+    /// Bias, `(out)`.
+    pub b: Var,
+}
+
+impl Linear {
+    fn new(i: usize, o: usize, std: f64, rng: &mut Rng, dev: &Device) -> Result<Self> {
+        Ok(Linear {
+            w: Var::from_vec(rng.normal(i * o, std), (i, o), dev)?,
+            b: Var::zeros(o, DType::F32, dev)?,
+        })
+    }
+
+    /// Applies the layer to `(.., in)`, as one matrix product.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let i = dims[dims.len() - 1];
+        let rows = x.elem_count() / i;
+        let y = x
+            .reshape((rows, i))?
+            .matmul(&self.w)?
+            .broadcast_add(&self.b)?;
+        let mut out = dims;
+        *out.last_mut().expect("rank >= 1") = self.w.dim(1)?;
+        y.reshape(out)
+    }
+}
+
+/// Layer norm parameters.
+#[derive(Clone)]
+pub struct Norm {
+    /// Gain.
+    pub g: Var,
+    /// Bias.
+    pub b: Var,
+}
+
+impl Norm {
+    fn new(c: usize, dev: &Device) -> Result<Self> {
+        Ok(Norm {
+            g: Var::ones(c, DType::F32, dev)?,
+            b: Var::zeros(c, DType::F32, dev)?,
+        })
+    }
+}
+
+/// Layer norm over the last dimension, through differentiable ops.
+pub fn layer_norm(x: &Tensor, n: &Norm) -> Result<Tensor> {
+    candle_nn::ops::layer_norm_slow(x, &n.g, &n.b, 1e-5)
+}
+
+/// The parameters of one block.
+#[derive(Clone)]
+pub struct BlockParams {
+    /// Norm before attention.
+    pub ln1: Norm,
+    /// Query, key, value projection `(C, 3C)`.
+    pub attn: Linear,
+    /// Attention output projection `(C, C)`.
+    pub proj: Linear,
+    /// Norm before the MLP.
+    pub ln2: Norm,
+    /// MLP expansion `(C, 4C)`.
+    pub fc: Linear,
+    /// MLP contraction `(4C, C)`.
+    pub out: Linear,
+    /// Attention heads.
+    pub heads: usize,
+}
+
+/// `(B, T, 3C)` into queries, keys and values of shape `(B, H, T, C/H)`.
+pub fn split_heads(qkv: &Tensor, heads: usize) -> Result<(Tensor, Tensor, Tensor)> {
+    let (b, t, c3) = qkv.dims3()?;
+    let c = c3 / 3;
+    let part = |i: usize| {
+        qkv.narrow(2, i * c, c)?
+            .reshape((b, t, heads, c / heads))?
+            .transpose(1, 2)?
+            .contiguous()
+    };
+    Ok((part(0)?, part(1)?, part(2)?))
+}
+
+/// `(B, H, T, D)` back to `(B, T, H*D)`.
+pub fn merge_heads(y: &Tensor) -> Result<Tensor> {
+    let (b, h, t, d) = y.dims4()?;
+    y.transpose(1, 2)?.reshape((b, t, h * d))
+}
+
+/// Scaled attention scores with the causal mask added.
+pub fn scores(q: &Tensor, k: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    let d = q.dim(D::Minus1)?;
+    (q.matmul(&k.t()?)? * (1.0 / (d as f64).sqrt()))?.broadcast_add(mask)
+}
+
+remat! {
+    /// One pre-norm transformer block. No statement is annotated: the plan
+    /// decides, by the names below, what is saved.
+    pub fn block(x: &Tensor, p: &BlockParams, mask: &Tensor) -> Result<Tensor> {
+        let ln1 = layer_norm(x, &p.ln1)?;
+        let qkv = p.attn.forward(&ln1)?;
+        let (q, k, v) = split_heads(&qkv, p.heads)?;
+        let scores = scores(&q, &k, mask)?;
+        let probs = candle_nn::ops::softmax(&scores, D::Minus1)?;
+        let att = merge_heads(&probs.matmul(&v)?)?;
+        let proj = p.proj.forward(&att)?;
+        let x = (x + proj)?;
+        let ln2 = layer_norm(&x, &p.ln2)?;
+        let fc = p.fc.forward(&ln2)?;
+        let act = fc.gelu()?;
+        let mlp = p.out.forward(&act)?;
+        Ok((x + mlp)?)
+    }
+}
+
+remat! {
+    /// Token plus position embedding.
+    pub fn embed(ids: &Tensor, wte: &Var, wpe: &Var) -> Result<Tensor> {
+        let (b, t) = ids.dims2()?;
+        let tok = wte.as_tensor().index_select(&ids.flatten_all()?, 0)?.reshape((b, t, ()))?;
+        let x = tok.broadcast_add(&wpe.as_tensor().narrow(0, 0, t)?)?;
+        Ok(x)
+    }
+
+    /// Final norm, output head and mean cross-entropy.
+    pub fn head_loss(x: &Tensor, ln_f: &Norm, head: &Linear, targets: &Tensor) -> Result<Tensor> {
+        let h = layer_norm(x, ln_f)?;
+        let logits = head.forward(&h)?;
+        let loss = candle_nn::loss::cross_entropy(&logits.flatten_to(1)?, &targets.flatten_all()?)?;
+        Ok(loss)
+    }
+}
+
+/// The statements the selective policy saves: the four linear layers of a
+/// block. The attention core (scores, softmax, weighted sum), the norms and
+/// the GELU are recomputed: Megatron-LM's selective recomputation. Saving
+/// the attention matmuls too (PyTorch's "save every matmul") keeps the
+/// `(B, H, T, T)` scores and probabilities for little compute saved.
+pub const SELECTIVE: &[&str] = &["qkv", "proj", "fc", "act", "mlp"];
+
+/// How the blocks are checkpointed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Checkpointing {
+    /// Plain candle: no regions.
+    None,
+    /// Every statement recomputed.
+    Full,
+    /// The statements in [`SELECTIVE`] saved, the rest recomputed.
+    Selective,
+    /// Every statement saved (the tape without recomputation).
+    SaveAll,
+}
+
+impl Checkpointing {
+    /// The plan that implements this policy.
+    pub fn plan(self) -> Plan {
+        match self {
+            Checkpointing::None => Plan::off(),
+            Checkpointing::Full => Plan::recompute_all(),
+            Checkpointing::Selective => Plan::save_only(SELECTIVE.iter().copied()),
+            Checkpointing::SaveAll => Plan::save_all(),
+        }
+    }
+}
+
+impl fmt::Display for Checkpointing {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Checkpointing::None => "none",
+            Checkpointing::Full => "full",
+            Checkpointing::Selective => "selective",
+            Checkpointing::SaveAll => "save-all",
+        })
+    }
+}
+
+impl FromStr for Checkpointing {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "none" => Ok(Checkpointing::None),
+            "full" => Ok(Checkpointing::Full),
+            "selective" => Ok(Checkpointing::Selective),
+            "save-all" => Ok(Checkpointing::SaveAll),
+            other => Err(format!(
+                "unknown policy `{other}`: expected none, full, selective or save-all"
+            )),
+        }
+    }
+}
+
+/// The whole model.
+#[derive(Clone)]
+pub struct Gpt {
+    /// Its shape.
+    pub config: Config,
+    /// Token embedding `(V, C)`.
+    pub wte: Var,
+    /// Position embedding `(T, C)`.
+    pub wpe: Var,
+    /// The blocks.
+    pub blocks: Vec<BlockParams>,
+    /// Final norm.
+    pub ln_f: Norm,
+    /// Output head `(C, V)`.
+    pub head: Linear,
+}
+
+/// `(t, t)` additive causal mask: 0 on and below the diagonal, -inf above.
+pub fn causal_mask(t: usize, dev: &Device) -> Result<Tensor> {
+    let v: Vec<f32> = (0..t * t)
+        .map(|i| {
+            if i % t > i / t {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    Tensor::from_vec(v, (t, t), dev)
+}
+
+impl Gpt {
+    /// A model with GPT-2's initialisation (normal, std 0.02; residual
+    /// projections scaled by `1/sqrt(2 layers)`), drawn from `rng`.
+    pub fn new(config: Config, rng: &mut Rng, dev: &Device) -> Result<Self> {
+        let Config {
+            vocab,
+            layers,
+            d_model: c,
+            heads,
+            seq,
+        } = config;
+        if heads == 0 || c % heads != 0 {
+            candle_core::bail!("--heads {heads} must divide --d-model {c}");
+        }
+        let std = 0.02;
+        let resid = std / (2.0 * layers as f64).sqrt();
+        let blocks = (0..layers)
+            .map(|_| {
+                Ok(BlockParams {
+                    ln1: Norm::new(c, dev)?,
+                    attn: Linear::new(c, 3 * c, std, rng, dev)?,
+                    proj: Linear::new(c, c, resid, rng, dev)?,
+                    ln2: Norm::new(c, dev)?,
+                    fc: Linear::new(c, 4 * c, std, rng, dev)?,
+                    out: Linear::new(4 * c, c, resid, rng, dev)?,
+                    heads,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Gpt {
+            config,
+            wte: Var::from_vec(rng.normal(vocab * c, std), (vocab, c), dev)?,
+            wpe: Var::from_vec(rng.normal(seq * c, std), (seq, c), dev)?,
+            blocks,
+            ln_f: Norm::new(c, dev)?,
+            head: Linear::new(c, vocab, std, rng, dev)?,
+        })
+    }
+
+    /// Every parameter with a stable, dotted name (`h.0.attn.w`), in a fixed
+    /// order.
+    pub fn named_vars(&self) -> Vec<(String, Var)> {
+        let mut v = vec![
+            ("wte".to_string(), self.wte.clone()),
+            ("wpe".to_string(), self.wpe.clone()),
+        ];
+        let lin = |v: &mut Vec<(String, Var)>, name: String, l: &Linear| {
+            v.push((format!("{name}.w"), l.w.clone()));
+            v.push((format!("{name}.b"), l.b.clone()));
+        };
+        let norm = |v: &mut Vec<(String, Var)>, name: String, n: &Norm| {
+            v.push((format!("{name}.g"), n.g.clone()));
+            v.push((format!("{name}.b"), n.b.clone()));
+        };
+        for (i, b) in self.blocks.iter().enumerate() {
+            norm(&mut v, format!("h.{i}.ln1"), &b.ln1);
+            lin(&mut v, format!("h.{i}.attn"), &b.attn);
+            lin(&mut v, format!("h.{i}.proj"), &b.proj);
+            norm(&mut v, format!("h.{i}.ln2"), &b.ln2);
+            lin(&mut v, format!("h.{i}.fc"), &b.fc);
+            lin(&mut v, format!("h.{i}.out"), &b.out);
+        }
+        norm(&mut v, "ln_f".to_string(), &self.ln_f);
+        lin(&mut v, "head".to_string(), &self.head);
+        v
+    }
+
+    /// The parameters, for an optimizer.
+    pub fn vars(&self) -> Vec<Var> {
+        self.named_vars().into_iter().map(|(_, v)| v).collect()
+    }
+
+    /// The number of scalar parameters.
+    pub fn parameter_count(&self) -> usize {
+        self.vars().iter().map(|v| v.elem_count()).sum()
+    }
+
+    /// Logits `(B, T, V)` for token ids `(B, T)` (`T <= seq`), as plain
+    /// candle code apart from the blocks (for sampling).
+    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        let mut x = embed(ids, &self.wte, &self.wpe)?;
+        let mask = causal_mask(ids.dim(1)?, ids.device())?;
+        for p in &self.blocks {
+            x = block(&x, p, &mask)?;
+        }
+        self.head.forward(&layer_norm(&x, &self.ln_f)?)
+    }
+
+    /// Mean cross-entropy (nats per token) of predicting `targets` from
+    /// `ids`. Embedding, blocks and head all run as `remat!` regions under the
+    /// current [`Plan`]: under full recomputation only the regions' inputs
+    /// stay alive between forward and backward.
+    pub fn loss(&self, ids: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        let mut x = embed(ids, &self.wte, &self.wpe)?;
+        let mask = causal_mask(ids.dim(1)?, ids.device())?;
+        for p in &self.blocks {
+            x = block(&x, p, &mask)?;
+        }
+        head_loss(&x, &self.ln_f, &self.head, targets)
+    }
+
+    /// Samples `n` tokens after `prompt` (temperature `temp`), without
+    /// checkpointing and without a key-value cache (a short demo).
+    pub fn sample(&self, prompt: &[u32], n: usize, temp: f64, rng: &mut Rng) -> Result<Vec<u32>> {
+        let dev = self.wte.device().clone();
+        let mut tokens = prompt.to_vec();
+        Plan::off().scope(|| {
+            for _ in 0..n {
+                let start = tokens.len().saturating_sub(self.config.seq);
+                let ctx = Tensor::new(&tokens[start..], &dev)?.unsqueeze(0)?;
+                let logits = self.forward(&ctx)?.detach();
+                let last = logits.get(0)?.get(tokens.len() - start - 1)?;
+                let probs = candle_nn::ops::softmax(&(last / temp)?, 0)?.to_vec1::<f32>()?;
+                let u = rng.uniform() as f32;
+                let mut acc = 0.0;
+                let next = probs
+                    .iter()
+                    .position(|&p| {
+                        acc += p;
+                        acc > u
+                    })
+                    .unwrap_or(probs.len() - 1);
+                tokens.push(next as u32);
+            }
+            Ok(tokens[prompt.len()..].to_vec())
+        })
+    }
+}

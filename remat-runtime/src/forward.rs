@@ -2,10 +2,11 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use std::time::Instant;
 
 use candle_core::{Tensor, TensorId, Var};
 
-use crate::tape::{Meta, Record, Saved};
+use crate::tape::{Meta, Profile, Record, Saved, Source};
 use crate::{Outputs, Policy, RematError, Result};
 
 /// Copies `t` into a fresh variable: a leaf of a tracked sub-graph whose
@@ -28,6 +29,8 @@ pub(crate) struct Decided {
 pub(crate) struct ForwardState {
     /// For every value the block has seen: does it need gradients?
     requires_grad: HashMap<TensorId, bool>,
+    /// Every statement output: value -> record.
+    producers: HashMap<TensorId, usize>,
     /// Outputs of saved statements: value -> (record, output position).
     saved_outputs: HashMap<TensorId, (usize, usize)>,
     /// Saved outputs a recomputed statement reads: they must stay on the tape.
@@ -50,6 +53,7 @@ impl ForwardState {
                 .zip(requires_grad)
                 .map(|(t, r)| (t.id(), *r))
                 .collect(),
+            producers: HashMap::new(),
             saved_outputs: HashMap::new(),
             ferried: HashSet::new(),
             records: Vec::new(),
@@ -118,8 +122,20 @@ impl ForwardState {
             .map(|(i, t)| self.needs_grad(region, name, i, t))
             .collect::<Result<Vec<bool>>>()?;
         let input_metas = inputs.iter().map(|t| Meta::of(t)).collect();
+        let sources = inputs
+            .iter()
+            .zip(&needs)
+            .map(|(t, &need)| Source {
+                needs_grad: need,
+                producer: self.producers.get(&t.id()).copied(),
+                bytes: t.elem_count() * t.dtype().size_in_bytes(),
+            })
+            .collect();
+        let mut seconds = 0.0;
         let run = |args: &[Tensor]| -> Result<(Vec<Tensor>, O::Skeleton)> {
+            let start = Instant::now();
             let out = f(args).map_err(|e| e.in_statement(region, name))?;
+            seconds = start.elapsed().as_secs_f64();
             let mut tensors = Vec::new();
             let skeleton = out.split_into(&mut tensors);
             Ok((tensors, skeleton))
@@ -140,6 +156,7 @@ impl ForwardState {
                     self.discover_params(t);
                     let d = t.detach();
                     self.requires_grad.insert(d.id(), any_input || t.track_op());
+                    self.producers.insert(d.id(), index);
                     metas.push(Meta::of(t));
                     outputs.push(d);
                 }
@@ -152,6 +169,7 @@ impl ForwardState {
                     inputs: input_metas,
                     outputs: metas,
                     saved: None,
+                    profile: Profile { seconds, sources },
                 });
                 O::join(&mut outputs.into_iter(), &skeleton)
             }
@@ -184,6 +202,7 @@ impl ForwardState {
                     self.discover_params(t);
                     let d = t.detach();
                     self.requires_grad.insert(d.id(), t.track_op());
+                    self.producers.insert(d.id(), index);
                     self.saved_outputs.insert(d.id(), (index, j));
                     metas.push(Meta::of(t));
                     outputs.push(d);
@@ -215,6 +234,7 @@ impl ForwardState {
                     inputs: input_metas,
                     outputs: metas,
                     saved: Some(saved),
+                    profile: Profile { seconds, sources },
                 });
                 O::join(&mut outputs.into_iter(), &skeleton)
             }

@@ -8,6 +8,7 @@ use std::sync::{Arc, Weak};
 use candle_core::{DType, Storage, Tensor};
 
 use crate::state::{lock, RegionState, Slot};
+use crate::tape::Record;
 use crate::Policy;
 
 thread_local! {
@@ -117,6 +118,38 @@ impl Counter<'_> {
             })
             .sum()
     }
+}
+
+/// Bytes of each record's own saved graph (leaf copies, region inputs and
+/// parameters excluded), counted as [`MemoryReport`] counts them: what the
+/// budget planner charges for saving the statement.
+pub(crate) fn own_bytes(records: &[Record], params: &[Tensor], inputs: &[Tensor]) -> Vec<usize> {
+    let mut seen = HashSet::new();
+    for t in params.iter().chain(inputs) {
+        seen.insert(storage_extent(t).0);
+    }
+    for saved in records.iter().filter_map(|r| r.saved.as_ref()) {
+        for leaf in saved.leaves.iter().flatten() {
+            seen.insert(storage_extent(leaf).0);
+        }
+    }
+    let mut counter = Counter { seen: &mut seen };
+    records
+        .iter()
+        .map(|r| match &r.saved {
+            Some(saved) => {
+                let outs: usize = saved.outs.iter().map(|t| counter.count(t, true)).sum();
+                let kept: usize = saved
+                    .kept
+                    .iter()
+                    .flatten()
+                    .map(|t| counter.count(t, false))
+                    .sum();
+                outs + kept
+            }
+            None => 0,
+        })
+        .collect()
 }
 
 impl MemoryReport {

@@ -3,8 +3,10 @@
 use std::cell::RefCell;
 use std::collections::HashSet;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
+use crate::planner::{self, Item};
+use crate::state::lock;
 use crate::Policy;
 
 /// What a [`Plan`] sees of a statement when it decides its policy.
@@ -29,6 +31,91 @@ enum Kind {
     All(Policy),
     SaveOnly(Arc<HashSet<String>>),
     Custom(Arc<PolicyFn>),
+    Budget(Arc<Budget>),
+}
+
+/// How much a budget plan may hold per region call.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Target {
+    /// Between saving nothing (0) and everything (1).
+    Fraction(f64),
+    /// At most this many bytes.
+    Bytes(usize),
+}
+
+struct Budget {
+    target: Target,
+    /// Solutions by region name.
+    solved: Mutex<Vec<Solution>>,
+}
+
+/// What a budget plan decided for one region, statement by statement.
+///
+/// Costs come from the region's first call under the plan, which runs with
+/// every open statement saved to measure them: `bytes` as the memory report
+/// counts them, `seconds` the statement's wall time in that forward.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Solution {
+    /// The region's name.
+    pub region: String,
+    /// The budget in bytes.
+    pub budget: usize,
+    /// Bytes held by the plan chosen (cost model).
+    pub bytes: usize,
+    /// Bytes when only the statements the code saves are saved.
+    pub min_bytes: usize,
+    /// Bytes when every statement the code leaves open is saved.
+    pub max_bytes: usize,
+    /// Recompute time of the plan chosen.
+    pub recompute_seconds: f64,
+    /// Recompute time when nothing open is saved.
+    pub max_recompute_seconds: f64,
+    /// Per statement, in order.
+    pub statements: Vec<PlannedStatement>,
+}
+
+/// One statement of a [`Solution`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlannedStatement {
+    /// The statement's name.
+    pub name: String,
+    /// The policy chosen.
+    pub policy: Policy,
+    /// Whether the code fixed it (the planner never changes those).
+    pub declared: bool,
+    /// Its measured forward time: what recomputing it costs.
+    pub seconds: f64,
+    /// Bytes of its own saved graph (leaf copies of its inputs not included).
+    pub bytes: usize,
+}
+
+impl fmt::Display for Solution {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "plan for `{}`: {} of {} bytes budgeted (range {}..{}); recompute {:.3} ms of {:.3} ms",
+            self.region,
+            self.bytes,
+            self.budget,
+            self.min_bytes,
+            self.max_bytes,
+            self.recompute_seconds * 1e3,
+            self.max_recompute_seconds * 1e3
+        )?;
+        writeln!(f, "  {:<20} {:<10} {:>12} {:>10}", "statement", "policy", "bytes", "ms")?;
+        for s in &self.statements {
+            let policy = format!("{}{}", s.policy, if s.declared { "*" } else { "" });
+            writeln!(
+                f,
+                "  {:<20} {:<10} {:>12} {:>10.3}",
+                s.name,
+                policy,
+                s.bytes,
+                s.seconds * 1e3
+            )?;
+        }
+        write!(f, "  (* fixed in the code)")
+    }
 }
 
 /// Decides, for every statement of the regions it governs, whether it is
@@ -179,6 +266,62 @@ impl Plan {
         Plan::new(Kind::SaveOnly(Arc::new(names.into_iter().collect())), label)
     }
 
+    /// A memory budget between saving nothing (`0.0`: full recomputation of
+    /// what the code leaves open) and saving everything (`1.0`), like
+    /// PyTorch's `activation_memory_budget` (which exists only under
+    /// `torch.compile`). For each region, the planner saves the statements
+    /// that minimise the recompute time within the budget, exactly (see
+    /// [`Solution`]); statements the code annotates keep their annotation.
+    ///
+    /// The first call of each region under the plan measures the costs: it
+    /// saves every open statement and times each one. Later calls follow the
+    /// solution, which [`Plan::solutions`] shows. Use one `Plan` value for a
+    /// whole training run: the solutions live in it.
+    ///
+    /// ```
+    /// use candle_core::{DType, Device, Var};
+    /// use remat_runtime::{Plan, Policy, Region};
+    /// let x = Var::ones((64, 64), DType::F32, &Device::Cpu)?;
+    /// let plan = Plan::budget(0.5);
+    /// let block = |ctx: &mut remat_runtime::Ctx, ins: &[candle_core::Tensor]| {
+    ///     let a = ctx.auto("a", &[&ins[0]], |t| Ok(t[0].exp()?))?;
+    ///     let b = ctx.auto("b", &[&a], |t| Ok(t[0].matmul(&t[0])?))?;
+    ///     ctx.auto("c", &[&b], |t| Ok(t[0].sum_all()?))
+    /// };
+    /// for _ in 0..2 {
+    ///     let y = Region::new("r").plan(plan.clone()).run(&[x.as_tensor()], block)?;
+    ///     y.backward()?;
+    /// }
+    /// let solution = &plan.solutions()[0];
+    /// assert!(solution.bytes <= solution.budget);
+    /// println!("{solution}");
+    /// # Ok::<(), remat_runtime::RematError>(())
+    /// ```
+    pub fn budget(fraction: f64) -> Self {
+        Plan::new(
+            Kind::Budget(Arc::new(Budget {
+                target: Target::Fraction(fraction),
+                solved: Mutex::new(Vec::new()),
+            })),
+            format!("budget {fraction}"),
+        )
+    }
+
+    /// A memory budget in bytes per region call; see [`Plan::budget`].
+    ///
+    /// ```
+    /// assert_eq!(remat_runtime::Plan::budget_bytes(1 << 20).to_string(), "budget 1048576 bytes");
+    /// ```
+    pub fn budget_bytes(bytes: usize) -> Self {
+        Plan::new(
+            Kind::Budget(Arc::new(Budget {
+                target: Target::Bytes(bytes),
+                solved: Mutex::new(Vec::new()),
+            })),
+            format!("budget {bytes} bytes"),
+        )
+    }
+
     /// A plan from a function of the statement, like PyTorch's `policy_fn`.
     /// The function sees the declared policy and decides whether to honour
     /// it. It must give the same answer for the same statement every time
@@ -217,6 +360,85 @@ impl Plan {
                 Policy::Recompute
             }),
             Kind::Custom(f) => f(s),
+            Kind::Budget(b) => {
+                let solved = lock(&b.solved);
+                match solved.iter().find(|sol| sol.region == s.region) {
+                    Some(sol) => sol
+                        .statements
+                        .iter()
+                        .find(|p| p.name == s.name)
+                        .map_or(s.declared.unwrap_or_default(), |p| p.policy),
+                    // The measuring call: save every open statement.
+                    None => s.declared.unwrap_or(Policy::Save),
+                }
+            }
+        }
+    }
+
+    /// Whether this is a budget plan that has not planned `region` yet.
+    pub(crate) fn wants_profile(&self, region: &str) -> bool {
+        match &self.kind {
+            Kind::Budget(b) => !lock(&b.solved).iter().any(|s| s.region == region),
+            _ => false,
+        }
+    }
+
+    /// Plans `region` from the costs measured on its first call.
+    pub(crate) fn plan_region(&self, region: &str, items: Vec<Item>) {
+        let Kind::Budget(b) = &self.kind else { return };
+        let forced_only: Vec<bool> = items
+            .iter()
+            .map(|i| i.forced == Some(Policy::Save))
+            .collect();
+        let open_saved: Vec<bool> = items
+            .iter()
+            .map(|i| i.forced != Some(Policy::Recompute))
+            .collect();
+        let min_bytes = planner::bytes(&items, &forced_only);
+        let max_bytes = planner::bytes(&items, &open_saved);
+        let budget = match b.target {
+            Target::Bytes(n) => n,
+            Target::Fraction(f) => {
+                min_bytes + ((max_bytes - min_bytes) as f64 * f.clamp(0.0, 1.0)).round() as usize
+            }
+        };
+        let save = planner::solve(&items, budget);
+        let solution = Solution {
+            region: region.to_string(),
+            budget,
+            bytes: planner::bytes(&items, &save),
+            min_bytes,
+            max_bytes,
+            recompute_seconds: planner::seconds(&items, &save),
+            max_recompute_seconds: planner::seconds(&items, &forced_only),
+            statements: items
+                .iter()
+                .zip(&save)
+                .map(|(i, &s)| PlannedStatement {
+                    name: i.name.clone(),
+                    policy: if s { Policy::Save } else { Policy::Recompute },
+                    declared: i.forced.is_some(),
+                    seconds: i.seconds,
+                    bytes: i.own,
+                })
+                .collect(),
+        };
+        let mut solved = lock(&b.solved);
+        if !solved.iter().any(|s| s.region == region) {
+            solved.push(solution);
+        }
+    }
+
+    /// What a budget plan decided so far, one [`Solution`] per region; empty
+    /// for other plans.
+    ///
+    /// ```
+    /// assert!(remat_runtime::Plan::budget(0.5).solutions().is_empty());
+    /// ```
+    pub fn solutions(&self) -> Vec<Solution> {
+        match &self.kind {
+            Kind::Budget(b) => lock(&b.solved).clone(),
+            _ => Vec::new(),
         }
     }
 

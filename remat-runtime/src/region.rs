@@ -9,7 +9,7 @@ use crate::forward::ForwardState;
 use crate::ops::{AnchorFirst, AnchorLink, Tap};
 use crate::state::RegionState;
 use crate::tape::{Body, Meta, Tape};
-use crate::{memory, Inputs, Outputs, Plan, Result};
+use crate::{memory, planner, Inputs, Outputs, Plan, Result};
 
 /// A checkpointed region: a block of statements whose activations are
 /// recomputed (or kept, statement by statement) for the backward.
@@ -165,6 +165,11 @@ impl Region {
         if anchored.is_empty() {
             // Inert: nothing needs gradients, the outputs are plain values.
             return O::join(&mut outputs.into_iter(), &skeleton);
+        }
+        if plan.wants_profile(&self.name) {
+            // The first call under a budget plan: it saved every open
+            // statement; plan the region from what that cost.
+            plan.plan_region(&self.name, planner::items(&records, &params, &detached));
         }
         let body: Body = Arc::new(move |ctx: &mut Ctx, ins: &[Tensor]| {
             let mut tensors = Vec::new();

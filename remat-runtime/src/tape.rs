@@ -94,6 +94,27 @@ pub(crate) struct Record {
     pub outputs: Vec<Meta>,
     /// `Some` exactly for `Save` statements.
     pub saved: Option<Saved>,
+    /// What the budget planner needs to know about the statement.
+    pub profile: Profile,
+}
+
+/// Where one statement input came from, for the budget planner.
+#[derive(Debug, Clone)]
+pub(crate) struct Source {
+    pub needs_grad: bool,
+    /// The record that produced it; `None` for region inputs and constants.
+    pub producer: Option<usize>,
+    /// Its size, the bytes of a leaf copy of it.
+    pub bytes: usize,
+}
+
+/// Measurements of one statement in the forward.
+#[derive(Debug, Clone)]
+pub(crate) struct Profile {
+    /// Wall time of the statement's code.
+    pub seconds: f64,
+    /// Per input.
+    pub sources: Vec<Source>,
 }
 
 /// The type-erased block a region runs, for the replay.

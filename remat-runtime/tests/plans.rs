@@ -181,3 +181,137 @@ fn scope_is_popped_after_a_panic() {
     assert!(r.is_err());
     assert_eq!(Plan::current().to_string(), "declared");
 }
+
+// ------------------------------------------------------------ budget plans
+
+#[derive(Clone)]
+pub struct Block {
+    w_qkv: Var,
+    w_proj: Var,
+    w_fc: Var,
+    w_out: Var,
+    g: Var,
+    b: Var,
+}
+
+remat! {
+    /// A transformer-like block with every statement left to the plan.
+    fn open_block(x: &Tensor, p: &Block, mask: &Tensor) -> Result<Tensor> {
+        let ln1 = candle_nn::ops::layer_norm_slow(x, &p.g, &p.b, 1e-5)?;
+        let qkv = ln1.broadcast_matmul(&p.w_qkv)?;
+        let (q, k, v) = (qkv.narrow(2, 0, 16)?, qkv.narrow(2, 16, 16)?, qkv.narrow(2, 32, 16)?);
+        let scores = q.matmul(&k.t()?)?.broadcast_add(mask)?;
+        let probs = candle_nn::ops::softmax(&scores, candle_core::D::Minus1)?;
+        let att = probs.matmul(&v)?;
+        let proj = att.broadcast_matmul(&p.w_proj)?;
+        let x = (x + proj)?;
+        let fc = x.broadcast_matmul(&p.w_fc)?;
+        let act = fc.gelu()?;
+        let out = act.broadcast_matmul(&p.w_out)?;
+        Ok((x + out)?)
+    }
+}
+
+fn open_block_setup() -> (Var, Block, Tensor) {
+    let x = var(&[2, 8, 16], 11, 1.0, DType::F32);
+    let p = Block {
+        w_qkv: var(&[16, 48], 12, 0.3, DType::F32),
+        w_proj: var(&[16, 16], 13, 0.3, DType::F32),
+        w_fc: var(&[16, 64], 14, 0.3, DType::F32),
+        w_out: var(&[64, 16], 15, 0.3, DType::F32),
+        g: var(&[16], 16, 1.0, DType::F32),
+        b: var(&[16], 17, 0.1, DType::F32),
+    };
+    (x, p, causal_mask(8, DType::F32))
+}
+
+/// Bytes the statements of the live tapes hold (region inputs excluded).
+fn tape_bytes() -> usize {
+    MemoryReport::capture()
+        .entries
+        .iter()
+        .filter(|e| e.policy.is_some())
+        .map(|e| e.bytes)
+        .sum()
+}
+
+#[test]
+fn budget_plans_hold_what_the_planner_predicts_and_trade_time_for_memory() {
+    let (x, p, mask) = open_block_setup();
+    let y_ref = Plan::off().scope(|| open_block(x.as_tensor(), &p, &mask)).unwrap();
+    let g_ref = y_ref.sum_all().unwrap().backward().unwrap();
+    let mut last: Option<(usize, f64)> = None;
+    for fraction in [0.0, 0.2, 0.4, 0.6, 0.8, 1.0] {
+        let plan = Plan::budget(fraction);
+        // The first call measures (saves everything open), the second one
+        // follows the solution.
+        for call in 0..2 {
+            let y = plan.scope(|| open_block(x.as_tensor(), &p, &mask)).unwrap();
+            let held = tape_bytes();
+            let solution = plan.solutions().pop().expect("planned after the first call");
+            if call == 0 {
+                assert_eq!(held, solution.max_bytes, "the measuring call saves everything");
+            } else {
+                // The cost model is exact: the tape holds what it predicted.
+                assert_eq!(held, solution.bytes, "fraction {fraction}:\n{solution}");
+                assert!(solution.bytes <= solution.budget);
+            }
+            let g = y.sum_all().unwrap().backward().unwrap();
+            for v in [&x, &p.w_qkv, &p.w_proj, &p.w_fc, &p.w_out, &p.g, &p.b] {
+                let d = rel_diff(g.get(v).unwrap(), g_ref.get(v).unwrap());
+                assert!(d <= 1e-6, "fraction {fraction}: {d}");
+            }
+        }
+        let solution = &plan.solutions()[0];
+        println!("{solution}");
+        assert_eq!(solution.min_bytes, 0);
+        if fraction == 0.0 {
+            assert!(solution.statements.iter().all(|s| s.policy == Policy::Recompute));
+        }
+        if fraction == 1.0 {
+            assert_eq!(solution.recompute_seconds, 0.0);
+        }
+        // A larger budget never recomputes more.
+        if let Some((bytes, secs)) = last {
+            assert!(solution.bytes >= bytes || solution.recompute_seconds <= secs);
+            assert!(solution.recompute_seconds <= secs);
+        }
+        last = Some((solution.bytes, solution.recompute_seconds));
+    }
+}
+
+#[test]
+fn budget_plans_keep_annotations() {
+    // `out` is declared saved, `g` declared recomputed in `mlp`: a zero
+    // budget still saves `out` and a full one still recomputes `g`.
+    let (x, p) = params();
+    for (fraction, expected) in [(0.0, [R, R, R, S]), (1.0, [S, R, S, S])] {
+        let plan = Plan::budget(fraction);
+        for _ in 0..2 {
+            let y = plan.scope(|| mlp(x.as_tensor(), &p)).unwrap();
+            y.sum_all().unwrap().backward().unwrap();
+        }
+        let got: Vec<Option<Policy>> = plan.solutions()[0]
+            .statements
+            .iter()
+            .map(|s| Some(s.policy))
+            .collect();
+        assert_eq!(got, expected, "fraction {fraction}");
+    }
+}
+
+#[test]
+fn byte_budgets_are_respected() {
+    let (x, p, mask) = open_block_setup();
+    let plan = Plan::budget_bytes(6000);
+    for call in 0..2 {
+        let y = plan.scope(|| open_block(x.as_tensor(), &p, &mask)).unwrap();
+        if call == 1 {
+            assert!(tape_bytes() <= 6000);
+        }
+        y.sum_all().unwrap().backward().unwrap();
+    }
+    let solution = &plan.solutions()[0];
+    assert_eq!(solution.budget, 6000);
+    assert!(solution.bytes <= 6000 && solution.bytes > 0, "{solution}");
+}

@@ -188,6 +188,8 @@ pub enum Checkpointing {
     Selective,
     /// Every statement saved (the tape without recomputation).
     SaveAll,
+    /// The budget planner, between full (0) and save-all (1).
+    Budget(f64),
 }
 
 impl Checkpointing {
@@ -198,18 +200,20 @@ impl Checkpointing {
             Checkpointing::Full => Plan::recompute_all(),
             Checkpointing::Selective => Plan::save_only(SELECTIVE.iter().copied()),
             Checkpointing::SaveAll => Plan::save_all(),
+            Checkpointing::Budget(f) => Plan::budget(f),
         }
     }
 }
 
 impl fmt::Display for Checkpointing {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Checkpointing::None => "none",
-            Checkpointing::Full => "full",
-            Checkpointing::Selective => "selective",
-            Checkpointing::SaveAll => "save-all",
-        })
+        match self {
+            Checkpointing::None => f.write_str("none"),
+            Checkpointing::Full => f.write_str("full"),
+            Checkpointing::Selective => f.write_str("selective"),
+            Checkpointing::SaveAll => f.write_str("save-all"),
+            Checkpointing::Budget(x) => write!(f, "budget={x}"),
+        }
     }
 }
 
@@ -221,9 +225,13 @@ impl FromStr for Checkpointing {
             "full" => Ok(Checkpointing::Full),
             "selective" => Ok(Checkpointing::Selective),
             "save-all" => Ok(Checkpointing::SaveAll),
-            other => Err(format!(
-                "unknown policy `{other}`: expected none, full, selective or save-all"
-            )),
+            other => match other.strip_prefix("budget=").map(str::parse::<f64>) {
+                Some(Ok(x)) if (0.0..=1.0).contains(&x) => Ok(Checkpointing::Budget(x)),
+                _ => Err(format!(
+                    "unknown policy `{other}`: expected none, full, selective, save-all or \
+                     budget=<fraction between 0 and 1>"
+                )),
+            },
         }
     }
 }

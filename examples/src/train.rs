@@ -81,6 +81,8 @@ pub struct Report {
     /// Bytes the allocator counted live after the first forward, above what
     /// was live before it (when a counting allocator was given).
     pub held_after_forward: Option<usize>,
+    /// What a budget plan chose, per region.
+    pub solutions: Vec<remat_runtime::Solution>,
     /// Tokens per second over the steps after the first.
     pub tokens_per_second: f64,
     /// A sample from the trained model.
@@ -206,6 +208,7 @@ pub fn train(
         unigram: corpus.unigram_entropy(),
         first_report,
         held_after_forward,
+        solutions: plan.solutions(),
         tokens_per_second,
         sample: corpus.decode(&sample),
     })

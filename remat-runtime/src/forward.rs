@@ -43,10 +43,13 @@ pub(crate) struct ForwardState {
     /// First record of the run of chained saved records that ends with the
     /// last record, if the last record is a saved one with a graph.
     chain: Option<usize>,
+    /// Measure statements for the budget planner.
+    profile: bool,
 }
 
 impl ForwardState {
-    pub fn new(inputs: &[Tensor], requires_grad: &[bool]) -> Self {
+    /// `profile`: measure every statement for the budget planner.
+    pub fn new(inputs: &[Tensor], requires_grad: &[bool], profile: bool) -> Self {
         ForwardState {
             requires_grad: inputs
                 .iter()
@@ -62,6 +65,7 @@ impl ForwardState {
             params: Vec::new(),
             param_ids: HashSet::new(),
             chain: None,
+            profile,
         }
     }
 
@@ -122,20 +126,25 @@ impl ForwardState {
             .map(|(i, t)| self.needs_grad(region, name, i, t))
             .collect::<Result<Vec<bool>>>()?;
         let input_metas = inputs.iter().map(|t| Meta::of(t)).collect();
-        let sources = inputs
-            .iter()
-            .zip(&needs)
-            .map(|(t, &need)| Source {
-                needs_grad: need,
-                producer: self.producers.get(&t.id()).copied(),
-                bytes: t.elem_count() * t.dtype().size_in_bytes(),
-            })
-            .collect();
+        let sources: Vec<Source> = if self.profile {
+            inputs
+                .iter()
+                .zip(&needs)
+                .map(|(t, &need)| Source {
+                    needs_grad: need,
+                    producer: self.producers.get(&t.id()).copied(),
+                    bytes: t.elem_count() * t.dtype().size_in_bytes(),
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let timed = self.profile;
         let mut seconds = 0.0;
         let run = |args: &[Tensor]| -> Result<(Vec<Tensor>, O::Skeleton)> {
-            let start = Instant::now();
+            let start = timed.then(Instant::now);
             let out = f(args).map_err(|e| e.in_statement(region, name))?;
-            seconds = start.elapsed().as_secs_f64();
+            seconds = start.map_or(0.0, |s| s.elapsed().as_secs_f64());
             let mut tensors = Vec::new();
             let skeleton = out.split_into(&mut tensors);
             Ok((tensors, skeleton))
@@ -156,7 +165,9 @@ impl ForwardState {
                     self.discover_params(t);
                     let d = t.detach();
                     self.requires_grad.insert(d.id(), any_input || t.track_op());
-                    self.producers.insert(d.id(), index);
+                    if self.profile {
+                        self.producers.insert(d.id(), index);
+                    }
                     metas.push(Meta::of(t));
                     outputs.push(d);
                 }
@@ -169,7 +180,7 @@ impl ForwardState {
                     inputs: input_metas,
                     outputs: metas,
                     saved: None,
-                    profile: Profile { seconds, sources },
+                    profile: self.profile.then(|| Box::new(Profile { seconds, sources })),
                 });
                 O::join(&mut outputs.into_iter(), &skeleton)
             }
@@ -202,7 +213,9 @@ impl ForwardState {
                     self.discover_params(t);
                     let d = t.detach();
                     self.requires_grad.insert(d.id(), t.track_op());
-                    self.producers.insert(d.id(), index);
+                    if self.profile {
+                        self.producers.insert(d.id(), index);
+                    }
                     self.saved_outputs.insert(d.id(), (index, j));
                     metas.push(Meta::of(t));
                     outputs.push(d);
@@ -234,7 +247,7 @@ impl ForwardState {
                     inputs: input_metas,
                     outputs: metas,
                     saved: Some(saved),
-                    profile: Profile { seconds, sources },
+                    profile: self.profile.then(|| Box::new(Profile { seconds, sources })),
                 });
                 O::join(&mut outputs.into_iter(), &skeleton)
             }

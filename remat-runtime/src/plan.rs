@@ -3,7 +3,7 @@
 use std::cell::RefCell;
 use std::collections::HashSet;
 use std::fmt;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, LazyLock, Mutex};
 
 use crate::planner::{self, Item};
 use crate::state::lock;
@@ -102,7 +102,11 @@ impl fmt::Display for Solution {
             self.recompute_seconds * 1e3,
             self.max_recompute_seconds * 1e3
         )?;
-        writeln!(f, "  {:<20} {:<10} {:>12} {:>10}", "statement", "policy", "bytes", "ms")?;
+        writeln!(
+            f,
+            "  {:<20} {:<10} {:>12} {:>10}",
+            "statement", "policy", "bytes", "ms"
+        )?;
         for s in &self.statements {
             let policy = format!("{}{}", s.policy, if s.declared { "*" } else { "" });
             writeln!(
@@ -206,7 +210,9 @@ impl Plan {
     /// assert_eq!(Plan::declared().policy(&s), Policy::Recompute);
     /// ```
     pub fn declared() -> Self {
-        Plan::new(Kind::Declared, "declared")
+        // One shared value: region calls without a plan allocate nothing.
+        static DECLARED: LazyLock<Plan> = LazyLock::new(|| Plan::new(Kind::Declared, "declared"));
+        DECLARED.clone()
     }
 
     /// No checkpointing: regions run as plain candle code (no tape, no

@@ -46,18 +46,20 @@ pub(crate) fn items(records: &[Record], params: &[Tensor], inputs: &[Tensor]) ->
     records
         .iter()
         .zip(own)
-        .map(|(r, own)| Item {
-            name: r.name.clone(),
-            forced: r.declared,
-            seconds: r.profile.seconds,
-            own,
-            leaves: r
-                .profile
-                .sources
-                .iter()
-                .filter(|s| s.needs_grad)
-                .map(|s| (s.producer, s.bytes))
-                .collect(),
+        .map(|(r, own)| {
+            let profile = r.profile.as_deref().cloned().unwrap_or_default();
+            Item {
+                name: r.name.clone(),
+                forced: r.declared,
+                seconds: profile.seconds,
+                own,
+                leaves: profile
+                    .sources
+                    .iter()
+                    .filter(|s| s.needs_grad)
+                    .map(|s| (s.producer, s.bytes))
+                    .collect(),
+            }
         })
         .collect()
 }

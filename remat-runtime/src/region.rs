@@ -143,7 +143,11 @@ impl Region {
         let requires_grad: Vec<bool> = inputs.iter().map(|t| t.track_op()).collect();
         let mut ctx = Ctx::new(
             &self.name,
-            Mode::Forward(ForwardState::new(&detached, &requires_grad)),
+            Mode::Forward(ForwardState::new(
+                &detached,
+                &requires_grad,
+                plan.wants_profile(&self.name),
+            )),
             plan.clone(),
         );
         // Regions nested in the block inherit its plan, in the forward as in

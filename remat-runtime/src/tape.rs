@@ -94,8 +94,9 @@ pub(crate) struct Record {
     pub outputs: Vec<Meta>,
     /// `Some` exactly for `Save` statements.
     pub saved: Option<Saved>,
-    /// What the budget planner needs to know about the statement.
-    pub profile: Profile,
+    /// What the budget planner needs to know about the statement; measured
+    /// only on the call a budget plan profiles.
+    pub profile: Option<Box<Profile>>,
 }
 
 /// Where one statement input came from, for the budget planner.
@@ -109,7 +110,7 @@ pub(crate) struct Source {
 }
 
 /// Measurements of one statement in the forward.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub(crate) struct Profile {
     /// Wall time of the statement's code.
     pub seconds: f64,

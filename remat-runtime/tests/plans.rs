@@ -238,7 +238,9 @@ fn tape_bytes() -> usize {
 #[test]
 fn budget_plans_hold_what_the_planner_predicts_and_trade_time_for_memory() {
     let (x, p, mask) = open_block_setup();
-    let y_ref = Plan::off().scope(|| open_block(x.as_tensor(), &p, &mask)).unwrap();
+    let y_ref = Plan::off()
+        .scope(|| open_block(x.as_tensor(), &p, &mask))
+        .unwrap();
     let g_ref = y_ref.sum_all().unwrap().backward().unwrap();
     let mut last: Option<(usize, f64)> = None;
     for fraction in [0.0, 0.2, 0.4, 0.6, 0.8, 1.0] {
@@ -248,9 +250,15 @@ fn budget_plans_hold_what_the_planner_predicts_and_trade_time_for_memory() {
         for call in 0..2 {
             let y = plan.scope(|| open_block(x.as_tensor(), &p, &mask)).unwrap();
             let held = tape_bytes();
-            let solution = plan.solutions().pop().expect("planned after the first call");
+            let solution = plan
+                .solutions()
+                .pop()
+                .expect("planned after the first call");
             if call == 0 {
-                assert_eq!(held, solution.max_bytes, "the measuring call saves everything");
+                assert_eq!(
+                    held, solution.max_bytes,
+                    "the measuring call saves everything"
+                );
             } else {
                 // The cost model is exact: the tape holds what it predicted.
                 assert_eq!(held, solution.bytes, "fraction {fraction}:\n{solution}");
@@ -266,7 +274,10 @@ fn budget_plans_hold_what_the_planner_predicts_and_trade_time_for_memory() {
         println!("{solution}");
         assert_eq!(solution.min_bytes, 0);
         if fraction == 0.0 {
-            assert!(solution.statements.iter().all(|s| s.policy == Policy::Recompute));
+            assert!(solution
+                .statements
+                .iter()
+                .all(|s| s.policy == Policy::Recompute));
         }
         if fraction == 1.0 {
             assert_eq!(solution.recompute_seconds, 0.0);

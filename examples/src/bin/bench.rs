@@ -32,9 +32,10 @@ usage: cargo run --release -p examples --bin bench -- [flags]
 
   --layers N   [4]      --d-model N [256]   --heads N [4]
   --seq N      [128]    --batch N   [8]
-  --steps N    measured steps per policy [10]
+  --steps N    measured steps per policy [20]
   --warmup N   unmeasured steps per policy first [2]
-  --policies P,Q,..  which policies, starting with none [none,full,selective,save-all]
+  --policies P,Q,..  which policies, starting with none
+               [none,full,selective,save-all,budget=0.25,budget=0.5,budget=0.75]
   --save A,B   also measure a plan saving these statements (e.g. qkv,fc)
   --device cpu|cuda [cpu]
   --out DIR    where results.csv, results.md and tradeoff.svg go [docs/bench]
@@ -102,10 +103,14 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let heads = flags.get("heads", 4usize)?;
     let seq = flags.get("seq", 128usize)?;
     let batch = flags.get("batch", 8usize)?;
-    let steps = flags.get("steps", 10usize)?.max(1);
-    let warmup = flags.get("warmup", 2usize)?;
+    let steps = flags.get("steps", 20usize)?.max(1);
+    // At least one: a budget plan measures its regions on the first call.
+    let warmup = flags.get("warmup", 2usize)?.max(1);
     let save: Option<String> = flags.opt("save")?;
-    let policies: String = flags.get("policies", "none,full,selective,save-all".to_string())?;
+    let policies: String = flags.get(
+        "policies",
+        "none,full,selective,save-all,budget=0.25,budget=0.5,budget=0.75".to_string(),
+    )?;
     let policies = policies
         .split(',')
         .map(|p| p.trim().parse::<Checkpointing>())
@@ -148,15 +153,27 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         })
         .collect();
 
-    println!(
+    let malloc: Vec<String> = std::env::vars()
+        .filter(|(k, _)| k.starts_with("MALLOC_"))
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    let header = format!(
         "GPT {layers} layers, d_model {d_model}, {heads} heads, T {seq}, B {batch}, f32, {}; \
-         {warmup} warm-up + {steps} measured steps per policy, interleaved",
-        device_name(&dev)
+         {warmup} warm-up + {steps} measured steps per policy, interleaved; allocator: {}",
+        device_name(&dev),
+        if malloc.is_empty() {
+            "glibc defaults".to_string()
+        } else {
+            malloc.join(" ")
+        }
     );
+    println!("{header}");
     let vars = model.vars();
     let n = variants.len();
     let mut reference: Option<Vec<candle_core::Tensor>> = None;
+    let bar = indicatif::ProgressBar::new((warmup + steps) as u64);
     for round in 0..warmup + steps {
+        bar.inc(1);
         // Rotate who goes first: ABCD, BCDA, ...
         for i in 0..n {
             let v = &mut variants[(round + i) % n];
@@ -194,6 +211,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
 
+    bar.finish_and_clear();
     let reference = reference.ok_or("plain candle did not run")?;
     for v in variants.iter_mut() {
         if let Some(g) = v.grad_diff.take() {
@@ -205,7 +223,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let mut csv = String::from(
         "policy,median_step_s,median_forward_s,time_ratio,held_bytes,held_ratio,peak_bytes,peak_ratio,loss,grad_max_rel_diff\n",
     );
-    let mut md = String::from(
+    let mut md = format!("{header}\n\n");
+    md.push_str(
         "| policy | step (ms, median) | forward (ms) | time vs plain | held after forward (MiB) | held vs plain | peak fwd+bwd (MiB) | peak vs plain | max grad rel. diff |\n\
          |---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );

@@ -21,7 +21,9 @@ train_gpt: train a character-level GPT with checkpointed (remat!) blocks
 
 usage: cargo run --release -p examples --bin train_gpt -- [flags]
 
-  --policy none|full|selective|save-all   checkpointing of the blocks [selective]
+  --policy none|full|selective|save-all|budget=F
+                  checkpointing [selective]; budget=F plans each region to hold
+                  F of the way from full recompute (0) to save-all (1)
   --layers N      transformer blocks [4]
   --d-model N     residual width [128]
   --heads N       attention heads [4]
@@ -106,6 +108,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let report = train(&corpus, &opts, &dev, Some(&ALLOC))?;
     println!("parameters: {}", report.parameters);
     print_memory(&report.first_report, report.held_after_forward);
+    for solution in &report.solutions {
+        println!("{solution}");
+    }
     let first = report.losses.first().copied().unwrap_or(f32::NAN);
     let tail = &report.losses[report.losses.len().saturating_sub(20)..];
     let last = tail.iter().sum::<f32>() / tail.len().max(1) as f32;

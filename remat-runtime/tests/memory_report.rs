@@ -40,7 +40,9 @@ fn report_by_region_and_record_with_exact_bytes() {
             Ok((t[0].reshape((8, 32))? + &t[1])?.sum_all()?)
         })
     };
-    let y0 = Region::new("blk").run(&[x.as_tensor()], body.clone()).unwrap();
+    let y0 = Region::new("blk")
+        .run(&[x.as_tensor()], body.clone())
+        .unwrap();
     let y1 = Region::new("blk").run(&[x.as_tensor()], body).unwrap();
     let report = MemoryReport::capture();
 
@@ -77,7 +79,11 @@ fn report_by_region_and_record_with_exact_bytes() {
         assert!(text.contains(name), "{text}");
     }
     drop(y0);
-    assert_eq!(MemoryReport::capture().entries.len(), 4, "only the second call is left");
+    assert_eq!(
+        MemoryReport::capture().entries.len(),
+        4,
+        "only the second call is left"
+    );
     drop(y1);
     assert!(MemoryReport::capture().entries.is_empty());
 }

@@ -5,6 +5,7 @@ use std::collections::HashSet;
 use candle_core::Tensor;
 
 use crate::forward::{Decided, ForwardState};
+use crate::random;
 use crate::replay::ReplayState;
 use crate::{Inputs, Outputs, Plan, Policy, RematError, Result, StatementInfo};
 
@@ -51,14 +52,17 @@ pub struct Ctx {
     region: String,
     pub(crate) mode: Mode,
     plan: Plan,
+    /// The region call's seed for [`crate::random`].
+    seed: u64,
 }
 
 impl Ctx {
-    pub(crate) fn new(region: &str, mode: Mode, plan: Plan) -> Self {
+    pub(crate) fn new(region: &str, mode: Mode, plan: Plan, seed: u64) -> Self {
         Ctx {
             region: region.to_string(),
             mode,
             plan,
+            seed,
         }
     }
 
@@ -163,6 +167,10 @@ impl Ctx {
         f: impl FnOnce(&[Tensor]) -> Result<O>,
     ) -> Result<O> {
         let owned = inputs.into_tensors();
+        // Draws in the statement come from its own stream: the same in the
+        // forward, the replay and a plain run.
+        let seed = self.seed;
+        let f = move |args: &[Tensor]| random::in_statement(seed, name, || f(args));
         let inputs: Vec<&Tensor> = owned.iter().collect();
         let inputs = inputs.as_slice();
         match &mut self.mode {

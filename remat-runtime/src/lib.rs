@@ -51,9 +51,11 @@ mod plan;
 mod planner;
 mod policy;
 mod private;
+pub mod random;
 mod region;
 mod replay;
 mod retain;
+mod sequential;
 mod state;
 mod sweep;
 mod tape;
@@ -69,6 +71,7 @@ pub use plan::{Plan, PlannedStatement, Solution, StatementInfo};
 pub use policy::Policy;
 pub use region::{checkpoint, Region};
 pub use retain::{backward, retain_tape};
+pub use sequential::checkpoint_sequential;
 
 #[doc = include_str!("remat.md")]
 pub use remat_macros::remat;

@@ -9,7 +9,7 @@ use crate::forward::ForwardState;
 use crate::ops::{AnchorFirst, AnchorLink, Tap};
 use crate::state::RegionState;
 use crate::tape::{Body, Meta, Tape};
-use crate::{memory, planner, Inputs, Outputs, Plan, Result};
+use crate::{memory, planner, random, Inputs, Outputs, Plan, Result};
 
 /// A checkpointed region: a block of statements whose activations are
 /// recomputed (or kept, statement by statement) for the backward.
@@ -135,8 +135,16 @@ impl Region {
     {
         let inputs = inputs.into_tensors();
         let plan = self.plan.clone().unwrap_or_else(Plan::current);
+        // Every call takes a seed, checkpointed or not, so that a plain run
+        // draws what a checkpointed one does.
+        let seed = random::call_seed();
         if !self.enabled || plan.is_off() {
-            let mut ctx = Ctx::new(&self.name, Mode::Plain(Default::default()), plan.clone());
+            let mut ctx = Ctx::new(
+                &self.name,
+                Mode::Plain(Default::default()),
+                plan.clone(),
+                seed,
+            );
             return plan.scope(|| body(&mut ctx, &inputs));
         }
         let detached: Vec<Tensor> = inputs.iter().map(|t| t.detach()).collect();
@@ -149,6 +157,7 @@ impl Region {
                 plan.wants_profile(&self.name),
             )),
             plan.clone(),
+            seed,
         );
         // Regions nested in the block inherit its plan, in the forward as in
         // the replay.
@@ -188,6 +197,7 @@ impl Region {
             params,
             outputs: outputs.iter().map(Meta::of).collect(),
             plan,
+            seed,
         };
         let state = Arc::new(RegionState::new(self.name.clone(), tape));
         memory::register(&state);

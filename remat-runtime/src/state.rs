@@ -112,11 +112,13 @@ impl RegionState {
             params,
             outputs,
             plan,
+            seed,
         } = tape;
         let mut ctx = Ctx::new(
             &self.name,
             Mode::Replay(ReplayState::new(records, &inputs, &requires_grad)),
             plan.clone(),
+            seed,
         );
         // Regions nested in the block run under the plan of the forward too.
         let replay_outputs = plan.scope(|| body(&mut ctx, &inputs))?;

@@ -135,4 +135,6 @@ pub(crate) struct Tape {
     pub outputs: Vec<Meta>,
     /// The plan the forward ran under: the replay runs under it too.
     pub plan: Plan,
+    /// The call's seed for [`crate::random`]: the replay draws the same.
+    pub seed: u64,
 }

@@ -1,0 +1,182 @@
+//! Randomness that replays: counter-based draws keyed by the region call and
+//! the statement's name.
+//!
+//! candle cannot seed its CPU generator, and a replay skips saved statements,
+//! so "restore the generator's state and run again" (PyTorch's
+//! `preserve_rng_state`) cannot work. Instead every draw made inside a
+//! statement is a pure function of (the region call's seed, the statement's
+//! name, the draw's index within the statement, the element's index): the
+//! replay of a recomputed statement draws exactly what its forward drew,
+//! whichever other statements were saved or recomputed, and the same code
+//! run without checkpointing draws the same values too.
+
+use std::cell::{Cell, RefCell};
+
+use candle_core::{DType, Device, Shape, Tensor};
+
+use crate::{RematError, Result};
+
+thread_local! {
+    static BASE: Cell<u64> = const { Cell::new(0x05EE_D0F4_E3A7) };
+    /// Region calls and draws made outside any statement on this thread.
+    static OUTSIDE: Cell<u64> = const { Cell::new(0) };
+    /// The statements running on this thread, innermost last.
+    static STACK: RefCell<Vec<Stream>> = const { RefCell::new(Vec::new()) };
+}
+
+struct Stream {
+    key: u64,
+    draws: u64,
+}
+
+/// SplitMix64's finaliser: a bijective 64-bit mix.
+fn splitmix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+fn mix(a: u64, b: u64) -> u64 {
+    splitmix(a ^ splitmix(b))
+}
+
+/// FNV-1a: a stable hash of a statement name.
+fn name_hash(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// Sets this thread's seed and restarts its sequence of region calls: the
+/// same seed and the same sequence of calls draw the same values.
+///
+/// ```
+/// use candle_core::Device;
+/// use remat_runtime::random;
+/// random::seed(7);
+/// let a = random::uniform(4, &Device::Cpu)?.to_vec1::<f32>()?;
+/// random::seed(7);
+/// let b = random::uniform(4, &Device::Cpu)?.to_vec1::<f32>()?;
+/// assert_eq!(a, b);
+/// # Ok::<(), remat_runtime::RematError>(())
+/// ```
+pub fn seed(seed: u64) {
+    BASE.with(|b| b.set(seed));
+    OUTSIDE.with(|c| c.set(0));
+}
+
+/// The next key of the innermost running statement, or of the thread when
+/// no statement runs.
+fn next_key() -> u64 {
+    STACK.with(|s| match s.borrow_mut().last_mut() {
+        Some(stream) => {
+            stream.draws += 1;
+            mix(stream.key, stream.draws)
+        }
+        None => {
+            let n = OUTSIDE.with(|c| {
+                let n = c.get();
+                c.set(n + 1);
+                n
+            });
+            mix(BASE.with(Cell::get), n)
+        }
+    })
+}
+
+/// The seed of a new region call. A call made inside a statement (a nested
+/// region) takes it from that statement's stream, so that the outer replay
+/// calls it with the same seed again.
+pub(crate) fn call_seed() -> u64 {
+    next_key()
+}
+
+/// Pops the stream pushed by [`in_statement`], also on a panic.
+struct Pop;
+
+impl Drop for Pop {
+    fn drop(&mut self) {
+        STACK.with(|s| s.borrow_mut().pop());
+    }
+}
+
+/// Runs `f` as statement `name` of the region call seeded `seed`: draws in
+/// it come from the statement's own stream.
+pub(crate) fn in_statement<R>(seed: u64, name: &str, f: impl FnOnce() -> R) -> R {
+    STACK.with(|s| {
+        s.borrow_mut().push(Stream {
+            key: mix(seed, name_hash(name)),
+            draws: 0,
+        })
+    });
+    let _pop = Pop;
+    f()
+}
+
+/// Uniform `f32` values in `[0, 1)` of shape `shape` on `device`, drawn from
+/// the running statement's stream (or the thread's, outside statements).
+/// Values are computed on the host from a counter-based generator and copied
+/// to the device: identical on every device.
+///
+/// ```
+/// use candle_core::Device;
+/// let u = remat_runtime::random::uniform((2, 3), &Device::Cpu)?;
+/// assert_eq!(u.dims(), &[2, 3]);
+/// assert!(u.to_vec2::<f32>()?.iter().flatten().all(|&v| (0.0..1.0).contains(&v)));
+/// # Ok::<(), remat_runtime::RematError>(())
+/// ```
+pub fn uniform(shape: impl Into<Shape>, device: &Device) -> Result<Tensor> {
+    let shape = shape.into();
+    let key = next_key();
+    let values: Vec<f32> = (0..shape.elem_count() as u64)
+        .map(|i| (mix(key, i) >> 40) as f32 / (1u64 << 24) as f32)
+        .collect();
+    Ok(Tensor::from_vec(values, shape, &Device::Cpu)?.to_device(device)?)
+}
+
+/// Inverted dropout: zeroes each element with probability `p` and scales
+/// the others by `1 / (1 - p)`. The mask comes from [`uniform`], so a
+/// recomputed statement drops the same elements in its replay.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// let x = Tensor::ones(1000, candle_core::DType::F32, &Device::Cpu)?;
+/// let y = remat_runtime::random::dropout(&x, 0.25)?.to_vec1::<f32>()?;
+/// let kept = y.iter().filter(|&&v| v > 0.0).count();
+/// assert!((700..800).contains(&kept));
+/// assert!(y.iter().all(|&v| v == 0.0 || (v - 4.0 / 3.0).abs() < 1e-6));
+/// # Ok::<(), remat_runtime::RematError>(())
+/// ```
+pub fn dropout(x: &Tensor, p: f64) -> Result<Tensor> {
+    if !(0.0..1.0).contains(&p) {
+        return Err(RematError::Candle(std::sync::Arc::new(
+            candle_core::Error::Msg(format!("dropout probability {p} is outside [0, 1)")),
+        )));
+    }
+    if p == 0.0 {
+        return Ok(x.clone());
+    }
+    let keep = uniform(x.shape(), x.device())?.ge(p)?.to_dtype(x.dtype())?;
+    let scaled = (keep * (1.0 / (1.0 - p)))?;
+    Ok((x * scaled)?)
+}
+
+/// Uniform values of `dtype` (a float type) in `[lo, hi)`; see [`uniform`].
+///
+/// ```
+/// use candle_core::{DType, Device};
+/// let t = remat_runtime::random::uniform_range(8, -1.0, 1.0, DType::F64, &Device::Cpu)?;
+/// assert_eq!(t.dtype(), DType::F64);
+/// # Ok::<(), remat_runtime::RematError>(())
+/// ```
+pub fn uniform_range(
+    shape: impl Into<Shape>,
+    lo: f64,
+    hi: f64,
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor> {
+    let u = uniform(shape, device)?.to_dtype(dtype)?;
+    Ok(((u * (hi - lo))? + lo)?)
+}

@@ -39,7 +39,8 @@ pub enum RematError {
     #[error(
         "region `{region}`, statement `{record}`: {mismatch}; a checkpointed block must run the \
          same computation twice (do not read mutable state, clocks or unseeded randomness inside \
-         it)"
+         it){}",
+        trace_suffix(.trace)
     )]
     ReplayMismatch {
         /// The region's name.
@@ -48,11 +49,15 @@ pub enum RematError {
         record: String,
         /// What differs.
         mismatch: Box<Mismatch>,
+        /// The forward's records and the replay's statements side by side, up
+        /// to the first divergence (empty when not available).
+        trace: String,
     },
     /// The replay ran a different sequence of statements than the forward.
     #[error(
         "region `{region}`: the replay ran {found} where the forward ran {expected}; a \
-         checkpointed block must run the same statements in the same order every time"
+         checkpointed block must run the same statements in the same order every time{}",
+        trace_suffix(.trace)
     )]
     ReplayDesync {
         /// The region's name.
@@ -61,6 +66,9 @@ pub enum RematError {
         expected: String,
         /// What the replay ran.
         found: String,
+        /// The forward's records and the replay's statements side by side, up
+        /// to the first divergence (empty when not available).
+        trace: String,
     },
     /// The replay finished without running a statement recorded in the forward.
     #[error(
@@ -193,12 +201,31 @@ impl RematError {
         }
     }
 
+    /// Attaches the side-by-side trace to a replay error.
+    pub(crate) fn with_trace(mut self, text: String) -> Self {
+        if let RematError::ReplayMismatch { trace, .. } | RematError::ReplayDesync { trace, .. } =
+            &mut self
+        {
+            *trace = text;
+        }
+        self
+    }
+
     pub(crate) fn in_statement(self, region: &str, record: &str) -> Self {
         RematError::Statement {
             region: region.to_string(),
             record: record.to_string(),
             source: Arc::new(self),
         }
+    }
+}
+
+/// The trace of a replay error on lines of its own, if there is one.
+fn trace_suffix(trace: &str) -> String {
+    if trace.is_empty() {
+        String::new()
+    } else {
+        format!("\n{trace}")
     }
 }
 

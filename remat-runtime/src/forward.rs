@@ -6,7 +6,9 @@ use std::time::Instant;
 
 use candle_core::{Tensor, TensorId, Var};
 
+use crate::memory::storage_extent;
 use crate::tape::{Meta, Profile, Record, Saved, Source};
+use crate::trace::{self, Phase, TraceEvent};
 use crate::{Outputs, Policy, RematError, Result};
 
 /// Copies `t` into a fresh variable: a leaf of a tracked sub-graph whose
@@ -45,11 +47,25 @@ pub(crate) struct ForwardState {
     chain: Option<usize>,
     /// Measure statements for the budget planner.
     profile: bool,
+    /// The call's label in the trace being recorded, if any.
+    trace: Option<String>,
+    /// Storages already counted in the trace's bytes.
+    trace_seen: HashSet<usize>,
 }
 
 impl ForwardState {
-    /// `profile`: measure every statement for the budget planner.
-    pub fn new(inputs: &[Tensor], requires_grad: &[bool], profile: bool) -> Self {
+    /// `profile`: measure every statement for the budget planner; `trace`:
+    /// the call's label in the trace being recorded, if any.
+    pub fn new(
+        inputs: &[Tensor],
+        requires_grad: &[bool],
+        profile: bool,
+        trace: Option<String>,
+    ) -> Self {
+        let trace_seen = match trace {
+            Some(_) => inputs.iter().map(|t| storage_extent(t).0).collect(),
+            None => HashSet::new(),
+        };
         ForwardState {
             requires_grad: inputs
                 .iter()
@@ -66,7 +82,46 @@ impl ForwardState {
             param_ids: HashSet::new(),
             chain: None,
             profile,
+            trace,
+            trace_seen,
         }
+    }
+
+    /// Records the statement in the trace being recorded, if any. `held`:
+    /// the tensors it keeps on the tape (graphs walked for saved outputs).
+    fn trace_event(&mut self, record: &Record, held: &[Tensor], leaves: &[Tensor]) {
+        let Some(label) = &self.trace else { return };
+        let mut bytes = 0;
+        let mut count = |t: &Tensor, seen: &mut HashSet<usize>| {
+            let (key, b) = storage_extent(t);
+            if seen.insert(key) {
+                bytes += b;
+            }
+        };
+        for t in held {
+            let nodes: Vec<Tensor> = if t.track_op() {
+                t.sorted_nodes().into_iter().cloned().collect()
+            } else {
+                vec![t.clone()]
+            };
+            for n in nodes.iter().filter(|n| !self.param_ids.contains(&n.id())) {
+                count(n, &mut self.trace_seen);
+            }
+        }
+        for leaf in leaves {
+            count(leaf, &mut self.trace_seen);
+        }
+        trace::push(TraceEvent {
+            phase: Phase::Forward,
+            region: label.clone(),
+            statement: record.name.clone(),
+            policy: record.policy,
+            declared: record.declared,
+            inputs: trace::shapes(&record.inputs),
+            outputs: trace::shapes(&record.outputs),
+            dtype: record.outputs.first().map(|m| m.dtype),
+            bytes,
+        });
     }
 
     fn needs_grad(&self, region: &str, record: &str, index: usize, t: &Tensor) -> Result<bool> {
@@ -182,6 +237,10 @@ impl ForwardState {
                     saved: None,
                     profile: self.profile.then(|| Box::new(Profile { seconds, sources })),
                 });
+                if self.trace.is_some() {
+                    let record = self.records[index].clone();
+                    self.trace_event(&record, &[], &[]);
+                }
                 O::join(&mut outputs.into_iter(), &skeleton)
             }
             Policy::Save => {
@@ -249,6 +308,14 @@ impl ForwardState {
                     saved: Some(saved),
                     profile: self.profile.then(|| Box::new(Profile { seconds, sources })),
                 });
+                if self.trace.is_some() {
+                    let record = self.records[index].clone();
+                    let saved = record.saved.as_ref().expect("just recorded");
+                    let leaves: Vec<Tensor> = saved.leaves.iter().flatten().cloned().collect();
+                    let mut held = saved.outs.clone();
+                    held.extend(saved.kept.iter().flatten().cloned());
+                    self.trace_event(&record, &held, &leaves);
+                }
                 O::join(&mut outputs.into_iter(), &skeleton)
             }
         }

@@ -59,6 +59,7 @@ mod sequential;
 mod state;
 mod sweep;
 mod tape;
+mod trace;
 
 pub use counting::CountingAlloc;
 pub use ctx::Ctx;
@@ -72,6 +73,7 @@ pub use policy::Policy;
 pub use region::{checkpoint, Region};
 pub use retain::{backward, retain_tape};
 pub use sequential::checkpoint_sequential;
+pub use trace::{Phase, Trace, TraceEvent};
 
 #[doc = include_str!("remat.md")]
 pub use remat_macros::remat;

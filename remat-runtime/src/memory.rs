@@ -75,7 +75,7 @@ pub struct MemoryReport {
 }
 
 /// Identity and byte size of the storage `t` uses, as far as `t` reaches.
-fn storage_extent(t: &Tensor) -> (usize, usize) {
+pub(crate) fn storage_extent(t: &Tensor) -> (usize, usize) {
     let (storage, layout) = t.storage_and_layout();
     let key = std::ptr::from_ref::<Storage>(&storage) as usize;
     let dims = layout.dims();

@@ -9,7 +9,7 @@ use crate::forward::ForwardState;
 use crate::ops::{AnchorFirst, AnchorLink, Tap};
 use crate::state::RegionState;
 use crate::tape::{Body, Meta, Tape};
-use crate::{memory, planner, random, Inputs, Outputs, Plan, Result};
+use crate::{memory, planner, random, trace, Inputs, Outputs, Plan, Result};
 
 /// A checkpointed region: a block of statements whose activations are
 /// recomputed (or kept, statement by statement) for the backward.
@@ -148,6 +148,7 @@ impl Region {
             return plan.scope(|| body(&mut ctx, &inputs));
         }
         let detached: Vec<Tensor> = inputs.iter().map(|t| t.detach()).collect();
+        let trace_label = trace::begin_call(&self.name);
         let requires_grad: Vec<bool> = inputs.iter().map(|t| t.track_op()).collect();
         let mut ctx = Ctx::new(
             &self.name,
@@ -155,6 +156,7 @@ impl Region {
                 &detached,
                 &requires_grad,
                 plan.wants_profile(&self.name),
+                trace_label.clone(),
             )),
             plan.clone(),
             seed,
@@ -198,6 +200,7 @@ impl Region {
             outputs: outputs.iter().map(Meta::of).collect(),
             plan,
             seed,
+            trace_label,
         };
         let state = Arc::new(RegionState::new(self.name.clone(), tape));
         memory::register(&state);

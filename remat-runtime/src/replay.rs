@@ -6,6 +6,7 @@ use candle_core::{Tensor, TensorId};
 
 use crate::forward::make_leaf;
 use crate::tape::{Meta, Record};
+use crate::trace::{self, Phase, TraceEvent};
 use crate::{Outputs, Policy, RematError, Result};
 
 /// A value seen during replay.
@@ -48,11 +49,18 @@ pub(crate) struct ReplayState {
     open_leaves: HashMap<TensorId, Tensor>,
     /// Values some unit holds a leaf of, or that are region outputs.
     needed: HashSet<TensorId>,
+    /// The call's label in the current trace, when one is recorded.
+    trace: Option<String>,
 }
 
 /// What the replay hands to the sweep.
 pub(crate) struct Replayed {
     pub units: Vec<Unit>,
+}
+
+/// `save`, `recompute` or `(plan)`, for side-by-side traces.
+fn declared_label(declared: Option<Policy>) -> String {
+    declared.map_or("(plan)".to_string(), |p| p.to_string())
 }
 
 /// How a statement was written, for desync messages.
@@ -78,7 +86,12 @@ fn placeholder(meta: &Meta) -> Result<Tensor> {
 }
 
 impl ReplayState {
-    pub fn new(records: Vec<Record>, inputs: &[Tensor], requires_grad: &[bool]) -> Self {
+    pub fn new(
+        records: Vec<Record>,
+        inputs: &[Tensor],
+        requires_grad: &[bool],
+        trace: Option<String>,
+    ) -> Self {
         let order = inputs.iter().map(|t| t.id()).collect();
         let values = inputs
             .iter()
@@ -103,6 +116,7 @@ impl ReplayState {
             open: None,
             open_leaves: HashMap::new(),
             needed: HashSet::new(),
+            trace,
         }
     }
 
@@ -117,11 +131,13 @@ impl ReplayState {
     ) -> Result<(usize, Policy)> {
         let k = self.next;
         let found = format!("{} `{name}`", describe(declared));
+        let here = format!("{name} {}", declared_label(declared));
         let Some(record) = self.records.get(k) else {
             return Err(RematError::ReplayDesync {
                 region: region.to_string(),
                 expected: "no further statement".to_string(),
                 found,
+                trace: self.side_by_side(k, &here),
             });
         };
         if record.name != name || record.declared != declared || record.inputs.len() != inputs.len()
@@ -135,13 +151,29 @@ impl ReplayState {
                     record.inputs.len()
                 ),
                 found: format!("{found} with {} inputs", inputs.len()),
+                trace: self.side_by_side(k, &format!("{here}, {} inputs", inputs.len())),
             });
         }
         for (i, (meta, t)) in record.inputs.iter().zip(inputs).enumerate() {
-            meta.check(&Meta::of(t), region, name, format!("input {i}"))?;
+            let replay = Meta::of(t);
+            meta.check(&replay, region, name, format!("input {i}"))
+                .map_err(|e| {
+                    let at = format!("{here}, input {i} {:?}", replay.shape.dims());
+                    e.with_trace(self.side_by_side(k, &at))
+                })?;
         }
         self.next += 1;
         Ok((k, record.policy))
+    }
+
+    /// The forward's records next to the replay so far, diverging at `k`.
+    fn side_by_side(&self, k: usize, found: &str) -> String {
+        let forward: Vec<(String, String)> = self
+            .records
+            .iter()
+            .map(|r| (r.name.clone(), trace::policy_label(r.policy, r.declared)))
+            .collect();
+        trace::side_by_side(&forward, k, found)
     }
 
     pub fn statement<O: Outputs>(
@@ -153,10 +185,33 @@ impl ReplayState {
         f: impl FnOnce(&[Tensor]) -> Result<O>,
     ) -> Result<O> {
         let (k, policy) = self.expect(region, name, declared, inputs)?;
-        match policy {
-            Policy::Recompute => self.recompute(region, name, k, inputs, f),
-            Policy::Save => self.skip_saved(region, name, k, inputs),
+        let out = match policy {
+            Policy::Recompute => self.recompute(region, name, k, inputs, f)?,
+            Policy::Save => self.skip_saved(region, name, k, inputs)?,
+        };
+        if let Some(label) = &self.trace {
+            let record = &self.records[k];
+            let bytes = match policy {
+                Policy::Recompute => record
+                    .outputs
+                    .iter()
+                    .map(|m| m.shape.elem_count() * m.dtype.size_in_bytes())
+                    .sum(),
+                Policy::Save => 0,
+            };
+            trace::push(TraceEvent {
+                phase: Phase::Replay,
+                region: label.clone(),
+                statement: name.to_string(),
+                policy,
+                declared,
+                inputs: trace::shapes(&record.inputs),
+                outputs: trace::shapes(&record.outputs),
+                dtype: record.outputs.first().map(|m| m.dtype),
+                bytes,
+            });
         }
+        Ok(out)
     }
 
     fn recompute<O: Outputs>(
@@ -228,10 +283,15 @@ impl ReplayState {
                 region: region.to_string(),
                 expected: format!("`{name}` returning {} tensors", record.outputs.len()),
                 found: format!("`{name}` returning {} tensors", tensors.len()),
+                trace: String::new(),
             });
         }
         for (j, (meta, t)) in record.outputs.iter().zip(&tensors).enumerate() {
-            meta.check(&Meta::of(t), region, name, format!("output {j}"))?;
+            let replay = Meta::of(t);
+            if let Err(e) = meta.check(&replay, region, name, format!("output {j}")) {
+                let at = format!("{name} recompute, output {j} {:?}", replay.shape.dims());
+                return Err(e.with_trace(self.side_by_side(k, &at)));
+            }
         }
         for t in &tensors {
             // An output that is one of the segment's own leaves stays what it is.
@@ -266,6 +326,7 @@ impl ReplayState {
                 region: region.to_string(),
                 expected: format!("saved statement `{name}` with its record"),
                 found: "a record that was already consumed".to_string(),
+                trace: String::new(),
             })?;
         // A chained record joins the unit of the saved record before it,
         // which is the last unit.
@@ -287,6 +348,7 @@ impl ReplayState {
                         region: region.to_string(),
                         expected: format!("input {i} of `{name}` needing gradients"),
                         found: "an input that needs none".to_string(),
+                        trace: String::new(),
                     })
                 }
             }
@@ -322,6 +384,7 @@ impl ReplayState {
                 region: region.to_string(),
                 expected: format!("`{name}` returning the same type as in the forward"),
                 found: "another type".to_string(),
+                trace: String::new(),
             })?
             .clone();
         if u < self.units.len() {

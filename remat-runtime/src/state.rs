@@ -7,7 +7,7 @@ use candle_core::Tensor;
 use crate::ctx::{Ctx, Mode};
 use crate::replay::ReplayState;
 use crate::tape::{Meta, Tape};
-use crate::{retain, sweep, RematError, Result};
+use crate::{retain, sweep, trace, RematError, Result};
 
 pub(crate) enum Slot {
     Live(Tape),
@@ -113,10 +113,16 @@ impl RegionState {
             outputs,
             plan,
             seed,
+            trace_label,
         } = tape;
         let mut ctx = Ctx::new(
             &self.name,
-            Mode::Replay(ReplayState::new(records, &inputs, &requires_grad)),
+            Mode::Replay(ReplayState::new(
+                records,
+                &inputs,
+                &requires_grad,
+                trace_label.filter(|_| trace::enabled()),
+            )),
             plan.clone(),
             seed,
         );

@@ -36,6 +36,7 @@ impl Meta {
                 forward,
                 replay,
             }),
+            trace: String::new(),
         };
         if self.shape != replay.shape {
             return Err(mismatch(
@@ -137,4 +138,6 @@ pub(crate) struct Tape {
     pub plan: Plan,
     /// The call's seed for [`crate::random`]: the replay draws the same.
     pub seed: u64,
+    /// The call's label in the trace recorded during its forward, if any.
+    pub trace_label: Option<String>,
 }

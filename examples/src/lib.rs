@@ -7,4 +7,5 @@ pub mod data;
 pub mod dump;
 pub mod gpt;
 pub mod rng;
+pub mod soak;
 pub mod train;

@@ -49,3 +49,6 @@ fn expand(input: TokenStream) -> TokenStream {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod fuzz;

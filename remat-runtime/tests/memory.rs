@@ -164,4 +164,49 @@ fn exact_memory_of_an_eight_block_stack() {
     assert!(matches!(e, RematError::Statement { ref record, .. } if record == "boom"));
     drop(e);
     assert_eq!(live(), base, "an error mid-forward leaked");
+
+    // An error raised during the replay of one block (injected: the
+    // statement fails only when it runs the second time) fails the backward,
+    // releases that block's tape whole, and leaks nothing; the next step
+    // works.
+    let step_with_replay_fault = |inject: bool| -> std::result::Result<(), String> {
+        let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let mut h = x.clone();
+        for (i, b) in blocks.iter().enumerate() {
+            let (me, runs) = (b.clone(), runs.clone());
+            h = Region::new(format!("mlp.{i}"))
+                .run(&[&h], move |ctx, ins| {
+                    let y = me.body(ctx, &ins[0], &all(Policy::Recompute))?;
+                    ctx.recompute("fault", &[&y], |t| {
+                        let n = runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        if inject && i == 3 && n >= BLOCKS {
+                            return Err(candle_core::Error::Msg("injected".into()).into());
+                        }
+                        Ok(t[0].clone())
+                    })
+                })
+                .unwrap();
+        }
+        let loss = h.sqr().unwrap().sum_all().unwrap();
+        let r = remat_runtime::backward(&loss)
+            .map(|_| ())
+            .map_err(|e| e.to_string());
+        drop((loss, h));
+        r
+    };
+    step_with_replay_fault(false).unwrap();
+    let base = live();
+    let e = step_with_replay_fault(true).unwrap_err();
+    assert!(
+        e.contains("injected") && e.contains("mlp.3") && e.contains("fault"),
+        "{e}"
+    );
+    assert!(
+        MemoryReport::capture().entries.is_empty(),
+        "no tape left alive"
+    );
+    drop(e);
+    assert_eq!(live(), base, "an error during a replay leaked");
+    step_with_replay_fault(false).unwrap();
+    assert_eq!(live(), base, "the step after the fault");
 }

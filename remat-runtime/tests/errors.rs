@@ -216,3 +216,36 @@ fn replay_returning_another_number_of_outputs() {
         "{e:?}"
     );
 }
+
+#[test]
+fn dropout_probability_out_of_range() {
+    let x = x();
+    for p in [-0.1, 1.0, 2.0] {
+        let e = remat_runtime::random::dropout(x.as_tensor(), p).unwrap_err();
+        assert!(e.to_string().contains("outside [0, 1)"), "{e}");
+    }
+}
+
+#[test]
+fn checkpoint_sequential_with_a_bad_segment_count() {
+    let x = x();
+    let blocks = || (0..3).map(|_| |t: &Tensor| t.exp());
+    for k in [0, 4] {
+        let e =
+            remat_runtime::checkpoint_sequential("stack", k, x.as_tensor(), blocks()).unwrap_err();
+        assert!(
+            e.to_string().contains("`stack`") && e.to_string().contains("between 1 and"),
+            "{e}"
+        );
+    }
+}
+
+#[test]
+fn missing_gradients_are_named() {
+    let x = x();
+    let unused = Var::ones(2, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+    let grads = x.as_tensor().sum_all().unwrap().backward().unwrap();
+    let e = remat_runtime::check_gradients(&grads, [("x", &x), ("unused", &unused)]).unwrap_err();
+    assert!(matches!(&e, RematError::MissingGradients { names } if names == &["unused"]));
+    assert!(e.to_string().contains("layer_norm_slow"), "{e}");
+}

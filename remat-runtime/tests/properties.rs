@@ -4,8 +4,11 @@
 //! program run as plain candle code. proptest shrinks a failure to a
 //! minimal block.
 //!
-//! f64 throughout; tolerance 1e-10 relative: the only differences allowed
-//! are the order in which gradient contributions from different units are
+//! f64 throughout; tolerance 1e-10 relative to each gradient tensor, or
+//! 1e-12 absolute where a gradient cancels to zero (found by this test: an
+//! output `a - b` of two identical values leaves only rounding noise of
+//! 1e-17 whose sign depends on summation order). The only differences
+//! allowed are the order in which contributions from different units are
 //! summed.
 //!
 //! `PROPTEST_CASES=5000 cargo test -p remat-runtime --test properties`
@@ -300,8 +303,32 @@ fn check(p: &Program) -> Result<(), TestCaseError> {
     for v in tracked {
         match (g.get(v), g_ref.get(v)) {
             (Some(a), Some(b)) => {
-                let d = rel(a, b);
-                prop_assert!(d <= 1e-10, "gradient differs by {d:e}");
+                // Relative to the tensor, with an absolute floor for
+                // gradients that cancel to zero exactly, where only f64
+                // rounding noise (~1e-16) is left to compare.
+                let d: f64 = (a - b)
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .max(0)
+                    .unwrap()
+                    .to_scalar()
+                    .unwrap();
+                let scale: f64 = b
+                    .abs()
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .max(0)
+                    .unwrap()
+                    .to_scalar()
+                    .unwrap();
+                prop_assert!(
+                    d <= 1e-10 * scale || d <= 1e-12,
+                    "gradient differs by {d:e} (largest reference magnitude {scale:e})"
+                );
             }
             (None, None) => {}
             (a, b) => prop_assert!(

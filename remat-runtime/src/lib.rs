@@ -40,6 +40,7 @@
 
 mod counting;
 mod ctx;
+mod device_memory;
 mod error;
 mod forward;
 mod grads;
@@ -63,6 +64,7 @@ mod trace;
 
 pub use counting::CountingAlloc;
 pub use ctx::Ctx;
+pub use device_memory::device_memory_in_use;
 pub use error::{Mismatch, RematError, Result};
 pub use grads::check_gradients;
 pub use inputs::Inputs;

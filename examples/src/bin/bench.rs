@@ -20,7 +20,7 @@ use examples::data::{default_text, Corpus};
 use examples::gpt::{Checkpointing, Config, Gpt};
 use examples::rng::Rng;
 use plotters::prelude::*;
-use remat_runtime::{CountingAlloc, Plan};
+use remat_runtime::{device_memory_in_use, CountingAlloc, Plan};
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc::new();
@@ -178,12 +178,18 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         for i in 0..n {
             let v = &mut variants[(round + i) % n];
             let before = ALLOC.live();
+            let device_before = device_memory_in_use(&dev)?;
             ALLOC.reset_peak();
             let start = Instant::now();
             let loss = v.plan.scope(|| model.loss(&x, &y))?;
             sync(&dev)?;
             let forward = start.elapsed().as_secs_f64();
-            let held = ALLOC.live().saturating_sub(before);
+            // On a GPU, what the device holds (driver figures; the host's
+            // counting allocator sees none of it). Peaks are CPU-only.
+            let held = match (device_before, device_memory_in_use(&dev)?) {
+                (Some(b), Some(a)) => a.saturating_sub(b),
+                _ => ALLOC.live().saturating_sub(before),
+            };
             let grads = loss.backward()?;
             sync(&dev)?;
             let elapsed = start.elapsed().as_secs_f64();

@@ -262,6 +262,26 @@ impl Gpt {
         })
     }
 
+    /// The same parameters, copied to `dev`.
+    pub fn to_device(&self, dev: &Device) -> Self {
+        let to = |v: &Var| Var::from_tensor(&v.as_tensor().to_device(dev).unwrap()).unwrap();
+        Gpt {
+            n_head: self.n_head,
+            ln1_g: to(&self.ln1_g),
+            ln1_b: to(&self.ln1_b),
+            w_qkv: to(&self.w_qkv),
+            b_qkv: to(&self.b_qkv),
+            w_proj: to(&self.w_proj),
+            b_proj: to(&self.b_proj),
+            ln2_g: to(&self.ln2_g),
+            ln2_b: to(&self.ln2_b),
+            w_fc: to(&self.w_fc),
+            b_fc: to(&self.b_fc),
+            w_out: to(&self.w_out),
+            b_out: to(&self.b_out),
+        }
+    }
+
     pub fn region(
         &self,
         name: &str,

@@ -371,6 +371,9 @@ impl Gpt {
     /// Samples `n` tokens after `prompt` (temperature `temp`), without
     /// checkpointing and without a key-value cache (a short demo).
     pub fn sample(&self, prompt: &[u32], n: usize, temp: f64, rng: &mut Rng) -> Result<Vec<u32>> {
+        if prompt.is_empty() {
+            candle_core::bail!("sampling needs a prompt of at least one token");
+        }
         let dev = self.wte.device().clone();
         let mut tokens = prompt.to_vec();
         Plan::off().scope(|| {

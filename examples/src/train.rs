@@ -197,7 +197,12 @@ pub fn train(
     let tokens_per_second =
         measured * (opts.batch * opts.seq) as f64 / started.elapsed().as_secs_f64();
     let valid_after = evaluate(&model, corpus, opts, dev)?;
-    let prompt = corpus.encode("\n");
+    // Start from a newline, or from the text's first character when the
+    // text has no newline.
+    let mut prompt = corpus.encode("\n");
+    if prompt.is_empty() {
+        prompt = corpus.train.iter().take(1).copied().collect();
+    }
     let sample = model.sample(&prompt, opts.sample, 0.8, &mut rng)?;
     Ok(Report {
         config,

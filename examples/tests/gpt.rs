@@ -24,9 +24,21 @@ fn tiny() -> Options {
     }
 }
 
+/// A fixed text (the default corpus follows the docs, which change).
+const TEXT: &str = "\
+Activation checkpointing trades compute for memory. During the forward pass, \
+a checkpointed block keeps only its inputs; during the backward pass, it runs \
+the block again to rebuild the activations it needs. Saving a statement keeps \
+its residuals instead, so the backward does not run it again. The best plan \
+saves what is expensive to recompute and cheap to keep, such as the outputs \
+of matrix products, and recomputes what is cheap, such as norms and \
+activations. A memory budget turns this into a choice for every statement. \
+The tape holds the saved residuals under stable names, and the replay checks \
+that it runs the same statements in the same order as the forward did. ";
+
 #[test]
 fn training_smoke_loss_falls_and_every_parameter_trains() {
-    let corpus = Corpus::new(&default_text());
+    let corpus = Corpus::new(&TEXT.repeat(8));
     // `train` fails (naming them) if a parameter gets no gradient.
     let report = train(&corpus, &tiny(), &Device::Cpu, None).unwrap();
     let first = report.losses[0];

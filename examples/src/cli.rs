@@ -40,6 +40,18 @@ impl Flags {
         })
     }
 
+    /// The program's own arguments; on `--help`, prints `usage` and exits.
+    pub fn from_env(usage: &str) -> Result<Self, String> {
+        match Flags::parse(std::env::args().skip(1)) {
+            Ok(f) => Ok(f),
+            Err(None) => {
+                print!("{usage}");
+                std::process::exit(0);
+            }
+            Err(Some(e)) => Err(e),
+        }
+    }
+
     /// The value of `--name`, or `default`.
     pub fn get<T: FromStr>(&mut self, name: &str, default: T) -> Result<T, String>
     where

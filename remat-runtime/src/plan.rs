@@ -10,6 +10,12 @@ use crate::state::lock;
 use crate::Policy;
 
 /// What a [`Plan`] sees of a statement when it decides its policy.
+///
+/// ```
+/// use remat_runtime::{Plan, Policy, StatementInfo};
+/// let open = StatementInfo { region: "block", name: "act", declared: None };
+/// assert_eq!(Plan::save_only(["act"]).policy(&open), Policy::Save);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StatementInfo<'a> {
     /// The region's name.
@@ -54,6 +60,26 @@ struct Budget {
 /// Costs come from the region's first call under the plan, which runs with
 /// every open statement saved to measure them: `bytes` as the memory report
 /// counts them, `seconds` the statement's wall time in that forward.
+///
+/// ```
+/// use candle_core::{DType, Device, Var};
+/// use remat_runtime::{Plan, Policy, Region};
+/// let x = Var::ones((8, 8), DType::F32, &Device::Cpu)?;
+/// let plan = Plan::budget(1.0);
+/// for _ in 0..2 {
+///     let y = Region::new("r").plan(plan.clone()).run(&[x.as_tensor()], |ctx, ins| {
+///         let e = ctx.auto("e", &[&ins[0]], |t| Ok(t[0].exp()?))?;
+///         ctx.auto("s", &[&e], |t| Ok(t[0].sum_all()?))
+///     })?;
+///     y.backward()?;
+/// }
+/// let solution = &plan.solutions()[0];
+/// assert_eq!(solution.region, "r");
+/// // A full budget saves every open statement: nothing is recomputed.
+/// assert!(solution.statements.iter().all(|s| s.policy == Policy::Save));
+/// assert_eq!(solution.bytes, solution.max_bytes);
+/// # Ok::<(), remat_runtime::RematError>(())
+/// ```
 #[derive(Debug, Clone, PartialEq)]
 pub struct Solution {
     /// The region's name.
@@ -74,7 +100,13 @@ pub struct Solution {
     pub statements: Vec<PlannedStatement>,
 }
 
-/// One statement of a [`Solution`].
+/// One statement of a [`Solution`] (see its example).
+///
+/// ```
+/// use remat_runtime::{PlannedStatement, Policy};
+/// let s = PlannedStatement { name: "fc".into(), policy: Policy::Save, declared: false, seconds: 1e-3, bytes: 4096 };
+/// assert!(!s.declared);
+/// ```
 #[derive(Debug, Clone, PartialEq)]
 pub struct PlannedStatement {
     /// The statement's name.

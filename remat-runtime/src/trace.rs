@@ -12,6 +12,12 @@ use crate::tape::Meta;
 use crate::Policy;
 
 /// When a statement ran.
+///
+/// ```
+/// use remat_runtime::{Phase, Trace};
+/// let ((), trace) = Trace::record(|| ());
+/// assert!(trace.events.iter().all(|e| e.phase == Phase::Forward));
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
     /// In the region's forward.
@@ -20,7 +26,22 @@ pub enum Phase {
     Replay,
 }
 
-/// One statement of one region call, in one phase.
+/// One statement of one region call, in one phase (see [`Trace`]).
+///
+/// ```
+/// use candle_core::{DType, Device, Var};
+/// use remat_runtime::{Phase, Policy, Region, Trace};
+/// let x = Var::ones(4, DType::F32, &Device::Cpu)?;
+/// let (y, trace) = Trace::record(|| {
+///     Region::new("r").run(&[x.as_tensor()], |ctx, ins| ctx.save("e", &[&ins[0]], |t| Ok(t[0].exp()?)))
+/// });
+/// let e = &trace.events[0];
+/// assert_eq!((e.phase, e.region.as_str(), e.statement.as_str()), (Phase::Forward, "r#0", "e"));
+/// assert_eq!(e.policy, Policy::Save);
+/// assert_eq!(e.bytes, 2 * 4 * 4); // the leaf copy of x and the output
+/// drop(y?);
+/// # Ok::<(), remat_runtime::RematError>(())
+/// ```
 #[derive(Debug, Clone, PartialEq)]
 pub struct TraceEvent {
     /// Forward or replay.

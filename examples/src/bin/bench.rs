@@ -90,14 +90,7 @@ fn main() {
 }
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {
-    let mut flags = match Flags::parse(std::env::args().skip(1)) {
-        Ok(f) => f,
-        Err(None) => {
-            print!("{USAGE}");
-            return Ok(());
-        }
-        Err(Some(e)) => return Err(e.into()),
-    };
+    let mut flags = Flags::from_env(USAGE)?;
     let layers = flags.get("layers", 4usize)?;
     let d_model = flags.get("d-model", 256usize)?;
     let heads = flags.get("heads", 4usize)?;

@@ -36,14 +36,7 @@ fn main() {
 }
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {
-    let mut flags = match Flags::parse(std::env::args().skip(1)) {
-        Ok(f) => f,
-        Err(None) => {
-            print!("{USAGE}");
-            return Ok(());
-        }
-        Err(Some(e)) => return Err(e.into()),
-    };
+    let mut flags = Flags::from_env(USAGE)?;
     let steps = flags.get("steps", 1000usize)?.max(20);
     let shape = Shape {
         layers: flags.get("layers", 2)?,

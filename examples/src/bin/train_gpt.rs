@@ -46,14 +46,7 @@ fn main() {
 }
 
 fn options() -> Result<(Options, String, Option<PathBuf>), String> {
-    let mut flags = match Flags::parse(std::env::args().skip(1)) {
-        Ok(f) => f,
-        Err(None) => {
-            print!("{USAGE}");
-            std::process::exit(0);
-        }
-        Err(Some(e)) => return Err(e),
-    };
+    let mut flags = Flags::from_env(USAGE)?;
     let d = Options::default();
     let opts = Options {
         policy: flags.get::<Checkpointing>("policy", d.policy)?,

@@ -30,6 +30,17 @@
 //! # Ok::<(), remat_runtime::RematError>(())
 //! ```
 //!
+//! The pieces:
+//!
+//! * [`remat!`](macro@remat) and [`Region`] / [`Ctx`]: blocks and their
+//!   statements; [`checkpoint_sequential`] for a stack of blocks;
+//! * [`Plan`]: policies chosen at run time (full, by name, a function, or a
+//!   memory budget solved exactly per region);
+//! * [`random`]: dropout and random draws that replay identically;
+//! * [`MemoryReport`], [`CountingAlloc`], [`device_memory_in_use`],
+//!   [`Trace`]: what the tapes hold and what ran;
+//! * [`check_gradients`], [`retain_tape`], [`backward`]: training helpers.
+//!
 //! How each value is made available during the replay follows torch_remat:
 //! region inputs are kept; outputs and residuals of recomputed statements are
 //! recomputed; residuals of saved statements are kept; outputs of saved

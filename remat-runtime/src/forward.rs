@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use candle_core::{Tensor, TensorId, Var};
 
-use crate::memory::storage_extent;
+use crate::memory::{storage_extent, Counter};
 use crate::tape::{Meta, Profile, Record, Saved, Source};
 use crate::trace::{self, Phase, TraceEvent};
 use crate::{Outputs, Policy, RematError, Result};
@@ -87,41 +87,20 @@ impl ForwardState {
         }
     }
 
-    /// Records the statement in the trace being recorded, if any. `held`:
-    /// the tensors it keeps on the tape (graphs walked for saved outputs).
-    fn trace_event(&mut self, record: &Record, held: &[Tensor], leaves: &[Tensor]) {
+    /// Records statement `index` in the trace being recorded, if any, with
+    /// the bytes it holds on the tape counted as the memory report counts
+    /// them (storages once per region call, parameters and their views not).
+    fn trace_event(&mut self, index: usize) {
         let Some(label) = &self.trace else { return };
-        let mut bytes = 0;
-        let mut count = |t: &Tensor, seen: &mut HashSet<usize>| {
-            let (key, b) = storage_extent(t);
-            if seen.insert(key) {
-                bytes += b;
-            }
-        };
-        for t in held {
-            let nodes: Vec<Tensor> = if t.track_op() {
-                t.sorted_nodes().into_iter().cloned().collect()
-            } else {
-                vec![t.clone()]
-            };
-            for n in nodes.iter().filter(|n| !self.param_ids.contains(&n.id())) {
-                count(n, &mut self.trace_seen);
-            }
+        let record = &self.records[index];
+        for p in &self.params {
+            self.trace_seen.insert(storage_extent(p).0);
         }
-        for leaf in leaves {
-            count(leaf, &mut self.trace_seen);
-        }
-        trace::push(TraceEvent {
-            phase: Phase::Forward,
-            region: label.clone(),
-            statement: record.name.clone(),
-            policy: record.policy,
-            declared: record.declared,
-            inputs: trace::shapes(&record.inputs),
-            outputs: trace::shapes(&record.outputs),
-            dtype: record.outputs.first().map(|m| m.dtype),
-            bytes,
-        });
+        let bytes = record
+            .saved
+            .as_ref()
+            .map_or(0, |saved| Counter::new(&mut self.trace_seen).saved(saved));
+        trace::push(TraceEvent::of(Phase::Forward, label, record, bytes));
     }
 
     fn needs_grad(&self, region: &str, record: &str, index: usize, t: &Tensor) -> Result<bool> {
@@ -237,10 +216,7 @@ impl ForwardState {
                     saved: None,
                     profile: self.profile.then(|| Box::new(Profile { seconds, sources })),
                 });
-                if self.trace.is_some() {
-                    let record = self.records[index].clone();
-                    self.trace_event(&record, &[], &[]);
-                }
+                self.trace_event(index);
                 O::join(&mut outputs.into_iter(), &skeleton)
             }
             Policy::Save => {
@@ -308,14 +284,7 @@ impl ForwardState {
                     saved: Some(saved),
                     profile: self.profile.then(|| Box::new(Profile { seconds, sources })),
                 });
-                if self.trace.is_some() {
-                    let record = self.records[index].clone();
-                    let saved = record.saved.as_ref().expect("just recorded");
-                    let leaves: Vec<Tensor> = saved.leaves.iter().flatten().cloned().collect();
-                    let mut held = saved.outs.clone();
-                    held.extend(saved.kept.iter().flatten().cloned());
-                    self.trace_event(&record, &held, &leaves);
-                }
+                self.trace_event(index);
                 O::join(&mut outputs.into_iter(), &skeleton)
             }
         }

@@ -8,7 +8,7 @@ use std::sync::{Arc, Weak};
 use candle_core::{DType, Storage, Tensor};
 
 use crate::state::{lock, RegionState, Slot};
-use crate::tape::Record;
+use crate::tape::{Record, Saved};
 use crate::Policy;
 
 thread_local! {
@@ -93,11 +93,32 @@ pub(crate) fn storage_extent(t: &Tensor) -> (usize, usize) {
     (key, elems * t.dtype().size_in_bytes())
 }
 
-struct Counter<'a> {
+/// Counts bytes of storages not counted before: the one rule behind the
+/// memory report, the budget planner's costs and the trace's bytes.
+pub(crate) struct Counter<'a> {
     seen: &'a mut HashSet<usize>,
 }
 
-impl Counter<'_> {
+impl<'a> Counter<'a> {
+    /// A counter that skips the storages in `seen` and adds what it counts.
+    pub(crate) fn new(seen: &'a mut HashSet<usize>) -> Self {
+        Counter { seen }
+    }
+
+    /// Bytes a saved record holds that were not counted before: its tracked
+    /// graph, its leaf copies and its kept outputs.
+    pub(crate) fn saved(&mut self, saved: &Saved) -> usize {
+        let graph: usize = saved.outs.iter().map(|t| self.count(t, true)).sum();
+        let rest: usize = saved
+            .leaves
+            .iter()
+            .chain(&saved.kept)
+            .flatten()
+            .map(|t| self.count(t, false))
+            .sum();
+        graph + rest
+    }
+
     /// Bytes of the storages of `t` (and, with `graph`, of its tracked
     /// ancestors) not seen before.
     fn count(&mut self, t: &Tensor, graph: bool) -> usize {
@@ -133,22 +154,10 @@ pub(crate) fn own_bytes(records: &[Record], params: &[Tensor], inputs: &[Tensor]
             seen.insert(storage_extent(leaf).0);
         }
     }
-    let mut counter = Counter { seen: &mut seen };
+    let mut counter = Counter::new(&mut seen);
     records
         .iter()
-        .map(|r| match &r.saved {
-            Some(saved) => {
-                let outs: usize = saved.outs.iter().map(|t| counter.count(t, true)).sum();
-                let kept: usize = saved
-                    .kept
-                    .iter()
-                    .flatten()
-                    .map(|t| counter.count(t, false))
-                    .sum();
-                outs + kept
-            }
-            None => 0,
-        })
+        .map(|r| r.saved.as_ref().map_or(0, |saved| counter.saved(saved)))
         .collect()
 }
 
@@ -182,7 +191,7 @@ impl MemoryReport {
             for p in &tape.params {
                 seen.insert(storage_extent(p).0);
             }
-            let mut counter = Counter { seen: &mut seen };
+            let mut counter = Counter::new(&mut seen);
             let entry = |record: &str, policy, bytes, shapes: Vec<Vec<usize>>, dtype| MemoryEntry {
                 region: state.name.clone(),
                 call,
@@ -197,15 +206,10 @@ impl MemoryReport {
             let dtype = tape.inputs.first().map(|t| t.dtype());
             entries.push(entry("(inputs)", None, bytes, shapes, dtype));
             for record in &tape.records {
-                let mut bytes = 0;
-                if let Some(saved) = &record.saved {
-                    for t in saved.outs.iter() {
-                        bytes += counter.count(t, true);
-                    }
-                    for t in saved.leaves.iter().chain(&saved.kept).flatten() {
-                        bytes += counter.count(t, false);
-                    }
-                }
+                let bytes = record
+                    .saved
+                    .as_ref()
+                    .map_or(0, |saved| counter.saved(saved));
                 let shapes = record
                     .outputs
                     .iter()

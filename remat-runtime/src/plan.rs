@@ -336,13 +336,7 @@ impl Plan {
     /// # Ok::<(), remat_runtime::RematError>(())
     /// ```
     pub fn budget(fraction: f64) -> Self {
-        Plan::new(
-            Kind::Budget(Arc::new(Budget {
-                target: Target::Fraction(fraction),
-                solved: Mutex::new(Vec::new()),
-            })),
-            format!("budget {fraction}"),
-        )
+        Plan::with_budget(Target::Fraction(fraction), format!("budget {fraction}"))
     }
 
     /// A memory budget in bytes per region call; see [`Plan::budget`].
@@ -351,13 +345,15 @@ impl Plan {
     /// assert_eq!(remat_runtime::Plan::budget_bytes(1 << 20).to_string(), "budget 1048576 bytes");
     /// ```
     pub fn budget_bytes(bytes: usize) -> Self {
-        Plan::new(
-            Kind::Budget(Arc::new(Budget {
-                target: Target::Bytes(bytes),
-                solved: Mutex::new(Vec::new()),
-            })),
-            format!("budget {bytes} bytes"),
-        )
+        Plan::with_budget(Target::Bytes(bytes), format!("budget {bytes} bytes"))
+    }
+
+    fn with_budget(target: Target, label: String) -> Self {
+        let budget = Budget {
+            target,
+            solved: Mutex::new(Vec::new()),
+        };
+        Plan::new(Kind::Budget(Arc::new(budget)), label)
     }
 
     /// A plan from a function of the statement, like PyTorch's `policy_fn`.
@@ -424,10 +420,7 @@ impl Plan {
     /// Plans `region` from the costs measured on its first call.
     pub(crate) fn plan_region(&self, region: &str, items: Vec<Item>) {
         let Kind::Budget(b) = &self.kind else { return };
-        let forced_only: Vec<bool> = items
-            .iter()
-            .map(|i| i.forced == Some(Policy::Save))
-            .collect();
+        let forced_only = planner::forced_saves(&items);
         let open_saved: Vec<bool> = items
             .iter()
             .map(|i| i.forced != Some(Policy::Recompute))

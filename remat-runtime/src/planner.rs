@@ -89,6 +89,14 @@ fn leaf_bytes(item: &Item, start: usize, i: usize) -> usize {
         .sum()
 }
 
+/// The smallest assignment: only the statements the code saves.
+pub(crate) fn forced_saves(items: &[Item]) -> Vec<bool> {
+    items
+        .iter()
+        .map(|i| i.forced == Some(Policy::Save))
+        .collect()
+}
+
 /// Seconds spent recomputing the statements marked `false`.
 pub(crate) fn seconds(items: &[Item], save: &[bool]) -> f64 {
     items
@@ -134,11 +142,6 @@ pub(crate) fn solve(items: &[Item], budget: usize) -> Vec<bool> {
             save: Vec::new(),
         }],
     );
-    let mut smallest = Entry {
-        bytes: 0,
-        seconds: 0.0,
-        save: Vec::new(),
-    };
     for (i, item) in items.iter().enumerate() {
         let mut next: HashMap<Option<usize>, Vec<Entry>> = HashMap::new();
         for (run, front) in &states {
@@ -165,16 +168,13 @@ pub(crate) fn solve(items: &[Item], budget: usize) -> Vec<bool> {
             .map(|(k, v)| (k, pareto(v)))
             .filter(|(_, v)| !v.is_empty())
             .collect();
-        // The fallback: save only what is forced.
-        let forced = item.forced == Some(Policy::Save);
-        smallest.save.push(forced);
     }
     states
         .into_values()
         .flatten()
         .min_by(|a, b| a.seconds.total_cmp(&b.seconds).then(a.bytes.cmp(&b.bytes)))
         .map(|e| e.save)
-        .unwrap_or(smallest.save)
+        .unwrap_or_else(|| forced_saves(items))
 }
 
 #[cfg(test)]

@@ -14,7 +14,7 @@ use std::cell::{Cell, RefCell};
 
 use candle_core::{DType, Device, Shape, Tensor};
 
-use crate::{RematError, Result};
+use crate::Result;
 
 thread_local! {
     static BASE: Cell<u64> = const { Cell::new(0x05EE_D0F4_E3A7) };
@@ -150,9 +150,8 @@ pub fn uniform(shape: impl Into<Shape>, device: &Device) -> Result<Tensor> {
 /// ```
 pub fn dropout(x: &Tensor, p: f64) -> Result<Tensor> {
     if !(0.0..1.0).contains(&p) {
-        return Err(RematError::Candle(std::sync::Arc::new(
-            candle_core::Error::Msg(format!("dropout probability {p} is outside [0, 1)")),
-        )));
+        let msg = format!("dropout probability {p} is outside [0, 1)");
+        return Err(candle_core::Error::Msg(msg).into());
     }
     if p == 0.0 {
         return Ok(x.clone());

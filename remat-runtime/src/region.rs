@@ -150,12 +150,14 @@ impl Region {
         let detached: Vec<Tensor> = inputs.iter().map(|t| t.detach()).collect();
         let trace_label = trace::begin_call(&self.name);
         let requires_grad: Vec<bool> = inputs.iter().map(|t| t.track_op()).collect();
+        // The first call of the region under a budget plan measures it.
+        let profile = plan.wants_profile(&self.name);
         let mut ctx = Ctx::new(
             &self.name,
             Mode::Forward(ForwardState::new(
                 &detached,
                 &requires_grad,
-                plan.wants_profile(&self.name),
+                profile,
                 trace_label.clone(),
             )),
             plan.clone(),
@@ -181,9 +183,9 @@ impl Region {
             // Inert: nothing needs gradients, the outputs are plain values.
             return O::join(&mut outputs.into_iter(), &skeleton);
         }
-        if plan.wants_profile(&self.name) {
-            // The first call under a budget plan: it saved every open
-            // statement; plan the region from what that cost.
+        if profile {
+            // It saved every open statement: plan the region from what that
+            // cost.
             plan.plan_region(&self.name, planner::items(&records, &params, &detached));
         }
         let body: Body = Arc::new(move |ctx: &mut Ctx, ins: &[Tensor]| {

@@ -199,17 +199,7 @@ impl ReplayState {
                     .sum(),
                 Policy::Save => 0,
             };
-            trace::push(TraceEvent {
-                phase: Phase::Replay,
-                region: label.clone(),
-                statement: name.to_string(),
-                policy,
-                declared,
-                inputs: trace::shapes(&record.inputs),
-                outputs: trace::shapes(&record.outputs),
-                dtype: record.outputs.first().map(|m| m.dtype),
-                bytes,
-            });
+            trace::push(TraceEvent::of(Phase::Replay, label, record, bytes));
         }
         Ok(out)
     }

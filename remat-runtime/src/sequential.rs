@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use candle_core::Tensor;
 
-use crate::{Region, RematError, Result};
+use crate::{Region, Result};
 
 type Block = Arc<dyn Fn(&Tensor) -> candle_core::Result<Tensor> + Send + Sync>;
 
@@ -52,12 +52,11 @@ where
     let blocks: Vec<Block> = blocks.into_iter().map(|f| Arc::new(f) as Block).collect();
     let n = blocks.len();
     if segments == 0 || segments > n.max(1) {
-        return Err(RematError::Candle(Arc::new(candle_core::Error::Msg(
-            format!(
-                "checkpoint_sequential `{name}`: {segments} segments for {n} blocks; \
+        let msg = format!(
+            "checkpoint_sequential `{name}`: {segments} segments for {n} blocks; \
              use between 1 and the number of blocks"
-            ),
-        ))));
+        );
+        return Err(candle_core::Error::Msg(msg).into());
     }
     let mut h = x.clone();
     let mut start = 0;

@@ -8,7 +8,7 @@ use std::fmt;
 
 use candle_core::DType;
 
-use crate::tape::Meta;
+use crate::tape::{Meta, Record};
 use crate::Policy;
 
 /// When a statement ran.
@@ -160,11 +160,28 @@ pub(crate) fn push(event: TraceEvent) {
     });
 }
 
-/// `[2, 8] [8]`, or `-` for none.
-pub(crate) fn shapes(metas: &[Meta]) -> Vec<Vec<usize>> {
+fn shapes(metas: &[Meta]) -> Vec<Vec<usize>> {
     metas.iter().map(|m| m.shape.dims().to_vec()).collect()
 }
 
+impl TraceEvent {
+    /// The event of `record` of the call labelled `region`.
+    pub(crate) fn of(phase: Phase, region: &str, record: &Record, bytes: usize) -> Self {
+        TraceEvent {
+            phase,
+            region: region.to_string(),
+            statement: record.name.clone(),
+            policy: record.policy,
+            declared: record.declared,
+            inputs: shapes(&record.inputs),
+            outputs: shapes(&record.outputs),
+            dtype: record.outputs.first().map(|m| m.dtype),
+            bytes,
+        }
+    }
+}
+
+/// `[2, 8] [8]`, or `-` for none.
 fn fmt_shapes(shapes: &[Vec<usize>]) -> String {
     if shapes.is_empty() {
         "-".to_string()

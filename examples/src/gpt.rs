@@ -344,15 +344,21 @@ impl Gpt {
         self.vars().iter().map(|v| v.elem_count()).sum()
     }
 
-    /// Logits `(B, T, V)` for token ids `(B, T)` (`T <= seq`), as plain
-    /// candle code apart from the blocks (for sampling).
-    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+    /// The residual stream after the blocks, `(B, T, C)`.
+    fn trunk(&self, ids: &Tensor) -> Result<Tensor> {
         let mut x = embed(ids, &self.wte, &self.wpe)?;
         let mask = causal_mask(ids.dim(1)?, ids.device())?;
         for p in &self.blocks {
             x = block(&x, p, &mask)?;
         }
-        self.head.forward(&layer_norm(&x, &self.ln_f)?)
+        Ok(x)
+    }
+
+    /// Logits `(B, T, V)` for token ids `(B, T)` (`T <= seq`), the head as
+    /// plain candle code (for sampling).
+    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        self.head
+            .forward(&layer_norm(&self.trunk(ids)?, &self.ln_f)?)
     }
 
     /// Mean cross-entropy (nats per token) of predicting `targets` from
@@ -360,12 +366,7 @@ impl Gpt {
     /// current [`Plan`]: under full recomputation only the regions' inputs
     /// stay alive between forward and backward.
     pub fn loss(&self, ids: &Tensor, targets: &Tensor) -> Result<Tensor> {
-        let mut x = embed(ids, &self.wte, &self.wpe)?;
-        let mask = causal_mask(ids.dim(1)?, ids.device())?;
-        for p in &self.blocks {
-            x = block(&x, p, &mask)?;
-        }
-        head_loss(&x, &self.ln_f, &self.head, targets)
+        head_loss(&self.trunk(ids)?, &self.ln_f, &self.head, targets)
     }
 
     /// Samples `n` tokens after `prompt` (temperature `temp`), without

@@ -175,7 +175,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             ALLOC.reset_peak();
             let start = Instant::now();
             let loss = v.plan.scope(|| model.loss(&x, &y))?;
-            sync(&dev)?;
+            dev.synchronize()?;
             let forward = start.elapsed().as_secs_f64();
             // On a GPU, what the device holds (driver figures; the host's
             // counting allocator sees none of it). Peaks are CPU-only.
@@ -184,7 +184,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                 _ => ALLOC.live().saturating_sub(before),
             };
             let grads = loss.backward()?;
-            sync(&dev)?;
+            dev.synchronize()?;
             let elapsed = start.elapsed().as_secs_f64();
             let peak = ALLOC.peak().saturating_sub(before);
             v.loss = loss.to_scalar::<f32>()?;
@@ -290,10 +290,6 @@ fn device_name(dev: &Device) -> String {
         ),
         other => format!("{:?}", other.location()),
     }
-}
-
-fn sync(dev: &Device) -> candle_core::Result<()> {
-    dev.synchronize()
 }
 
 /// Step time (relative to plain) against memory held after the forward, one

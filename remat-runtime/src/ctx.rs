@@ -192,7 +192,7 @@ impl Ctx {
                 let decided = Decided {
                     declared,
                     policy,
-                    keep: keep && policy == Policy::Save,
+                    keep: keep && policy.keeps_residuals(),
                 };
                 state.statement(&self.region, name, decided, inputs, f)
             }
@@ -247,6 +247,31 @@ impl Ctx {
         f: impl FnOnce(&[Tensor]) -> Result<O>,
     ) -> Result<O> {
         self.run(name, Some(Policy::Save), true, inputs, f)
+    }
+
+    /// Runs a statement whose backward residuals are kept from the forward
+    /// in host memory: [`Ctx::statement`] with [`Policy::Offload`]. On a CPU
+    /// device this is [`Ctx::save`]; see [`crate::offload`].
+    ///
+    /// ```
+    /// use candle_core::{Device, Var};
+    /// use remat_runtime::{MemoryReport, Policy, Region};
+    /// let x = Var::ones(2, candle_core::DType::F32, &Device::Cpu)?;
+    /// let y = Region::new("r").run(&[x.as_tensor()], |ctx, ins| {
+    ///     let e = ctx.offload("e", &[&ins[0]], |t| Ok(t[0].exp()?))?;
+    ///     ctx.recompute("s", &[&e], |t| Ok(t[0].sum_all()?))
+    /// })?;
+    /// assert_eq!(MemoryReport::capture().entries[1].policy, Some(Policy::Offload));
+    /// assert_eq!(y.backward()?.get(&x).unwrap().to_vec1::<f32>()?, vec![1f32.exp(); 2]);
+    /// # Ok::<(), remat_runtime::RematError>(())
+    /// ```
+    pub fn offload<O: Outputs>(
+        &mut self,
+        name: &str,
+        inputs: impl Inputs,
+        f: impl FnOnce(&[Tensor]) -> Result<O>,
+    ) -> Result<O> {
+        self.statement(name, Policy::Offload, inputs, f)
     }
 
     /// Runs a statement that is computed again during replay:

@@ -155,6 +155,23 @@ pub enum RematError {
         /// What went wrong.
         source: Arc<RematError>,
     },
+    /// Moving the residuals of an offloaded statement between the device and
+    /// the host failed (typically: out of memory on the side it goes to).
+    #[error(
+        "region `{region}`: copying the residuals of offloaded statement `{record}` \
+         {direction} failed: {source}; the region's tape is released. Free memory on that \
+         side, or keep the statement on the device with #[save]"
+    )]
+    Offload {
+        /// The region's name.
+        region: String,
+        /// The offloaded statement.
+        record: String,
+        /// `to the host` or `back to the device`.
+        direction: String,
+        /// candle's error.
+        source: std::sync::Arc<candle_core::Error>,
+    },
     /// An error from candle outside of any statement.
     #[error("candle: {0}")]
     Candle(Arc<candle_core::Error>),

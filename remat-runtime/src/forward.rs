@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use candle_core::{Tensor, TensorId, Var};
 
-use crate::memory::{storage_extent, Counter};
+use crate::memory::{Counter, Seen};
 use crate::tape::{Meta, Profile, Record, Saved, Source};
 use crate::trace::{self, Phase, TraceEvent};
 use crate::{Outputs, Policy, RematError, Result};
@@ -50,7 +50,7 @@ pub(crate) struct ForwardState {
     /// The call's label in the trace being recorded, if any.
     trace: Option<String>,
     /// Storages already counted in the trace's bytes.
-    trace_seen: HashSet<usize>,
+    trace_seen: Seen,
 }
 
 impl ForwardState {
@@ -62,10 +62,12 @@ impl ForwardState {
         profile: bool,
         trace: Option<String>,
     ) -> Self {
-        let trace_seen = match trace {
-            Some(_) => inputs.iter().map(|t| storage_extent(t).0).collect(),
-            None => HashSet::new(),
-        };
+        let mut trace_seen = Seen::default();
+        if trace.is_some() {
+            for t in inputs {
+                trace_seen.exclude(t);
+            }
+        }
         ForwardState {
             requires_grad: inputs
                 .iter()
@@ -94,7 +96,7 @@ impl ForwardState {
         let Some(label) = &self.trace else { return };
         let record = &self.records[index];
         for p in &self.params {
-            self.trace_seen.insert(storage_extent(p).0);
+            self.trace_seen.exclude(p);
         }
         let bytes = record
             .saved
@@ -219,12 +221,15 @@ impl ForwardState {
                 self.trace_event(index);
                 O::join(&mut outputs.into_iter(), &skeleton)
             }
-            Policy::Save => {
+            Policy::Save | Policy::Offload => {
+                // An offloaded statement's graph moves to the host as a whole:
+                // it neither continues a saved graph nor is continued.
+                let offload = policy == Policy::Offload;
                 let mut leaves = Vec::with_capacity(inputs.len());
                 let mut args = Vec::with_capacity(inputs.len());
                 let mut chained = false;
                 for (t, &need) in inputs.iter().zip(&needs) {
-                    if let Some(tracked) = need.then(|| self.chainable(t)).flatten() {
+                    if let Some(tracked) = (need && !offload).then(|| self.chainable(t)).flatten() {
                         // Continue the previous saved statement's graph: no
                         // leaf copy, and the two records form one unit.
                         chained = true;
@@ -269,8 +274,9 @@ impl ForwardState {
                     kept: outputs.iter().cloned().map(Some).collect(),
                     skeleton: Arc::new(skeleton.clone()),
                     chained: chained && any_tracked,
+                    offload: None,
                 };
-                self.chain = match (any_tracked, chained) {
+                self.chain = match (any_tracked && !offload, chained) {
                     (false, _) => None,
                     (true, true) => self.chain,
                     (true, false) => Some(index),

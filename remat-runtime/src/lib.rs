@@ -57,6 +57,7 @@ mod forward;
 mod grads;
 mod inputs;
 mod memory;
+pub mod offload;
 mod ops;
 mod outputs;
 mod plan;

@@ -1,7 +1,7 @@
 //! What the live tapes hold, by region and statement name.
 
 use std::cell::RefCell;
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Weak};
 
@@ -35,8 +35,13 @@ pub struct MemoryEntry {
     pub record: String,
     /// The statement's policy; `None` for the region inputs.
     pub policy: Option<Policy>,
-    /// Bytes of the storages this record holds that no earlier entry holds.
+    /// Bytes of the storages this record holds on its device that no
+    /// earlier entry holds.
     pub bytes: usize,
+    /// Bytes this record holds in host memory: the residuals of an offloaded
+    /// statement between its region's forward and backward (see
+    /// [`crate::offload`]); 0 for every other record.
+    pub host_bytes: usize,
     /// Shapes of the record's outputs (of the inputs, for `(inputs)`).
     pub shapes: Vec<Vec<usize>>,
     /// Dtype of the first of them.
@@ -93,21 +98,48 @@ pub(crate) fn storage_extent(t: &Tensor) -> (usize, usize) {
     (key, elems * t.dtype().size_in_bytes())
 }
 
+/// The storages counted so far, with the bytes counted for each.
+#[derive(Default)]
+pub(crate) struct Seen(HashMap<usize, usize>);
+
+impl Seen {
+    /// Never counts the storage `t` uses (a parameter's, a region input's).
+    pub(crate) fn exclude(&mut self, t: &Tensor) {
+        self.0.insert(storage_extent(t).0, usize::MAX);
+    }
+
+    /// Counts `bytes` of storage `key`: what they add to what was counted of
+    /// it before. A storage is as large as the farthest any tensor on it
+    /// reaches (a narrow view first seen reaches less than its source).
+    fn add(&mut self, key: usize, bytes: usize) -> usize {
+        let counted = self.0.entry(key).or_insert(0);
+        let more = bytes.saturating_sub(*counted);
+        *counted = (*counted).max(bytes);
+        more
+    }
+}
+
 /// Counts bytes of storages not counted before: the one rule behind the
 /// memory report, the budget planner's costs and the trace's bytes.
 pub(crate) struct Counter<'a> {
-    seen: &'a mut HashSet<usize>,
+    seen: &'a mut Seen,
 }
 
 impl<'a> Counter<'a> {
-    /// A counter that skips the storages in `seen` and adds what it counts.
-    pub(crate) fn new(seen: &'a mut HashSet<usize>) -> Self {
+    /// A counter that skips what `seen` counted and adds what it counts.
+    pub(crate) fn new(seen: &'a mut Seen) -> Self {
         Counter { seen }
     }
 
-    /// Bytes a saved record holds that were not counted before: its tracked
-    /// graph, its leaf copies and its kept outputs.
+    /// Bytes a saved record holds on its device that were not counted
+    /// before: its tracked graph, its leaf copies and its kept outputs, less
+    /// what an offloaded record holds on the host.
     pub(crate) fn saved(&mut self, saved: &Saved) -> usize {
+        if let Some(stash) = &saved.offload {
+            for (key, _) in stash.on_host() {
+                self.seen.0.insert(key, usize::MAX);
+            }
+        }
         let graph: usize = saved.outs.iter().map(|t| self.count(t, true)).sum();
         let rest: usize = saved
             .leaves
@@ -131,11 +163,7 @@ impl<'a> Counter<'a> {
             .iter()
             .map(|n| {
                 let (key, bytes) = storage_extent(n);
-                if self.seen.insert(key) {
-                    bytes
-                } else {
-                    0
-                }
+                self.seen.add(key, bytes)
             })
             .sum()
     }
@@ -145,13 +173,13 @@ impl<'a> Counter<'a> {
 /// parameters excluded), counted as [`MemoryReport`] counts them: what the
 /// budget planner charges for saving the statement.
 pub(crate) fn own_bytes(records: &[Record], params: &[Tensor], inputs: &[Tensor]) -> Vec<usize> {
-    let mut seen = HashSet::new();
+    let mut seen = Seen::default();
     for t in params.iter().chain(inputs) {
-        seen.insert(storage_extent(t).0);
+        seen.exclude(t);
     }
     for saved in records.iter().filter_map(|r| r.saved.as_ref()) {
         for leaf in saved.leaves.iter().flatten() {
-            seen.insert(storage_extent(leaf).0);
+            seen.exclude(leaf);
         }
     }
     let mut counter = Counter::new(&mut seen);
@@ -170,7 +198,7 @@ impl MemoryReport {
     pub fn capture() -> Self {
         let live: Vec<Arc<RegionState>> =
             LIVE.with(|live| live.borrow().iter().filter_map(Weak::upgrade).collect());
-        let mut seen = HashSet::new();
+        let mut seen = Seen::default();
         let mut entries = Vec::new();
         let mut calls: Vec<(String, usize)> = Vec::new();
         for state in live {
@@ -189,27 +217,36 @@ impl MemoryReport {
             // Parameters, and views of them (a broadcast bias), are not tape
             // memory: mark their storages as seen.
             for p in &tape.params {
-                seen.insert(storage_extent(p).0);
+                seen.exclude(p);
             }
             let mut counter = Counter::new(&mut seen);
-            let entry = |record: &str, policy, bytes, shapes: Vec<Vec<usize>>, dtype| MemoryEntry {
-                region: state.name.clone(),
-                call,
-                record: record.to_string(),
-                policy,
-                bytes,
-                shapes,
-                dtype,
-            };
+            let entry =
+                |record: &str, policy, bytes, host_bytes, shapes: Vec<Vec<usize>>, dtype| {
+                    MemoryEntry {
+                        region: state.name.clone(),
+                        call,
+                        record: record.to_string(),
+                        policy,
+                        bytes,
+                        host_bytes,
+                        shapes,
+                        dtype,
+                    }
+                };
             let bytes = tape.inputs.iter().map(|t| counter.count(t, false)).sum();
             let shapes = tape.inputs.iter().map(|t| t.dims().to_vec()).collect();
             let dtype = tape.inputs.first().map(|t| t.dtype());
-            entries.push(entry("(inputs)", None, bytes, shapes, dtype));
+            entries.push(entry("(inputs)", None, bytes, 0, shapes, dtype));
             for record in &tape.records {
                 let bytes = record
                     .saved
                     .as_ref()
                     .map_or(0, |saved| counter.saved(saved));
+                let host_bytes = record
+                    .saved
+                    .as_ref()
+                    .and_then(|saved| saved.offload.as_ref())
+                    .map_or(0, |stash| stash.on_host().iter().map(|(_, b)| b).sum());
                 let shapes = record
                     .outputs
                     .iter()
@@ -220,12 +257,22 @@ impl MemoryReport {
                     &record.name,
                     Some(record.policy),
                     bytes,
+                    host_bytes,
                     shapes,
                     dtype,
                 ));
             }
         }
         MemoryReport { entries }
+    }
+
+    /// The sum of the entries' host bytes (offloaded residuals).
+    ///
+    /// ```
+    /// assert_eq!(remat_runtime::MemoryReport::default().total_host_bytes(), 0);
+    /// ```
+    pub fn total_host_bytes(&self) -> usize {
+        self.entries.iter().map(|e| e.host_bytes).sum()
     }
 
     /// The sum of the entries' bytes.
@@ -239,11 +286,29 @@ impl MemoryReport {
 }
 
 impl fmt::Display for MemoryReport {
+    /// One line per entry and a total; a `host` column appears when some
+    /// record holds offloaded residuals.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let host = self.total_host_bytes() > 0;
+        let host_column = |bytes: usize| {
+            if host {
+                format!(" {bytes:>12}")
+            } else {
+                String::new()
+            }
+        };
         writeln!(
             f,
-            "{:<24} {:<20} {:<10} {:>12}  shapes",
-            "region", "record", "policy", "bytes"
+            "{:<24} {:<20} {:<10} {:>12}{}  shapes",
+            "region",
+            "record",
+            "policy",
+            "bytes",
+            if host {
+                format!(" {:>12}", "host")
+            } else {
+                String::new()
+            }
         )?;
         for e in &self.entries {
             let policy = e.policy.map_or("-".to_string(), |p| p.to_string());
@@ -256,17 +321,20 @@ impl fmt::Display for MemoryReport {
                 .join(" ");
             writeln!(
                 f,
-                "{region:<24} {:<20} {policy:<10} {:>12}  {shapes}",
-                e.record, e.bytes
+                "{region:<24} {:<20} {policy:<10} {:>12}{}  {shapes}",
+                e.record,
+                e.bytes,
+                host_column(e.host_bytes)
             )?;
         }
         write!(
             f,
-            "{:<24} {:<20} {:<10} {:>12}",
+            "{:<24} {:<20} {:<10} {:>12}{}",
             "total",
             "",
             "",
-            self.total_bytes()
+            self.total_bytes(),
+            host_column(self.total_host_bytes())
         )
     }
 }

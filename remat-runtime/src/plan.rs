@@ -35,7 +35,9 @@ enum Kind {
     Declared,
     Off,
     All(Policy),
-    SaveOnly(Arc<HashSet<String>>),
+    /// Open statements: saved when named in the first set, offloaded when
+    /// named in the second, recomputed otherwise.
+    Names(Arc<(HashSet<String>, HashSet<String>)>),
     Custom(Arc<PolicyFn>),
     Budget(Arc<Budget>),
 }
@@ -301,7 +303,37 @@ impl Plan {
     {
         let names: Vec<String> = names.into_iter().map(Into::into).collect();
         let label = format!("save only {}", names.join(", "));
-        Plan::new(Kind::SaveOnly(Arc::new(names.into_iter().collect())), label)
+        let sets = (names.into_iter().collect(), HashSet::new());
+        Plan::new(Kind::Names(Arc::new(sets)), label)
+    }
+
+    /// Statements left to the plan are saved when their name is in `save`,
+    /// offloaded to host memory when it is in `offload` (see
+    /// [`crate::offload`]) and recomputed otherwise; annotated statements
+    /// follow their annotation. JAX's `save_and_offload_only_these_names`.
+    /// A name in both lists is saved.
+    ///
+    /// ```
+    /// use remat_runtime::{Plan, Policy, StatementInfo};
+    /// let plan = Plan::save_and_offload_only(["qkv"], ["fc"]);
+    /// let s = |name| StatementInfo { region: "b", name, declared: None };
+    /// assert_eq!(plan.policy(&s("qkv")), Policy::Save);
+    /// assert_eq!(plan.policy(&s("fc")), Policy::Offload);
+    /// assert_eq!(plan.policy(&s("gelu")), Policy::Recompute);
+    /// assert_eq!(plan.to_string(), "save qkv, offload fc");
+    /// ```
+    pub fn save_and_offload_only<I, J, S, T>(save: I, offload: J) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        J: IntoIterator<Item = T>,
+        S: Into<String>,
+        T: Into<String>,
+    {
+        let save: Vec<String> = save.into_iter().map(Into::into).collect();
+        let offload: Vec<String> = offload.into_iter().map(Into::into).collect();
+        let label = format!("save {}, offload {}", save.join(", "), offload.join(", "));
+        let sets = (save.into_iter().collect(), offload.into_iter().collect());
+        Plan::new(Kind::Names(Arc::new(sets)), label)
     }
 
     /// A memory budget between saving nothing (`0.0`: full recomputation of
@@ -388,8 +420,10 @@ impl Plan {
         match &self.kind {
             Kind::Declared | Kind::Off => s.declared.unwrap_or_default(),
             Kind::All(p) => *p,
-            Kind::SaveOnly(names) => s.declared.unwrap_or(if names.contains(s.name) {
+            Kind::Names(sets) => s.declared.unwrap_or(if sets.0.contains(s.name) {
                 Policy::Save
+            } else if sets.1.contains(s.name) {
+                Policy::Offload
             } else {
                 Policy::Recompute
             }),
@@ -421,10 +455,7 @@ impl Plan {
     pub(crate) fn plan_region(&self, region: &str, items: Vec<Item>) {
         let Kind::Budget(b) = &self.kind else { return };
         let forced_only = planner::forced_saves(&items);
-        let open_saved: Vec<bool> = items
-            .iter()
-            .map(|i| i.forced != Some(Policy::Recompute))
-            .collect();
+        let open_saved: Vec<bool> = items.iter().map(|i| i.may_save()).collect();
         let min_bytes = planner::bytes(&items, &forced_only);
         let max_bytes = planner::bytes(&items, &open_saved);
         let budget = match b.target {
@@ -447,7 +478,11 @@ impl Plan {
                 .zip(&save)
                 .map(|(i, &s)| PlannedStatement {
                     name: i.name.clone(),
-                    policy: if s { Policy::Save } else { Policy::Recompute },
+                    policy: match (i.forced, s) {
+                        (Some(Policy::Offload), _) => Policy::Offload,
+                        (_, true) => Policy::Save,
+                        (_, false) => Policy::Recompute,
+                    },
                     declared: i.forced.is_some(),
                     seconds: i.seconds,
                     bytes: i.own,

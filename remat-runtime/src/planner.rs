@@ -39,6 +39,13 @@ pub(crate) struct Item {
     pub leaves: Vec<(Option<usize>, usize)>,
 }
 
+impl Item {
+    /// Whether the planner may save it: the code left it open or saved it.
+    pub fn may_save(&self) -> bool {
+        matches!(self.forced, None | Some(Policy::Save))
+    }
+}
+
 /// The planner's view of the records of a call that saved every open
 /// statement.
 pub(crate) fn items(records: &[Record], params: &[Tensor], inputs: &[Tensor]) -> Vec<Item> {
@@ -48,6 +55,18 @@ pub(crate) fn items(records: &[Record], params: &[Tensor], inputs: &[Tensor]) ->
         .zip(own)
         .map(|(r, own)| {
             let profile = r.profile.as_deref().cloned().unwrap_or_default();
+            if r.declared == Some(Policy::Offload) {
+                // Holds nothing on the device and recomputes nothing; its
+                // graph is its own, so it ends a saved run as a recomputed
+                // statement does.
+                return Item {
+                    name: r.name.clone(),
+                    forced: r.declared,
+                    seconds: 0.0,
+                    own: 0,
+                    leaves: Vec::new(),
+                };
+            }
             Item {
                 name: r.name.clone(),
                 forced: r.declared,
@@ -152,7 +171,7 @@ pub(crate) fn solve(items: &[Item], budget: usize) -> Vec<bool> {
                     r.save.push(false);
                     next.entry(None).or_default().push(r);
                 }
-                if item.forced != Some(Policy::Recompute) {
+                if item.may_save() {
                     let start = run.unwrap_or(i);
                     let mut s = e.clone();
                     s.bytes += item.own + leaf_bytes(item, start, i);
@@ -189,7 +208,7 @@ mod tests {
             let save: Vec<bool> = (0..n).map(|i| mask >> i & 1 == 1).collect();
             let allowed = items.iter().zip(&save).all(|(it, &s)| match it.forced {
                 Some(Policy::Save) => s,
-                Some(Policy::Recompute) => !s,
+                Some(Policy::Recompute | Policy::Offload) => !s,
                 None => true,
             });
             let b = bytes(items, &save);
@@ -227,9 +246,10 @@ mod tests {
                         (producer, 1 + rng.below(50) as usize)
                     })
                     .collect();
-                let forced = match rng.below(8) {
+                let forced = match rng.below(10) {
                     0 => Some(Policy::Save),
                     1 => Some(Policy::Recompute),
+                    2 => Some(Policy::Offload),
                     _ => None,
                 };
                 Item {
@@ -258,7 +278,7 @@ mod tests {
                     let got = (seconds(&items, &save), bytes(&items, &save));
                     let forced_ok = items.iter().zip(&save).all(|(it, &s)| match it.forced {
                         Some(Policy::Save) => s,
-                        Some(Policy::Recompute) => !s,
+                        Some(Policy::Recompute | Policy::Offload) => !s,
                         None => true,
                     });
                     assert!(forced_ok, "forced policies changed: {items:?} {save:?}");

@@ -9,7 +9,7 @@ use crate::forward::ForwardState;
 use crate::ops::{AnchorFirst, AnchorLink, Tap};
 use crate::state::RegionState;
 use crate::tape::{Body, Meta, Tape};
-use crate::{memory, planner, random, trace, Inputs, Outputs, Plan, Result};
+use crate::{memory, offload, planner, random, trace, Inputs, Outputs, Plan, Result};
 
 /// A checkpointed region: a block of statements whose activations are
 /// recomputed (or kept, statement by statement) for the backward.
@@ -219,6 +219,9 @@ impl Region {
                 Ok(top.apply_op1(tap)?)
             })
             .collect::<Result<Vec<Tensor>>>()?;
+        // The taps have copied the outputs: what offloaded statements hold
+        // can move to the host.
+        offload::swap_out_tape(&state)?;
         O::join(&mut attached.into_iter(), &skeleton)
     }
 }

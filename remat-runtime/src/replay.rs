@@ -1,10 +1,12 @@
 //! Statements during the replay that starts a region's backward.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
 use candle_core::{Tensor, TensorId};
 
 use crate::forward::make_leaf;
+use crate::offload::Stash;
 use crate::tape::{Meta, Record};
 use crate::trace::{self, Phase, TraceEvent};
 use crate::{Outputs, Policy, RematError, Result};
@@ -32,6 +34,8 @@ pub(crate) struct Unit {
     /// The values later units or the region outputs need gradients of, with
     /// the tensor to seed: filled when the replay ends.
     pub targets: Vec<(TensorId, Tensor)>,
+    /// Offloaded residuals to bring back before the unit's backward.
+    pub restore: Vec<Arc<Stash>>,
 }
 
 pub(crate) struct ReplayState {
@@ -187,7 +191,7 @@ impl ReplayState {
         let (k, policy) = self.expect(region, name, declared, inputs)?;
         let out = match policy {
             Policy::Recompute => self.recompute(region, name, k, inputs, f)?,
-            Policy::Save => self.skip_saved(region, name, k, inputs)?,
+            Policy::Save | Policy::Offload => self.skip_saved(region, name, k, inputs)?,
         };
         if let Some(label) = &self.trace {
             let record = &self.records[k];
@@ -197,7 +201,7 @@ impl ReplayState {
                     .iter()
                     .map(|m| m.shape.elem_count() * m.dtype.size_in_bytes())
                     .sum(),
-                Policy::Save => 0,
+                Policy::Save | Policy::Offload => 0,
             };
             trace::push(TraceEvent::of(Phase::Replay, label, record, bytes));
         }
@@ -231,6 +235,7 @@ impl ReplayState {
                     label: name.to_string(),
                     leaves: Vec::new(),
                     targets: Vec::new(),
+                    restore: Vec::new(),
                 });
                 self.open = Some(self.units.len() - 1);
                 self.units.len() - 1
@@ -343,6 +348,16 @@ impl ReplayState {
                 }
             }
         }
+        // Offloaded residuals come back when the sweep reaches the unit, or
+        // now if a recomputed statement reads one of the outputs.
+        let mut restore = Vec::new();
+        if let Some(stash) = &saved.offload {
+            if saved.kept.iter().any(Option::is_some) {
+                stash.restore()?;
+            } else {
+                restore.push(stash.clone());
+            }
+        }
         let mut outputs = Vec::with_capacity(record.outputs.len());
         for (j, meta) in record.outputs.iter().enumerate() {
             let target = saved.outs.get(j).cloned();
@@ -381,11 +396,13 @@ impl ReplayState {
             let unit = &mut self.units[u];
             unit.label.push_str(&format!(", {name}"));
             unit.leaves.extend(leaves);
+            unit.restore.extend(restore);
         } else {
             self.units.push(Unit {
                 label: name.to_string(),
                 leaves,
                 targets: Vec::new(),
+                restore,
             });
         }
         O::join(&mut outputs.into_iter(), &skeleton)

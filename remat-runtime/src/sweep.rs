@@ -41,6 +41,12 @@ pub(crate) fn sweep(
     }
     let mut param_grads: Grads = vec![None; params.len()];
     while let Some(unit) = units.pop() {
+        if unit.targets.iter().any(|(id, _)| grads.contains_key(id)) {
+            // Offloaded residuals come back just before they are needed.
+            for stash in &unit.restore {
+                stash.restore()?;
+            }
+        }
         let mut root: Option<Tensor> = None;
         for (id, target) in &unit.targets {
             if let Some(g) = grads.remove(id) {

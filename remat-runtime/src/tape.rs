@@ -6,6 +6,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::ctx::Ctx;
+use crate::offload::Stash;
 use crate::{Mismatch, Plan, Policy, RematError, Result};
 
 /// Shape, dtype and device of a value: what the replay is checked against.
@@ -81,6 +82,8 @@ pub(crate) struct Saved {
     /// before it (no leaf copies between them): the two graphs are one, and
     /// the sweep runs them as one unit.
     pub chained: bool,
+    /// For an offloaded statement whose residuals were moved: where they are.
+    pub offload: Option<Arc<Stash>>,
 }
 
 /// One statement of the forward.
@@ -93,7 +96,7 @@ pub(crate) struct Record {
     pub policy: Policy,
     pub inputs: Vec<Meta>,
     pub outputs: Vec<Meta>,
-    /// `Some` exactly for `Save` statements.
+    /// `Some` exactly for `Save` and `Offload` statements.
     pub saved: Option<Saved>,
     /// What the budget planner needs to know about the statement; measured
     /// only on the call a budget plan profiles.

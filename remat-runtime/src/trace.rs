@@ -208,7 +208,7 @@ impl fmt::Display for TraceEvent {
         let (phase, what) = match (self.phase, self.policy) {
             (Phase::Forward, _) => ("forward", "ran"),
             (Phase::Replay, Policy::Recompute) => ("replay", "recomputed"),
-            (Phase::Replay, Policy::Save) => ("replay", "restored"),
+            (Phase::Replay, Policy::Save | Policy::Offload) => ("replay", "restored"),
         };
         write!(
             f,

@@ -1,0 +1,315 @@
+//! Offloaded statements: residuals held in host memory between the forward
+//! and the backward.
+//!
+//! A statement under [`Policy::Offload`](crate::Policy::Offload) runs in the
+//! forward exactly as a saved one: on leaf copies of its inputs, keeping its
+//! tracked graph. When the region's forward has ended, the runtime moves the
+//! storages of that graph (the leaf copies, every intermediate and the
+//! outputs) to host memory, in place: the graph's tensors keep their ids,
+//! shapes and layouts, only their storage shrinks to one element on the
+//! device. When the backward sweep reaches the statement, the storages are
+//! copied back to the device and the statement's graph runs its backward as
+//! a saved statement's does; if a recomputed statement reads one of its
+//! outputs, the copy back happens earlier, when the replay reaches it.
+//!
+//! Candle keeps a statement's residuals inside its graph nodes, so moving
+//! them is the only way to offload them: the storages are swapped with
+//! candle's public in-place custom-op API.
+//!
+//! What is moved: every storage of the statement's graph that depends on one
+//! of its leaf copies (so that it was created inside the statement and
+//! nothing outside the tape holds it). Parameters, and tensors the graph
+//! holds that lead to no gradient (a constant mask), stay where they are.
+//! Tensors created inside an offloaded statement must not escape it except
+//! through its outputs: until the backward, their memory is elsewhere.
+//!
+//! On a CPU device the residuals already live in host memory: an offloaded
+//! statement is kept exactly as a saved one, unless [`swap_on_cpu`] asks
+//! for the move anyway (the path a CUDA device takes, observable on a CPU).
+//! On CUDA the copies are synchronous on candle's stream, into pageable host
+//! memory (candle 0.11 exposes no pinned allocation nor side stream for its
+//! storages).
+
+use std::cell::Cell;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+
+use candle_core::backend::{BackendDevice, BackendStorage};
+use candle_core::{CpuStorage, CudaStorage, Device, InplaceOp1, Layout, Shape, Tensor, TensorId};
+
+use crate::memory::storage_extent;
+use crate::state::{lock, RegionState, Slot};
+use crate::tape::Saved;
+use crate::{Policy, RematError, Result};
+
+thread_local! {
+    static SWAP_ON_CPU: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` with offloaded statements on CPU devices moving their residuals
+/// out of the graph and back, as on a CUDA device, instead of keeping them
+/// as saved statements. Host and device memory are the same on a CPU, so
+/// this saves nothing; it shows (in [`MemoryReport`](crate::MemoryReport)'s
+/// `host_bytes`) and tests what a GPU run does. Applies to region calls
+/// whose forward runs on this thread inside `f`.
+///
+/// ```
+/// use candle_core::{DType, Device, Var};
+/// use remat_runtime::{offload, MemoryReport, Region};
+/// let x = Var::ones((4, 8), DType::F32, &Device::Cpu)?;
+/// let y = offload::swap_on_cpu(|| {
+///     Region::new("r").run(&[x.as_tensor()], |ctx, ins| {
+///         let e = ctx.offload("e", &[&ins[0]], |t| Ok(t[0].exp()?))?;
+///         ctx.recompute("s", &[&e], |t| Ok(t[0].sum_all()?))
+///     })
+/// })?;
+/// let e = MemoryReport::capture().entries.into_iter().find(|e| e.record == "e").unwrap();
+/// // the leaf copy of x and the output of exp, moved to the host
+/// assert_eq!((e.bytes, e.host_bytes), (0, 2 * 32 * 4));
+/// let g = y.backward()?.get(&x).unwrap().to_vec2::<f32>()?;
+/// assert_eq!(g[0][0], 1f32.exp());
+/// # Ok::<(), remat_runtime::RematError>(())
+/// ```
+pub fn swap_on_cpu<R>(f: impl FnOnce() -> R) -> R {
+    struct Reset(bool);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            SWAP_ON_CPU.with(|s| s.set(self.0));
+        }
+    }
+    let _reset = Reset(SWAP_ON_CPU.with(|s| s.replace(true)));
+    f()
+}
+
+/// Whether an offloaded statement on `device` moves its residuals.
+pub(crate) fn moves(device: &Device) -> bool {
+    !device.is_cpu() || SWAP_ON_CPU.with(Cell::get)
+}
+
+/// Moves the residuals of the offloaded statements of a region call whose
+/// forward just ended, where [`moves`] says so.
+pub(crate) fn swap_out_tape(state: &RegionState) -> Result<()> {
+    let mut slot = lock(&state.slot);
+    let Slot::Live(tape) = &mut *slot else {
+        return Ok(());
+    };
+    let params: HashSet<usize> = tape.params.iter().map(|p| storage_extent(p).0).collect();
+    for record in &mut tape.records {
+        if record.policy != Policy::Offload {
+            continue;
+        }
+        let Some(saved) = record.saved.as_mut() else {
+            continue;
+        };
+        if !saved.outs.first().is_some_and(|t| moves(t.device())) {
+            continue;
+        }
+        saved.offload = Stash::swap_out(&state.name, &record.name, saved, &params)?.map(Arc::new);
+    }
+    Ok(())
+}
+
+/// One storage of an offloaded graph.
+struct Entry {
+    /// A tensor of the graph on that storage, whose layout can be written.
+    tensor: Tensor,
+    /// The storage's identity, as [`storage_extent`] gives it.
+    key: usize,
+    /// Its size as the memory report counts it.
+    bytes: usize,
+    /// Its contents while they are on the host.
+    host: Option<CpuStorage>,
+}
+
+/// The residuals of one offloaded statement.
+pub(crate) struct Stash {
+    region: String,
+    record: String,
+    entries: Mutex<Vec<Entry>>,
+}
+
+/// The nodes of `saved`'s graph that depend on one of its leaf copies.
+fn private_nodes(saved: &Saved) -> Vec<Tensor> {
+    let leaves: HashSet<TensorId> = saved.leaves.iter().flatten().map(|t| t.id()).collect();
+    let mut seen = HashSet::new();
+    let mut nodes = Vec::new();
+    for out in saved.outs.iter().filter(|t| t.track_op()) {
+        for node in out.sorted_nodes() {
+            if seen.insert(node.id()) {
+                nodes.push(node.clone());
+            }
+        }
+    }
+    nodes
+        .into_iter()
+        .filter(|n| {
+            leaves.contains(&n.id()) || n.sorted_nodes().iter().any(|a| leaves.contains(&a.id()))
+        })
+        .collect()
+}
+
+impl Stash {
+    /// Moves the private storages of `saved`'s graph to host memory, except
+    /// those in `keep` (parameters). `None` when there is nothing to move.
+    pub(crate) fn swap_out(
+        region: &str,
+        record: &str,
+        saved: &Saved,
+        keep: &HashSet<usize>,
+    ) -> Result<Option<Stash>> {
+        let mut by_storage: HashMap<usize, Entry> = HashMap::new();
+        let mut order = Vec::new();
+        for node in private_nodes(saved) {
+            let (key, bytes) = storage_extent(&node);
+            if keep.contains(&key) {
+                continue;
+            }
+            let writable = !node.layout().has_internal_overlap();
+            match by_storage.get_mut(&key) {
+                Some(e) => {
+                    e.bytes = e.bytes.max(bytes);
+                    if writable && e.tensor.layout().has_internal_overlap() {
+                        e.tensor = node;
+                    }
+                }
+                None => {
+                    order.push(key);
+                    by_storage.insert(
+                        key,
+                        Entry {
+                            tensor: node,
+                            key,
+                            bytes,
+                            host: None,
+                        },
+                    );
+                }
+            }
+        }
+        let stash = Stash {
+            region: region.to_string(),
+            record: record.to_string(),
+            entries: Mutex::new(Vec::new()),
+        };
+        let mut entries = Vec::new();
+        for key in order {
+            let Some(mut entry) = by_storage.remove(&key) else {
+                continue;
+            };
+            // Only broadcast views reach this storage: it cannot be written
+            // through them, so it stays on the device.
+            if entry.tensor.layout().has_internal_overlap() {
+                continue;
+            }
+            let op = SwapOut::default();
+            entry
+                .tensor
+                .inplace_op1(&op)
+                .map_err(|e| stash.error("to the host", e))?;
+            entry.host = lock(&op.host).take();
+            entries.push(entry);
+        }
+        if entries.is_empty() {
+            return Ok(None);
+        }
+        *lock(&stash.entries) = entries;
+        Ok(Some(stash))
+    }
+
+    fn error(&self, direction: &str, source: candle_core::Error) -> RematError {
+        RematError::Offload {
+            region: self.region.clone(),
+            record: self.record.clone(),
+            direction: direction.to_string(),
+            source: std::sync::Arc::new(source),
+        }
+    }
+
+    /// Copies the residuals back to the device; a no-op once they are there.
+    pub(crate) fn restore(&self) -> Result<()> {
+        let mut entries = lock(&self.entries);
+        for entry in entries.iter_mut() {
+            let Some(host) = entry.host.take() else {
+                continue;
+            };
+            let op = SwapIn {
+                host: Mutex::new(Some(host)),
+            };
+            entry
+                .tensor
+                .inplace_op1(&op)
+                .map_err(|e| self.error("back to the device", e))?;
+        }
+        Ok(())
+    }
+
+    /// Storages currently on the host: (identity, bytes).
+    pub(crate) fn on_host(&self) -> Vec<(usize, usize)> {
+        lock(&self.entries)
+            .iter()
+            .filter(|e| e.host.is_some())
+            .map(|e| (e.key, e.bytes))
+            .collect()
+    }
+}
+
+/// Replaces a storage by a one-element one, keeping its contents on the host.
+#[derive(Default)]
+struct SwapOut {
+    host: Mutex<Option<CpuStorage>>,
+}
+
+/// A one-element storage of `s`'s dtype on `s`'s device.
+fn tiny<S>(s: &S) -> candle_core::Result<S>
+where
+    S: BackendStorage,
+    S::Device: BackendDevice<Storage = S>,
+{
+    s.device().zeros_impl(&Shape::from(()), s.dtype())
+}
+
+impl InplaceOp1 for SwapOut {
+    fn name(&self) -> &'static str {
+        "remat-offload"
+    }
+    fn cpu_fwd(&self, s: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
+        // Host memory already: move the contents, no copy.
+        let full = std::mem::replace(s, tiny(s)?);
+        *lock(&self.host) = Some(full);
+        Ok(())
+    }
+    fn cuda_fwd(&self, s: &mut CudaStorage, _: &Layout) -> candle_core::Result<()> {
+        let host = s.to_cpu_storage()?;
+        // The device buffer is freed here, after the copy (same stream).
+        *s = tiny(s)?;
+        *lock(&self.host) = Some(host);
+        Ok(())
+    }
+}
+
+/// Puts a storage's contents back from the host.
+struct SwapIn {
+    host: Mutex<Option<CpuStorage>>,
+}
+
+impl SwapIn {
+    fn take(&self) -> candle_core::Result<CpuStorage> {
+        lock(&self.host).take().ok_or_else(|| {
+            candle_core::Error::Msg("remat: offloaded storage restored twice".into())
+        })
+    }
+}
+
+impl InplaceOp1 for SwapIn {
+    fn name(&self) -> &'static str {
+        "remat-restore"
+    }
+    fn cpu_fwd(&self, s: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
+        *s = self.take()?;
+        Ok(())
+    }
+    fn cuda_fwd(&self, s: &mut CudaStorage, _: &Layout) -> candle_core::Result<()> {
+        *s = s.device().storage_from_cpu_storage_owned(self.take()?)?;
+        Ok(())
+    }
+}

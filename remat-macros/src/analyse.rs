@@ -257,17 +257,23 @@ pub(crate) fn analyse(block: &Block, errors: &mut Errors) -> Plan {
         let Some(a) = &stmt.annotation else { continue };
         let explicit = match (&a.name, &stmt.kind) {
             (Some(lit), _) => Some((lit.value(), lit.span())),
-            (None, StmtKind::Let { pat, .. }) if a.kind == Kind::Save => match single(pat) {
-                Some(ident) => Some((ident.to_string(), ident.span())),
-                None => {
-                    errors.push_spanned(
-                        pat,
-                        "#[save] on a destructuring pattern needs an explicit name: \
-                         `#[save(name = \"...\")]`",
-                    );
-                    None
+            (None, StmtKind::Let { pat, .. }) if matches!(a.kind, Kind::Save | Kind::Offload) => {
+                match single(pat) {
+                    Some(ident) => Some((ident.to_string(), ident.span())),
+                    None => {
+                        let attr = a.kind.attr();
+                        let bare = attr.trim_end_matches(']');
+                        errors.push_spanned(
+                            pat,
+                            format!(
+                                "{attr} on a destructuring pattern needs an explicit name: \
+                                 `{bare}(name = \"...\")]`"
+                            ),
+                        );
+                        None
+                    }
                 }
-            },
+            }
             _ => None,
         };
         let Some((name, span)) = explicit else {

@@ -47,6 +47,7 @@ fn statement_call(
 fn method(plan: &StmtPlan) -> &'static str {
     match plan.kind {
         Some(Kind::Save) => "save",
+        Some(Kind::Offload) => "offload",
         Some(Kind::Recompute) => "recompute",
         _ => "auto",
     }

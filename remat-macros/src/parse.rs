@@ -13,6 +13,7 @@ use crate::errors::Errors;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Kind {
     Save,
+    Offload,
     Recompute,
     ForwardOnly,
 }
@@ -21,6 +22,7 @@ impl Kind {
     fn from_ident(name: &str) -> Option<Kind> {
         match name {
             "save" => Some(Kind::Save),
+            "offload" => Some(Kind::Offload),
             "recompute" => Some(Kind::Recompute),
             "forward_only" => Some(Kind::ForwardOnly),
             _ => None,
@@ -30,6 +32,7 @@ impl Kind {
     pub fn attr(self) -> &'static str {
         match self {
             Kind::Save => "#[save]",
+            Kind::Offload => "#[offload]",
             Kind::Recompute => "#[recompute]",
             Kind::ForwardOnly => "#[forward_only]",
         }
@@ -45,7 +48,9 @@ const MISTAKES: &[(&str, &str)] = &[
     ("recompute_only", "recompute"),
     ("forward", "forward_only"),
     ("forwardonly", "forward_only"),
-    ("offload", "save"),
+    ("offloaded", "offload"),
+    ("cpu_offload", "offload"),
+    ("offload_to_cpu", "offload"),
 ];
 
 #[derive(Debug, Clone)]
@@ -221,7 +226,7 @@ fn annotations(attrs: &[Attribute], errors: &mut Errors) -> (Option<Annotation>,
         if let Some((_, meant)) = MISTAKES.iter().find(|(w, _)| *w == ident) {
             errors.push_spanned(
                 attr,
-                format!("unknown remat annotation `#[{ident}]`; did you mean `#[{meant}]`? (remat knows `#[save]`, `#[recompute]` and `#[forward_only]`)"),
+                format!("unknown remat annotation `#[{ident}]`; did you mean `#[{meant}]`? (remat knows `#[save]`, `#[offload]`, `#[recompute]` and `#[forward_only]`)"),
             );
             continue;
         }

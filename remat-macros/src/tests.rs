@@ -70,6 +70,20 @@ fn early_drops_and_forward_only() {
     }));
 }
 
+#[test]
+fn offloaded_statements() {
+    // `#[offload]` expands like `#[save]`, to the runtime's `offload`; the
+    // names follow the same rules.
+    insta::assert_snapshot!(pretty(quote! {
+        pub fn mlp(x: &Tensor, w1: &Var, w2: &Var) -> Result<Tensor> {
+            #[offload] let h = x.matmul(w1)?;
+            let g = h.gelu()?;
+            #[offload(name = "mlp.out")] let o = g.matmul(w2)?;
+            Ok((x + o)?)
+        }
+    }));
+}
+
 /// Benchmark, not a test: expansion time of a 30-statement block.
 /// `cargo test -p remat-macros --release -- --ignored --nocapture expand_speed`
 #[test]

@@ -209,4 +209,57 @@ fn exact_memory_of_an_eight_block_stack() {
     assert_eq!(live(), base, "an error during a replay leaked");
     step_with_replay_fault(false).unwrap();
     assert_eq!(live(), base, "the step after the fault");
+
+    // Offloaded statements whose residuals are moved out of the graph and
+    // back (the CUDA path, forced on this CPU): a full step, a forward whose
+    // outputs are dropped without backward, and a backward that fails in
+    // the replay leave nothing behind, host copies included.
+    let offload = all(Policy::Offload);
+    let moved_step = |fail: bool| {
+        remat_runtime::offload::swap_on_cpu(|| {
+            let mut h = x.clone();
+            for (i, b) in blocks.iter().enumerate() {
+                let (me, pol) = (b.clone(), offload.clone());
+                h = Region::new(format!("mlp.{i}"))
+                    .run(&[&h], move |ctx, ins| {
+                        let y = me.body(ctx, &ins[0], &pol)?;
+                        // Desynchronised in block 2's replay when asked to.
+                        let p = if fail && i == 2 && ctx.is_replay() {
+                            Policy::Save
+                        } else {
+                            Policy::Recompute
+                        };
+                        ctx.statement("tail", p, &[&y], |t| Ok(t[0].clone()))
+                    })
+                    .unwrap();
+            }
+            h
+        })
+    };
+    let h = moved_step(false);
+    let report = MemoryReport::capture();
+    assert!(report.total_host_bytes() > 0 && report.entries.len() > BLOCKS);
+    drop(h);
+    let base = live();
+    let h = moved_step(false);
+    let grads = h.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+    assert!(grads.get(&blocks[0].w1).is_some());
+    drop((grads, h));
+    assert_eq!(live(), base, "an offloaded step leaked");
+    drop(moved_step(false));
+    assert_eq!(
+        live(),
+        base,
+        "dropping offloaded outputs without backward leaked"
+    );
+    let h = moved_step(true);
+    let loss = h.sqr().unwrap().sum_all().unwrap();
+    let e = remat_runtime::backward(&loss).unwrap_err();
+    assert!(e.to_string().contains("mlp.2"), "{e}");
+    drop((e, loss, h));
+    assert_eq!(
+        live(),
+        base,
+        "a failed backward over offloaded statements leaked"
+    );
 }

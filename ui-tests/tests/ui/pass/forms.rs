@@ -36,6 +36,14 @@ remat! {
         let k = (n + cols) as f64 * cfg.scale;
         Ok((s * k)?)
     }
+
+    /// Offloaded statements, named by their binding or explicitly.
+    fn offloaded(x: &Tensor, w: &Var) -> Result<Tensor> {
+        #[offload] let h = x.matmul(w)?;
+        let g = h.tanh()?;
+        #[offload(name = "out")] let (o, _n) = (g.matmul(w)?, g.dim(0)?);
+        Ok(o)
+    }
 }
 
 fn main() -> Result<()> {
@@ -53,5 +61,14 @@ fn main() -> Result<()> {
     let g = y.sum_all()?.backward()?;
     // dy/dx = k * (sum_j w_ij + 2) = 2 * 5 = 10
     assert_eq!(g.get(&x).unwrap().to_vec2::<f32>()?, vec![vec![10.0; 3]; 2]);
+
+    // o = tanh(x w) w with x, w all ones: tanh(3) * 3 everywhere.
+    let y = offloaded(x.as_tensor(), &w)?;
+    assert_eq!(y.to_vec2::<f32>()?, vec![vec![3.0f32.tanh() * 3.0; 3]; 2]);
+    let g = y.sum_all()?.backward()?;
+    // d/dx_ij sum(tanh(x w) w) = sum_k w_jk (1 - tanh(3)^2) * 3 = 9 (1 - tanh(3)^2)
+    let want = 9.0 * (1.0 - 3.0f32.tanh().powi(2));
+    let got = g.get(&x).unwrap().to_vec2::<f32>()?;
+    assert!(got.iter().flatten().all(|v| (v - want).abs() <= 1e-5 * want));
     Ok(())
 }

@@ -27,8 +27,13 @@ nvcc --version | tee "$OUT/nvcc.txt"
 
 cargo test --release -p remat-runtime --features cuda --test cuda -- --nocapture 2>&1 \
   | tee "$OUT/cuda-tests.txt"
-cargo run --release -p examples --features cuda --bin bench -- --device cuda --out "$OUT/bench" 2>&1 \
+# The paper-sized shape of docs/performance.md's GPU table, offload included.
+cargo run --release -p examples --features cuda --bin bench -- --device cuda \
+  --layers 12 --d-model 768 --heads 12 --seq 1024 --batch 8 \
+  --policies none,full,selective,offload,save-all,budget=0.5 --out "$OUT/bench" 2>&1 \
   | tee "$OUT/bench.txt"
-cargo run --release -p examples --features cuda --bin train_gpt -- --device cuda --steps 200 2>&1 \
-  | tee "$OUT/train_gpt.txt"
+for policy in selective offload; do
+  cargo run --release -p examples --features cuda --bin train_gpt -- --device cuda \
+    --policy "$policy" --steps 200 2>&1 | tee "$OUT/train_gpt-$policy.txt"
+done
 echo "results in $OUT/"

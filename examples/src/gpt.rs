@@ -186,6 +186,9 @@ pub enum Checkpointing {
     Full,
     /// The statements in [`SELECTIVE`] saved, the rest recomputed.
     Selective,
+    /// The statements in [`SELECTIVE`] offloaded to host memory (on a GPU;
+    /// saved on a CPU), the rest recomputed.
+    Offload,
     /// Every statement saved (the tape without recomputation).
     SaveAll,
     /// The budget planner, between full (0) and save-all (1).
@@ -199,6 +202,9 @@ impl Checkpointing {
             Checkpointing::None => Plan::off(),
             Checkpointing::Full => Plan::recompute_all(),
             Checkpointing::Selective => Plan::save_only(SELECTIVE.iter().copied()),
+            Checkpointing::Offload => {
+                Plan::save_and_offload_only(Vec::<&str>::new(), SELECTIVE.iter().copied())
+            }
             Checkpointing::SaveAll => Plan::save_all(),
             Checkpointing::Budget(f) => Plan::budget(f),
         }
@@ -211,6 +217,7 @@ impl fmt::Display for Checkpointing {
             Checkpointing::None => f.write_str("none"),
             Checkpointing::Full => f.write_str("full"),
             Checkpointing::Selective => f.write_str("selective"),
+            Checkpointing::Offload => f.write_str("offload"),
             Checkpointing::SaveAll => f.write_str("save-all"),
             Checkpointing::Budget(x) => write!(f, "budget={x}"),
         }
@@ -224,12 +231,13 @@ impl FromStr for Checkpointing {
             "none" => Ok(Checkpointing::None),
             "full" => Ok(Checkpointing::Full),
             "selective" => Ok(Checkpointing::Selective),
+            "offload" => Ok(Checkpointing::Offload),
             "save-all" => Ok(Checkpointing::SaveAll),
             other => match other.strip_prefix("budget=").map(str::parse::<f64>) {
                 Some(Ok(x)) if (0.0..=1.0).contains(&x) => Ok(Checkpointing::Budget(x)),
                 _ => Err(format!(
-                    "unknown policy `{other}`: expected none, full, selective, save-all or \
-                     budget=<fraction between 0 and 1>"
+                    "unknown policy `{other}`: expected none, full, selective, offload, save-all \
+                     or budget=<fraction between 0 and 1>"
                 )),
             },
         }

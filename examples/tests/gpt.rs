@@ -124,12 +124,20 @@ fn every_policy_gives_plain_candle_gradients() {
         (loss.to_scalar::<f32>().unwrap(), g)
     };
     let (loss0, g0) = run(Checkpointing::None);
-    for c in [
+    let policies = [
         Checkpointing::Full,
         Checkpointing::Selective,
+        Checkpointing::Offload,
         Checkpointing::SaveAll,
-    ] {
-        let (loss, g) = run(c);
+    ];
+    // Offload twice: kept as saved on this CPU, then moved to the tape's
+    // host store and back as on a GPU.
+    let moved = || remat_runtime::offload::swap_on_cpu(|| run(Checkpointing::Offload));
+    for (c, (loss, g)) in policies
+        .iter()
+        .map(|&c| (c, run(c)))
+        .chain([(Checkpointing::Offload, moved())])
+    {
         assert_eq!(loss, loss0, "{c}: the forward is the same computation");
         // f32 sums of gradient contributions are reordered across units:
         // 1e-6 relative, as in remat-runtime's gradient tests.

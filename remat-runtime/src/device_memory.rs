@@ -24,9 +24,122 @@ pub fn device_memory_in_use(device: &Device) -> Result<Option<usize>> {
                 .cuda_stream()
                 .context()
                 .mem_get_info()
-                .map_err(|e| candle_core::Error::Msg(format!("cuMemGetInfo: {e:?}")))?;
+                .map_err(pool::driver_error)?;
             Ok(Some(total.saturating_sub(free)))
         }
         _ => Ok(None),
+    }
+}
+
+/// The most bytes candle had allocated on the device at once since the last
+/// [`reset_device_memory_peak`], after synchronising it: on CUDA, the
+/// high-water mark of the device's memory pool, which candle's
+/// stream-ordered allocations come from (`cuMemAllocAsync`). `None` on the
+/// CPU (use [`crate::CountingAlloc::peak`]) and on CUDA devices without
+/// memory pools.
+///
+/// ```
+/// use candle_core::Device;
+/// remat_runtime::reset_device_memory_peak(&Device::Cpu)?;
+/// assert_eq!(remat_runtime::device_memory_peak(&Device::Cpu)?, None);
+/// # Ok::<(), remat_runtime::RematError>(())
+/// ```
+pub fn device_memory_peak(device: &Device) -> Result<Option<usize>> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(cuda) => {
+            device.synchronize()?;
+            pool::used_high(cuda)
+        }
+        _ => Ok(None),
+    }
+}
+
+/// Starts a new high-water mark for [`device_memory_peak`] at what is in
+/// use now; a no-op on the CPU.
+///
+/// ```
+/// remat_runtime::reset_device_memory_peak(&candle_core::Device::Cpu)?;
+/// # Ok::<(), remat_runtime::RematError>(())
+/// ```
+pub fn reset_device_memory_peak(device: &Device) -> Result<()> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(cuda) => {
+            device.synchronize()?;
+            pool::reset_high(cuda)
+        }
+        _ => Ok(()),
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod pool {
+    use candle_core::cuda_backend::cudarc::driver::{result, sys, DriverError};
+    use candle_core::CudaDevice;
+
+    use crate::Result;
+
+    pub(super) fn driver_error(e: DriverError) -> candle_core::Error {
+        candle_core::Error::Msg(format!("CUDA driver: {e:?}"))
+    }
+
+    /// The memory pool candle's allocations on `dev` come from, if the
+    /// device has pools (cudarc allocates with `cuMemAllocAsync` exactly
+    /// then, from the device's current pool).
+    fn current_pool(dev: &CudaDevice) -> Result<Option<sys::CUmemoryPool>> {
+        let ctx = dev.cuda_stream().context().clone();
+        let supported = ctx
+            .attribute(sys::CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED)
+            .map_err(driver_error)?;
+        if supported == 0 {
+            return Ok(None);
+        }
+        ctx.bind_to_thread().map_err(driver_error)?;
+        // SAFETY: `cu_device()` is the handle cudarc obtained from
+        // `cuDeviceGet` when it created this context, which stays alive for
+        // the call (we hold an `Arc` to it): the requirement of
+        // `cuDeviceGetMemPool`.
+        let pool =
+            unsafe { result::device::get_mem_pool(ctx.cu_device()) }.map_err(driver_error)?;
+        Ok(Some(pool))
+    }
+
+    pub(super) fn used_high(dev: &CudaDevice) -> Result<Option<usize>> {
+        let Some(pool) = current_pool(dev)? else {
+            return Ok(None);
+        };
+        let mut high: u64 = 0;
+        // SAFETY: `pool` was just returned by the driver for a live context;
+        // `CU_MEMPOOL_ATTR_USED_MEM_HIGH` is a `cuuint64_t` attribute and
+        // `high` is a valid, writable, aligned `u64` for the call.
+        unsafe {
+            result::mem_pool::get_attribute(
+                pool,
+                sys::CUmemPool_attribute_enum::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                (&mut high as *mut u64).cast(),
+            )
+        }
+        .map_err(driver_error)?;
+        Ok(Some(high as usize))
+    }
+
+    pub(super) fn reset_high(dev: &CudaDevice) -> Result<()> {
+        let Some(pool) = current_pool(dev)? else {
+            return Ok(());
+        };
+        // Zero is the only value the driver accepts: it resets the mark.
+        let mut zero: u64 = 0;
+        // SAFETY: as in `used_high`; the driver reads one `cuuint64_t`
+        // from `zero`, which lives across the call.
+        unsafe {
+            result::mem_pool::set_attribute(
+                pool,
+                sys::CUmemPool_attribute_enum::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                (&mut zero as *mut u64).cast(),
+            )
+        }
+        .map_err(driver_error)?;
+        Ok(())
     }
 }

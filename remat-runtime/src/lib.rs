@@ -36,9 +36,11 @@
 //!   statements; [`checkpoint_sequential`] for a stack of blocks;
 //! * [`Plan`]: policies chosen at run time (full, by name, a function, or a
 //!   memory budget solved exactly per region);
+//! * [`offload`]: [`Policy::Offload`], residuals in host memory between the
+//!   forward and the backward on CUDA;
 //! * [`random`]: dropout and random draws that replay identically;
 //! * [`MemoryReport`], [`CountingAlloc`], [`device_memory_in_use`],
-//!   [`Trace`]: what the tapes hold and what ran;
+//!   [`device_memory_peak`], [`Trace`]: what the tapes hold and what ran;
 //! * [`check_gradients`], [`retain_tape`], [`backward`]: training helpers.
 //!
 //! How each value is made available during the replay follows torch_remat:
@@ -76,7 +78,7 @@ mod trace;
 
 pub use counting::CountingAlloc;
 pub use ctx::Ctx;
-pub use device_memory::device_memory_in_use;
+pub use device_memory::{device_memory_in_use, device_memory_peak, reset_device_memory_peak};
 pub use error::{Mismatch, RematError, Result};
 pub use grads::check_gradients;
 pub use inputs::Inputs;

@@ -293,10 +293,18 @@ struct SwapIn {
 }
 
 impl SwapIn {
-    fn take(&self) -> candle_core::Result<CpuStorage> {
-        lock(&self.host).take().ok_or_else(|| {
+    /// The host contents, checked against the storage they go back into.
+    fn take(&self, dtype: candle_core::DType) -> candle_core::Result<CpuStorage> {
+        let host = lock(&self.host).take().ok_or_else(|| {
             candle_core::Error::Msg("remat: offloaded storage restored twice".into())
-        })
+        })?;
+        if host.dtype() != dtype {
+            return Err(candle_core::Error::Msg(format!(
+                "remat: the host copy is {:?} but the storage is {dtype:?}",
+                host.dtype()
+            )));
+        }
+        Ok(host)
     }
 }
 
@@ -305,11 +313,51 @@ impl InplaceOp1 for SwapIn {
         "remat-restore"
     }
     fn cpu_fwd(&self, s: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
-        *s = self.take()?;
+        *s = self.take(s.dtype())?;
         Ok(())
     }
     fn cuda_fwd(&self, s: &mut CudaStorage, _: &Layout) -> candle_core::Result<()> {
-        *s = s.device().storage_from_cpu_storage_owned(self.take()?)?;
+        *s = s
+            .device()
+            .storage_from_cpu_storage_owned(self.take(s.dtype())?)?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    /// A restore that fails (here: a host copy of the wrong dtype, the
+    /// check that guards the copy back) is an `Offload` error naming the
+    /// region and the statement, and the storage stays as it was.
+    #[test]
+    fn a_failed_restore_names_the_region_and_the_statement() {
+        let t = Tensor::zeros(4, DType::F32, &Device::Cpu).unwrap();
+        let entry = Entry {
+            tensor: t.clone(),
+            key: storage_extent(&t).0,
+            bytes: 16,
+            host: Some(CpuStorage::F64(vec![0.0; 4])),
+        };
+        let stash = Stash {
+            region: "blk".into(),
+            record: "h".into(),
+            entries: Mutex::new(vec![entry]),
+        };
+        let e = stash.restore().unwrap_err();
+        assert!(matches!(&e, RematError::Offload { region, record, .. }
+            if region == "blk" && record == "h"));
+        let text = e.to_string();
+        assert!(
+            text.starts_with(
+                "region `blk`: copying the residuals of offloaded statement `h` back to the \
+                 device failed: remat: the host copy is F64 but the storage is F32"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("#[save]"), "{text}");
+        assert_eq!(t.to_vec1::<f32>().unwrap(), vec![0.0; 4]);
     }
 }

@@ -320,7 +320,9 @@ impl Plan {
     /// assert_eq!(plan.policy(&s("qkv")), Policy::Save);
     /// assert_eq!(plan.policy(&s("fc")), Policy::Offload);
     /// assert_eq!(plan.policy(&s("gelu")), Policy::Recompute);
-    /// assert_eq!(plan.to_string(), "save qkv, offload fc");
+    /// assert_eq!(plan.to_string(), "save qkv; offload fc");
+    /// let offload_only = Plan::save_and_offload_only(Vec::<&str>::new(), ["fc", "act"]);
+    /// assert_eq!(offload_only.to_string(), "offload fc, act");
     /// ```
     pub fn save_and_offload_only<I, J, S, T>(save: I, offload: J) -> Self
     where
@@ -331,7 +333,12 @@ impl Plan {
     {
         let save: Vec<String> = save.into_iter().map(Into::into).collect();
         let offload: Vec<String> = offload.into_iter().map(Into::into).collect();
-        let label = format!("save {}, offload {}", save.join(", "), offload.join(", "));
+        let label = [("save", &save), ("offload", &offload)]
+            .iter()
+            .filter(|(_, names)| !names.is_empty())
+            .map(|(what, names)| format!("{what} {}", names.join(", ")))
+            .collect::<Vec<_>>()
+            .join("; ");
         let sets = (save.into_iter().collect(), offload.into_iter().collect());
         Plan::new(Kind::Names(Arc::new(sets)), label)
     }

@@ -7,7 +7,7 @@ mod common;
 
 use candle_core::{DType, Device, Tensor, Var};
 use common::*;
-use remat_runtime::{device_memory_in_use, random, Policy, Region};
+use remat_runtime::{device_memory_in_use, random, MemoryReport, Policy, Region};
 
 fn cuda() -> Device {
     Device::new_cuda(0).expect("a CUDA device (this test needs a GPU)")
@@ -83,4 +83,72 @@ fn full_recompute_holds_less_device_memory() {
     let (plain, remat) = (held(false), held(true));
     println!("device bytes held after forward: plain {plain}, full recompute {remat}");
     assert!(remat < plain);
+}
+
+#[test]
+fn offloaded_gpt_block_on_cuda_matches_plain_and_sits_on_the_host() {
+    let dev = cuda();
+    let gpt = Gpt::new(32, 4, 5, DType::F32).to_device(&dev);
+    let x = to(&var(&[2, 8, 32], 6, 1.0, DType::F32), &dev);
+    let mask = causal_mask(8, DType::F32).to_device(&dev).unwrap();
+    let plain = gpt
+        .region("g", x.as_tensor(), &mask, all(Policy::Recompute), false)
+        .unwrap();
+    let g_ref = plain.sum_all().unwrap().backward().unwrap();
+    let offload_some: PolicyFn = std::sync::Arc::new(|n| match n {
+        "attn.qkv" | "mlp.fc" | "mlp.proj" | "heads" => Policy::Offload,
+        _ => Policy::Recompute,
+    });
+    for policy in [all(Policy::Offload), offload_some] {
+        let y = gpt.region("g", x.as_tensor(), &mask, policy, true).unwrap();
+        let report = MemoryReport::capture();
+        for e in report
+            .entries
+            .iter()
+            .filter(|e| e.policy == Some(Policy::Offload))
+        {
+            assert_eq!(e.bytes, 0, "{} still on the device", e.record);
+            assert!(e.host_bytes > 0, "{} moved nothing", e.record);
+        }
+        let g = y.sum_all().unwrap().backward().unwrap();
+        for v in gpt.vars().iter().chain([&x]) {
+            let d = rel_diff(g.get(v).unwrap(), g_ref.get(v).unwrap());
+            assert!(d <= 1e-4, "{d}");
+        }
+    }
+}
+
+#[test]
+fn offload_holds_less_device_memory_than_save() {
+    let dev = cuda();
+    let x = to(&var(&[256, 1024], 7, 1.0, DType::F32), &dev);
+    let w = to(&var(&[1024, 1024], 8, 0.03, DType::F32), &dev);
+    let held = |policy: Policy| {
+        let before = device_memory_in_use(&dev).unwrap().unwrap();
+        let wt = w.as_tensor().clone();
+        let y: Tensor = Region::new("r")
+            .run(&[x.as_tensor()], move |ctx, ins| {
+                let mut h = ins[0].clone();
+                for i in 0..8 {
+                    h = ctx.statement(&format!("l{i}"), policy, &[&h], |t| {
+                        Ok(t[0].matmul(&wt)?.tanh()?)
+                    })?;
+                }
+                Ok(h)
+            })
+            .unwrap();
+        let after = device_memory_in_use(&dev).unwrap().unwrap();
+        let host = MemoryReport::capture().total_host_bytes();
+        let g = y.sum_all().unwrap().backward().unwrap();
+        assert!(g.get(&w).is_some());
+        (after.saturating_sub(before), host)
+    };
+    let (saved, _) = held(Policy::Save);
+    let (offloaded, host) = held(Policy::Offload);
+    println!(
+        "device bytes held after forward: save {saved}, offload {offloaded} (+{host} on the host)"
+    );
+    // 8 statements x (leaf copy + matmul + tanh) of 1 MiB each are on the host.
+    assert!(host >= 8 * 3 * 256 * 1024 * 4);
+    assert!(offloaded < saved);
 }

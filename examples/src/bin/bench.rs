@@ -2,7 +2,9 @@
 //! policy, measured side by side in one process: the policies take turns
 //! (ABCD ABCD ...) on the same weights and the same batch, so that machine
 //! noise hits them alike. Memory comes from a counting global allocator
-//! (exact bytes, CPU).
+//! (exact bytes, CPU); on a GPU, from the driver (memory in use after the
+//! forward, the memory pool's high-water mark over the step), with the host
+//! bytes the step holds (offloaded residuals) in a column of their own.
 //!
 //! ```text
 //! cargo run --release -p examples --bin bench [-- --steps 10 --out docs/bench]
@@ -20,7 +22,9 @@ use examples::data::{default_text, Corpus};
 use examples::gpt::{Checkpointing, Config, Gpt};
 use examples::rng::Rng;
 use plotters::prelude::*;
-use remat_runtime::{device_memory_in_use, CountingAlloc, Plan};
+use remat_runtime::{
+    device_memory_in_use, device_memory_peak, reset_device_memory_peak, CountingAlloc, Plan,
+};
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc::new();
@@ -35,7 +39,8 @@ usage: cargo run --release -p examples --bin bench -- [flags]
   --steps N    measured steps per policy [20]
   --warmup N   unmeasured steps per policy first [2]
   --policies P,Q,..  which policies, starting with none
-               [none,full,selective,save-all,budget=0.25,budget=0.5,budget=0.75]
+               [none,full,selective,save-all,budget=0.25,budget=0.5,budget=0.75];
+               offload (selective's statements in host memory) is for GPUs
   --save A,B   also measure a plan saving these statements (e.g. qkv,fc)
   --device cpu|cuda [cpu]
   --out DIR    where results.csv, results.md and tradeoff.svg go [docs/bench]
@@ -48,6 +53,8 @@ struct Variant {
     /// Forward part of each measured step.
     forward: Vec<f64>,
     held: usize,
+    /// Host bytes held after the forward, on a GPU.
+    host: usize,
     peak: usize,
     loss: f32,
     /// Gradients of the last step (until compared with plain candle's),
@@ -139,6 +146,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             times: Vec::new(),
             forward: Vec::new(),
             held: 0,
+            host: 0,
             peak: 0,
             loss: 0.0,
             grad_diff: None,
@@ -172,21 +180,28 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             let v = &mut variants[(round + i) % n];
             let before = ALLOC.live();
             let device_before = device_memory_in_use(&dev)?;
+            reset_device_memory_peak(&dev)?;
+            // Right after a reset the mark is what is in use now.
+            let device_peak_before = device_memory_peak(&dev)?;
             ALLOC.reset_peak();
             let start = Instant::now();
             let loss = v.plan.scope(|| model.loss(&x, &y))?;
             dev.synchronize()?;
             let forward = start.elapsed().as_secs_f64();
             // On a GPU, what the device holds (driver figures; the host's
-            // counting allocator sees none of it). Peaks are CPU-only.
+            // counting allocator sees none of it, but sees offloaded bytes).
+            let host = ALLOC.live().saturating_sub(before);
             let held = match (device_before, device_memory_in_use(&dev)?) {
                 (Some(b), Some(a)) => a.saturating_sub(b),
-                _ => ALLOC.live().saturating_sub(before),
+                _ => host,
             };
             let grads = loss.backward()?;
             dev.synchronize()?;
             let elapsed = start.elapsed().as_secs_f64();
-            let peak = ALLOC.peak().saturating_sub(before);
+            let peak = match (device_peak_before, device_memory_peak(&dev)?) {
+                (Some(b), Some(a)) => a.saturating_sub(b),
+                _ => ALLOC.peak().saturating_sub(before),
+            };
             v.loss = loss.to_scalar::<f32>()?;
             if round == warmup + steps - 1 {
                 // Gradients against plain candle's (the first variant).
@@ -206,6 +221,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             }
             // Exact and the same every step; keep the last.
             v.held = held;
+            v.host = host;
             v.peak = peak;
         }
     }
@@ -220,18 +236,22 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let base = &variants[0];
     let (t0, h0, p0) = (median(&base.times), base.held as f64, base.peak as f64);
     let mut csv = String::from(
-        "policy,median_step_s,median_forward_s,time_ratio,held_bytes,held_ratio,peak_bytes,peak_ratio,loss,grad_max_rel_diff\n",
+        "policy,median_step_s,median_forward_s,time_ratio,held_bytes,held_ratio,peak_bytes,peak_ratio,loss,grad_max_rel_diff,host_held_bytes\n",
     );
+    let gpu = !dev.is_cpu();
     let mut md = format!("{header}\n\n");
-    md.push_str(
+    md.push_str(if gpu {
+        "| policy | step (ms, median) | forward (ms) | time vs plain | held on device after forward (MiB) | held vs plain | peak fwd+bwd, device pool (MiB) | peak vs plain | max grad rel. diff | held on host (MiB) |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+    } else {
         "| policy | step (ms, median) | forward (ms) | time vs plain | held after forward (MiB) | held vs plain | peak fwd+bwd (MiB) | peak vs plain | max grad rel. diff |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
-    );
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+    });
     for v in &variants {
         let t = median(&v.times);
         writeln!(
             csv,
-            "{},{t:.6},{:.6},{:.4},{},{:.4},{},{:.4},{},{:e}",
+            "{},{t:.6},{:.6},{:.4},{},{:.4},{},{:.4},{},{:e},{}",
             v.name,
             median(&v.forward),
             t / t0,
@@ -240,11 +260,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             v.peak,
             v.peak as f64 / p0,
             v.loss,
-            v.max_rel_diff
+            v.max_rel_diff,
+            if gpu { v.host } else { v.held }
         )?;
         writeln!(
             md,
-            "| {} | {:.1} | {:.1} | {:.2}x | {:.1} | {:.3}x | {:.1} | {:.3}x | {:.1e} |",
+            "| {} | {:.1} | {:.1} | {:.2}x | {:.1} | {:.3}x | {:.1} | {:.3}x | {:.1e} |{}",
             v.name,
             t * 1e3,
             median(&v.forward) * 1e3,
@@ -253,7 +274,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             v.held as f64 / h0,
             mib(v.peak),
             v.peak as f64 / p0,
-            v.max_rel_diff
+            v.max_rel_diff,
+            if gpu {
+                format!(" {:.1} |", mib(v.host))
+            } else {
+                String::new()
+            }
         )?;
     }
     print!("{md}");

@@ -21,8 +21,9 @@ train_gpt: train a character-level GPT with checkpointed (remat!) blocks
 
 usage: cargo run --release -p examples --bin train_gpt -- [flags]
 
-  --policy none|full|selective|save-all|budget=F
-                  checkpointing [selective]; budget=F plans each region to hold
+  --policy none|full|selective|offload|save-all|budget=F
+                  checkpointing [selective]; offload keeps selective's statements
+                  in host memory (GPU); budget=F plans each region to hold
                   F of the way from full recompute (0) to save-all (1)
   --layers N      transformer blocks [4]
   --d-model N     residual width [128]

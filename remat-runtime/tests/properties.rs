@@ -47,6 +47,9 @@ enum PlanKind {
     RecomputeAll,
     SaveAll,
     SaveOnly(Vec<bool>),
+    /// Open statements: saved where the first mask says, else offloaded
+    /// where the second says, else recomputed.
+    SaveAndOffload(Vec<bool>, Vec<bool>),
 }
 
 #[derive(Debug, Clone)]
@@ -57,6 +60,9 @@ struct Program {
     /// Values the region returns (indices reduced modulo the value count).
     outputs: Vec<usize>,
     plan: PlanKind,
+    /// Offloaded statements move their residuals out and back (as on a
+    /// GPU) instead of being kept as saved on this CPU.
+    swap: bool,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -77,6 +83,7 @@ fn declared() -> impl Strategy<Value = Option<Policy>> {
     prop_oneof![
         Just(None),
         Just(Some(Policy::Save)),
+        Just(Some(Policy::Offload)),
         Just(Some(Policy::Recompute))
     ]
 }
@@ -94,13 +101,20 @@ fn program() -> impl Strategy<Value = Program> {
             Just(PlanKind::RecomputeAll),
             Just(PlanKind::SaveAll),
             prop::collection::vec(any::<bool>(), 12).prop_map(PlanKind::SaveOnly),
+            (
+                prop::collection::vec(any::<bool>(), 12),
+                prop::collection::vec(any::<bool>(), 12)
+            )
+                .prop_map(|(s, o)| PlanKind::SaveAndOffload(s, o)),
         ],
+        any::<bool>(),
     )
-        .prop_map(|(inputs, stmts, outputs, plan)| Program {
+        .prop_map(|(inputs, stmts, outputs, plan, swap)| Program {
             inputs,
             stmts,
             outputs,
             plan,
+            swap,
         })
 }
 
@@ -158,6 +172,15 @@ fn plan(p: &Program) -> Plan {
                 .filter(|&i| mask[i % mask.len()])
                 .map(|i| format!("s{i}")),
         ),
+        PlanKind::SaveAndOffload(save, offload) => {
+            let names = |mask: &[bool]| -> Vec<String> {
+                (0..p.stmts.len())
+                    .filter(|&i| mask[i % mask.len()])
+                    .map(|i| format!("s{i}"))
+                    .collect()
+            };
+            Plan::save_and_offload_only(names(save), names(offload))
+        }
     }
 }
 
@@ -271,7 +294,11 @@ fn check(p: &Program) -> Result<(), TestCaseError> {
             .unwrap()
     };
     let reference = run_plain(p, &inputs, &wt);
-    let got = run_region(p, &inputs, &wt, plan(p));
+    let got = if p.swap {
+        remat_runtime::offload::swap_on_cpu(|| run_region(p, &inputs, &wt, plan(p)))
+    } else {
+        run_region(p, &inputs, &wt, plan(p))
+    };
     for (a, b) in got.iter().zip(&reference) {
         prop_assert_eq!(max_abs(&(a - b).unwrap()), 0.0, "forward values differ");
     }

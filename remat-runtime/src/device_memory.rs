@@ -84,15 +84,12 @@ mod pool {
         candle_core::Error::Msg(format!("CUDA driver: {e:?}"))
     }
 
-    /// The memory pool candle's allocations on `dev` come from, if the
-    /// device has pools (cudarc allocates with `cuMemAllocAsync` exactly
-    /// then, from the device's current pool).
+    /// The memory pool candle's allocations on `dev` come from: cudarc
+    /// allocates with `cuMemAllocAsync`, from the device's current pool,
+    /// exactly when the context supports it; `None` otherwise.
     fn current_pool(dev: &CudaDevice) -> Result<Option<sys::CUmemoryPool>> {
         let ctx = dev.cuda_stream().context().clone();
-        let supported = ctx
-            .attribute(sys::CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED)
-            .map_err(driver_error)?;
-        if supported == 0 {
+        if !ctx.has_async_alloc() {
             return Ok(None);
         }
         ctx.bind_to_thread().map_err(driver_error)?;

@@ -152,3 +152,21 @@ fn offload_holds_less_device_memory_than_save() {
     assert!(host >= 8 * 3 * 256 * 1024 * 4);
     assert!(offloaded < saved);
 }
+
+#[test]
+fn the_pool_peak_sees_a_tensor_that_is_gone() {
+    let dev = cuda();
+    remat_runtime::reset_device_memory_peak(&dev).unwrap();
+    let base = remat_runtime::device_memory_peak(&dev)
+        .unwrap()
+        .expect("an H100 has memory pools");
+    let bytes = 64 << 20;
+    let t = Tensor::zeros(bytes / 4, DType::F32, &dev).unwrap();
+    drop(t);
+    let peak = remat_runtime::device_memory_peak(&dev).unwrap().unwrap();
+    println!("pool high-water: {base} -> {peak} bytes");
+    assert!(peak - base >= bytes, "{base} -> {peak}");
+    remat_runtime::reset_device_memory_peak(&dev).unwrap();
+    let after = remat_runtime::device_memory_peak(&dev).unwrap().unwrap();
+    assert!(after < peak);
+}

@@ -26,9 +26,13 @@
 //! On a CPU device the residuals already live in host memory: an offloaded
 //! statement is kept exactly as a saved one, unless [`swap_on_cpu`] asks
 //! for the move anyway (the path a CUDA device takes, observable on a CPU).
-//! On CUDA the copies are synchronous on candle's stream, into pageable host
-//! memory (candle 0.11 exposes no pinned allocation nor side stream for its
-//! storages).
+//! On CUDA the copies go to page-locked (pinned) host memory and are queued
+//! on the stream candle runs its kernels on: the host does not wait for
+//! them, and stream order keeps them right with respect to the kernels
+//! (see `offload/pinned.rs`). They do not overlap with compute: candle 0.11
+//! runs everything on one stream and gives no handle to order its kernels
+//! after a side stream's copies. Where pinned memory cannot be had, the copy
+//! falls back to pageable memory, synchronously.
 
 use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
@@ -41,6 +45,9 @@ use crate::memory::storage_extent;
 use crate::state::{lock, RegionState, Slot};
 use crate::tape::Saved;
 use crate::{Policy, RematError, Result};
+
+#[cfg(feature = "cuda")]
+mod pinned;
 
 thread_local! {
     static SWAP_ON_CPU: Cell<bool> = const { Cell::new(false) };
@@ -118,7 +125,17 @@ struct Entry {
     /// Its size as the memory report counts it.
     bytes: usize,
     /// Its contents while they are on the host.
-    host: Option<CpuStorage>,
+    host: Option<Host>,
+}
+
+/// A storage's contents on the host.
+enum Host {
+    /// In ordinary memory (a CPU storage moved out, or a CUDA copy where no
+    /// pinned memory could be had).
+    Cpu(CpuStorage),
+    /// In page-locked memory, copied by the device.
+    #[cfg(feature = "cuda")]
+    Pinned(pinned::Pinned),
 }
 
 /// The residuals of one offloaded statement.
@@ -126,6 +143,9 @@ pub(crate) struct Stash {
     region: String,
     record: String,
     entries: Mutex<Vec<Entry>>,
+    /// Pinned buffers whose copy back is queued: freed with the stash, once
+    /// the unit's backward has been queued behind the copy.
+    retired: Mutex<Vec<Host>>,
 }
 
 /// The nodes of `saved`'s graph that depend on one of its leaf copies.
@@ -190,6 +210,7 @@ impl Stash {
             region: region.to_string(),
             record: record.to_string(),
             entries: Mutex::new(Vec::new()),
+            retired: Mutex::new(Vec::new()),
         };
         let mut entries = Vec::new();
         for key in order {
@@ -239,6 +260,11 @@ impl Stash {
                 .tensor
                 .inplace_op1(&op)
                 .map_err(|e| self.error("back to the device", e))?;
+            // A pinned buffer stays until its queued copy is behind us.
+            let left = lock(&op.host).take();
+            if let Some(left) = left {
+                lock(&self.retired).push(left);
+            }
         }
         Ok(())
     }
@@ -256,7 +282,7 @@ impl Stash {
 /// Replaces a storage by a one-element one, keeping its contents on the host.
 #[derive(Default)]
 struct SwapOut {
-    host: Mutex<Option<CpuStorage>>,
+    host: Mutex<Option<Host>>,
 }
 
 /// A one-element storage of `s`'s dtype on `s`'s device.
@@ -275,12 +301,18 @@ impl InplaceOp1 for SwapOut {
     fn cpu_fwd(&self, s: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
         // Host memory already: move the contents, no copy.
         let full = std::mem::replace(s, tiny(s)?);
-        *lock(&self.host) = Some(full);
+        *lock(&self.host) = Some(Host::Cpu(full));
         Ok(())
     }
     fn cuda_fwd(&self, s: &mut CudaStorage, _: &Layout) -> candle_core::Result<()> {
-        let host = s.to_cpu_storage()?;
-        // The device buffer is freed here, after the copy (same stream).
+        #[cfg(feature = "cuda")]
+        let host = match pinned::copy_out(s) {
+            Ok(pinned) => Host::Pinned(pinned),
+            Err(_) => Host::Cpu(s.to_cpu_storage()?),
+        };
+        #[cfg(not(feature = "cuda"))]
+        let host = Host::Cpu(s.to_cpu_storage()?);
+        // The device buffer is freed here, stream-ordered after the copy.
         *s = tiny(s)?;
         *lock(&self.host) = Some(host);
         Ok(())
@@ -289,22 +321,36 @@ impl InplaceOp1 for SwapOut {
 
 /// Puts a storage's contents back from the host.
 struct SwapIn {
-    host: Mutex<Option<CpuStorage>>,
+    /// Taken when moved into the storage; a pinned buffer, copied from,
+    /// stays for the caller to keep until its copy has run.
+    host: Mutex<Option<Host>>,
 }
 
 impl SwapIn {
-    /// The host contents, checked against the storage they go back into.
-    fn take(&self, dtype: candle_core::DType) -> candle_core::Result<CpuStorage> {
-        let host = lock(&self.host).take().ok_or_else(|| {
-            candle_core::Error::Msg("remat: offloaded storage restored twice".into())
-        })?;
-        if host.dtype() != dtype {
-            return Err(candle_core::Error::Msg(format!(
-                "remat: the host copy is {:?} but the storage is {dtype:?}",
-                host.dtype()
-            )));
+    /// The host contents in ordinary memory, checked against the storage
+    /// they go back into.
+    fn take_cpu(&self, dtype: candle_core::DType) -> candle_core::Result<CpuStorage> {
+        let mut slot = lock(&self.host);
+        match slot.take() {
+            Some(Host::Cpu(host)) if host.dtype() == dtype => Ok(host),
+            Some(Host::Cpu(host)) => {
+                let found = host.dtype();
+                *slot = Some(Host::Cpu(host));
+                Err(candle_core::Error::Msg(format!(
+                    "remat: the host copy is {found:?} but the storage is {dtype:?}"
+                )))
+            }
+            #[cfg(feature = "cuda")]
+            Some(pinned) => {
+                *slot = Some(pinned);
+                Err(candle_core::Error::Msg(
+                    "remat: a pinned copy cannot go back into a CPU storage".into(),
+                ))
+            }
+            None => Err(candle_core::Error::Msg(
+                "remat: offloaded storage restored twice".into(),
+            )),
         }
-        Ok(host)
     }
 }
 
@@ -313,13 +359,17 @@ impl InplaceOp1 for SwapIn {
         "remat-restore"
     }
     fn cpu_fwd(&self, s: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
-        *s = self.take(s.dtype())?;
+        *s = self.take_cpu(s.dtype())?;
         Ok(())
     }
     fn cuda_fwd(&self, s: &mut CudaStorage, _: &Layout) -> candle_core::Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(Host::Pinned(pinned)) = &*lock(&self.host) {
+            return pinned::copy_back(s, pinned);
+        }
         *s = s
             .device()
-            .storage_from_cpu_storage_owned(self.take(s.dtype())?)?;
+            .storage_from_cpu_storage_owned(self.take_cpu(s.dtype())?)?;
         Ok(())
     }
 }
@@ -339,12 +389,13 @@ mod tests {
             tensor: t.clone(),
             key: storage_extent(&t).0,
             bytes: 16,
-            host: Some(CpuStorage::F64(vec![0.0; 4])),
+            host: Some(Host::Cpu(CpuStorage::F64(vec![0.0; 4]))),
         };
         let stash = Stash {
             region: "blk".into(),
             record: "h".into(),
             entries: Mutex::new(vec![entry]),
+            retired: Mutex::new(Vec::new()),
         };
         let e = stash.restore().unwrap_err();
         assert!(matches!(&e, RematError::Offload { region, record, .. }

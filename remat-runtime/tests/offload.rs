@@ -359,3 +359,19 @@ fn a_replay_that_saves_what_the_forward_offloaded_is_a_desync() {
     // The failed backward released the tape, host copies included.
     assert!(MemoryReport::capture().entries.is_empty());
 }
+
+#[test]
+fn an_offloaded_statement_cannot_reuse_a_saved_statements_name() {
+    let x = var(&[2, 2], 1, 1.0, DType::F32);
+    let err = Region::new("blk")
+        .run(&[x.as_tensor()], |ctx, ins| {
+            let h = ctx.save("h", &[&ins[0]], |t| Ok(t[0].exp()?))?;
+            ctx.offload("h", &[&h], |t| Ok(t[0].sum_all()?))
+        })
+        .unwrap_err();
+    assert!(
+        matches!(&err, RematError::DuplicateName { region, record } if region == "blk" && record == "h"),
+        "{err}"
+    );
+    assert!(MemoryReport::capture().entries.is_empty());
+}

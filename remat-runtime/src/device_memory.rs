@@ -102,41 +102,37 @@ mod pool {
         Ok(Some(pool))
     }
 
-    pub(super) fn used_high(dev: &CudaDevice) -> Result<Option<usize>> {
+    /// The pool's high-water mark; with `reset`, resets it to what is in
+    /// use now instead (the value returned is then meaningless).
+    fn high_water(dev: &CudaDevice, reset: bool) -> Result<Option<usize>> {
         let Some(pool) = current_pool(dev)? else {
             return Ok(None);
         };
-        let mut high: u64 = 0;
+        // Reading gives the mark; writing zero (the only value the driver
+        // accepts) resets it.
+        let mut value: u64 = 0;
+        let attr = sys::CUmemPool_attribute_enum::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
+        let ptr = (&mut value as *mut u64).cast();
         // SAFETY: `pool` was just returned by the driver for a live context;
         // `CU_MEMPOOL_ATTR_USED_MEM_HIGH` is a `cuuint64_t` attribute and
-        // `high` is a valid, writable, aligned `u64` for the call.
-        unsafe {
-            result::mem_pool::get_attribute(
-                pool,
-                sys::CUmemPool_attribute_enum::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-                (&mut high as *mut u64).cast(),
-            )
-        }
-        .map_err(driver_error)?;
-        Ok(Some(high as usize))
+        // `value` is a valid, aligned `u64` that outlives the call, read by
+        // the setter and written by the getter.
+        let done = unsafe {
+            if reset {
+                result::mem_pool::set_attribute(pool, attr, ptr)
+            } else {
+                result::mem_pool::get_attribute(pool, attr, ptr)
+            }
+        };
+        done.map_err(driver_error)?;
+        Ok(Some(value as usize))
+    }
+
+    pub(super) fn used_high(dev: &CudaDevice) -> Result<Option<usize>> {
+        high_water(dev, false)
     }
 
     pub(super) fn reset_high(dev: &CudaDevice) -> Result<()> {
-        let Some(pool) = current_pool(dev)? else {
-            return Ok(());
-        };
-        // Zero is the only value the driver accepts: it resets the mark.
-        let mut zero: u64 = 0;
-        // SAFETY: as in `used_high`; the driver reads one `cuuint64_t`
-        // from `zero`, which lives across the call.
-        unsafe {
-            result::mem_pool::set_attribute(
-                pool,
-                sys::CUmemPool_attribute_enum::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-                (&mut zero as *mut u64).cast(),
-            )
-        }
-        .map_err(driver_error)?;
-        Ok(())
+        high_water(dev, true).map(|_| ())
     }
 }

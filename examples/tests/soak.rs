@@ -34,4 +34,12 @@ fn live_bytes_do_not_grow_over_training_steps() {
         println!("{policy}: after step 20 {reference}, max after {max}");
         assert!(max <= reference, "{policy}: {max} > {reference}");
     }
+    // Offloaded statements whose residuals move out of the graph and back
+    // every step (the GPU path, forced on this CPU).
+    let live = remat_runtime::offload::swap_on_cpu(|| {
+        soak(&corpus, shape, Checkpointing::Offload, 150, &ALLOC).unwrap()
+    });
+    let (reference, max) = (live[19], *live[20..].iter().max().unwrap());
+    println!("offload (moved): after step 20 {reference}, max after {max}");
+    assert!(max <= reference, "offload (moved): {max} > {reference}");
 }

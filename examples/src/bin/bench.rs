@@ -43,6 +43,8 @@ usage: cargo run --release -p examples --bin bench -- [flags]
                offload (selective's statements in host memory) is for GPUs
   --save A,B   also measure a plan saving these statements (e.g. qkv,fc)
   --device cpu|cuda [cpu]
+  --move-on-cpu true  offloaded residuals move out of the graph and back on a
+               CPU too (what a GPU does; measures the bookkeeping) [false]
   --out DIR    where results.csv, results.md and tradeoff.svg go [docs/bench]
 ";
 
@@ -120,6 +122,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
     let dev = device(&flags.get("device", "cpu".to_string())?)?;
     let out = flags.get("out", PathBuf::from("docs/bench"))?;
+    let move_on_cpu = flags.get("move-on-cpu", false)?;
     flags.finish()?;
 
     let corpus = Corpus::new(&default_text());
@@ -185,7 +188,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             let device_peak_before = device_memory_peak(&dev)?;
             ALLOC.reset_peak();
             let start = Instant::now();
-            let loss = v.plan.scope(|| model.loss(&x, &y))?;
+            let forward_pass = || v.plan.scope(|| model.loss(&x, &y));
+            let loss = if move_on_cpu {
+                remat_runtime::offload::swap_on_cpu(forward_pass)?
+            } else {
+                forward_pass()?
+            };
             dev.synchronize()?;
             let forward = start.elapsed().as_secs_f64();
             // On a GPU, what the device holds (driver figures; the host's

@@ -24,7 +24,7 @@ pub fn device_memory_in_use(device: &Device) -> Result<Option<usize>> {
                 .cuda_stream()
                 .context()
                 .mem_get_info()
-                .map_err(pool::driver_error)?;
+                .map_err(driver_error)?;
             Ok(Some(total.saturating_sub(free)))
         }
         _ => Ok(None),
@@ -73,16 +73,21 @@ pub fn reset_device_memory_peak(device: &Device) -> Result<()> {
     }
 }
 
+/// A CUDA driver error as a candle error.
+#[cfg(feature = "cuda")]
+pub(crate) fn driver_error(
+    e: candle_core::cuda_backend::cudarc::driver::DriverError,
+) -> candle_core::Error {
+    candle_core::Error::Msg(format!("CUDA driver: {e:?}"))
+}
+
 #[cfg(feature = "cuda")]
 mod pool {
-    use candle_core::cuda_backend::cudarc::driver::{result, sys, DriverError};
+    use candle_core::cuda_backend::cudarc::driver::{result, sys};
     use candle_core::CudaDevice;
 
+    use super::driver_error;
     use crate::Result;
-
-    pub(super) fn driver_error(e: DriverError) -> candle_core::Error {
-        candle_core::Error::Msg(format!("CUDA driver: {e:?}"))
-    }
 
     /// The memory pool candle's allocations on `dev` come from: cudarc
     /// allocates with `cuMemAllocAsync`, from the device's current pool,

@@ -105,7 +105,12 @@ pub(crate) struct Seen(HashMap<usize, usize>);
 impl Seen {
     /// Never counts the storage `t` uses (a parameter's, a region input's).
     pub(crate) fn exclude(&mut self, t: &Tensor) {
-        self.0.insert(storage_extent(t).0, usize::MAX);
+        self.exclude_key(storage_extent(t).0);
+    }
+
+    /// Never counts storage `key`.
+    fn exclude_key(&mut self, key: usize) {
+        self.0.insert(key, usize::MAX);
     }
 
     /// Counts `bytes` of storage `key`: what they add to what was counted of
@@ -137,7 +142,7 @@ impl<'a> Counter<'a> {
     pub(crate) fn saved(&mut self, saved: &Saved) -> usize {
         if let Some(stash) = &saved.offload {
             for (key, _) in stash.on_host() {
-                self.seen.0.insert(key, usize::MAX);
+                self.seen.exclude_key(key);
             }
         }
         let graph: usize = saved.outs.iter().map(|t| self.count(t, true)).sum();
@@ -290,9 +295,9 @@ impl fmt::Display for MemoryReport {
     /// record holds offloaded residuals.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let host = self.total_host_bytes() > 0;
-        let host_column = |bytes: usize| {
+        let host_column = |v: &dyn fmt::Display| {
             if host {
-                format!(" {bytes:>12}")
+                format!(" {v:>12}")
             } else {
                 String::new()
             }
@@ -304,11 +309,7 @@ impl fmt::Display for MemoryReport {
             "record",
             "policy",
             "bytes",
-            if host {
-                format!(" {:>12}", "host")
-            } else {
-                String::new()
-            }
+            host_column(&"host")
         )?;
         for e in &self.entries {
             let policy = e.policy.map_or("-".to_string(), |p| p.to_string());
@@ -324,7 +325,7 @@ impl fmt::Display for MemoryReport {
                 "{region:<24} {:<20} {policy:<10} {:>12}{}  {shapes}",
                 e.record,
                 e.bytes,
-                host_column(e.host_bytes)
+                host_column(&e.host_bytes)
             )?;
         }
         write!(
@@ -334,7 +335,7 @@ impl fmt::Display for MemoryReport {
             "",
             "",
             self.total_bytes(),
-            host_column(self.total_host_bytes())
+            host_column(&self.total_host_bytes())
         )
     }
 }

@@ -330,26 +330,18 @@ impl SwapIn {
     /// The host contents in ordinary memory, checked against the storage
     /// they go back into.
     fn take_cpu(&self, dtype: candle_core::DType) -> candle_core::Result<CpuStorage> {
-        let mut slot = lock(&self.host);
-        match slot.take() {
+        let fail = |msg: String| Err(candle_core::Error::Msg(msg));
+        match lock(&self.host).take() {
             Some(Host::Cpu(host)) if host.dtype() == dtype => Ok(host),
-            Some(Host::Cpu(host)) => {
-                let found = host.dtype();
-                *slot = Some(Host::Cpu(host));
-                Err(candle_core::Error::Msg(format!(
-                    "remat: the host copy is {found:?} but the storage is {dtype:?}"
-                )))
-            }
-            #[cfg(feature = "cuda")]
-            Some(pinned) => {
-                *slot = Some(pinned);
-                Err(candle_core::Error::Msg(
-                    "remat: a pinned copy cannot go back into a CPU storage".into(),
-                ))
-            }
-            None => Err(candle_core::Error::Msg(
-                "remat: offloaded storage restored twice".into(),
+            Some(Host::Cpu(host)) => fail(format!(
+                "remat: the host copy is {:?} but the storage is {dtype:?}",
+                host.dtype()
             )),
+            #[cfg(feature = "cuda")]
+            Some(Host::Pinned(_)) => {
+                fail("remat: a pinned copy cannot go back into a CPU storage".into())
+            }
+            None => fail("remat: offloaded storage restored twice".into()),
         }
     }
 }

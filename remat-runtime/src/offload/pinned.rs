@@ -8,18 +8,14 @@
 //! wait for either copy; cudarc's pinned buffer waits for its last copy
 //! before it is freed.
 
-use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, DeviceRepr, DriverError, PinnedHostSlice,
-};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, PinnedHostSlice};
 use candle_core::cuda_backend::CudaStorageSlice;
 use candle_core::CudaStorage;
 
+use crate::device_memory::driver_error;
+
 /// The bytes of one CUDA storage in pinned host memory.
 pub(crate) struct Pinned(PinnedHostSlice<u8>);
-
-fn driver(e: DriverError) -> candle_core::Error {
-    candle_core::Error::Msg(format!("CUDA driver: {e:?}"))
-}
 
 fn no_view() -> candle_core::Error {
     candle_core::Error::Msg("remat: a byte view of a CUDA buffer did not fit it".into())
@@ -33,11 +29,13 @@ fn out<T: DeviceRepr>(s: &CudaSlice<T>) -> candle_core::Result<Pinned> {
     // `n` bytes of it, and nothing reads it except the copy back, which is
     // queued on the same stream after this one.
     let mut host =
-        unsafe { stream.context().alloc_pinned_with_flags::<u8>(n, 0) }.map_err(driver)?;
+        unsafe { stream.context().alloc_pinned_with_flags::<u8>(n, 0) }.map_err(driver_error)?;
     // SAFETY: a view of the slice's own `n` bytes as `u8`, for which every
     // bit pattern is valid.
     let bytes = unsafe { s.transmute::<u8>(n) }.ok_or_else(no_view)?;
-    stream.memcpy_dtoh(&bytes, &mut host).map_err(driver)?;
+    stream
+        .memcpy_dtoh(&bytes, &mut host)
+        .map_err(driver_error)?;
     Ok(Pinned(host))
 }
 
@@ -53,11 +51,13 @@ fn back<T: DeviceRepr>(like: &CudaSlice<T>, host: &Pinned) -> candle_core::Resul
     }
     // SAFETY: the buffer is uninitialised; the copy queued below overwrites
     // all of it before any kernel, queued later on the same stream, reads it.
-    let mut dst = unsafe { stream.alloc::<T>(n / size) }.map_err(driver)?;
+    let mut dst = unsafe { stream.alloc::<T>(n / size) }.map_err(driver_error)?;
     {
         // SAFETY: a view of `dst`'s own `n` bytes as `u8`.
         let mut bytes = unsafe { dst.transmute_mut::<u8>(n) }.ok_or_else(no_view)?;
-        stream.memcpy_htod(&host.0, &mut bytes).map_err(driver)?;
+        stream
+            .memcpy_htod(&host.0, &mut bytes)
+            .map_err(driver_error)?;
     }
     Ok(dst)
 }

@@ -4,7 +4,7 @@
 
 use candle_core::{Device, Result};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
-use remat_runtime::CountingAlloc;
+use remat_runtime::inspect::CountingAlloc;
 
 use crate::data::Corpus;
 use crate::gpt::{Checkpointing, Config, Gpt};

@@ -7,7 +7,8 @@ use std::time::Instant;
 use candle_core::{Device, Result, Tensor};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use indicatif::{ProgressBar, ProgressStyle};
-use remat_runtime::{check_gradients, CountingAlloc, MemoryReport};
+use remat_runtime::inspect::CountingAlloc;
+use remat_runtime::{check_gradients, MemoryReport};
 
 use crate::data::Corpus;
 use crate::gpt::{Checkpointing, Config, Gpt};
@@ -82,7 +83,7 @@ pub struct Report {
     /// was live before it (when a counting allocator was given).
     pub held_after_forward: Option<usize>,
     /// What a budget plan chose, per region.
-    pub solutions: Vec<remat_runtime::Solution>,
+    pub solutions: Vec<remat_runtime::plan::Solution>,
     /// Tokens per second over the steps after the first.
     pub tokens_per_second: f64,
     /// A sample from the trained model.

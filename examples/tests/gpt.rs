@@ -59,7 +59,7 @@ fn training_smoke_loss_falls_and_every_parameter_trains() {
         .entries
         .iter()
         .filter(|e| e.region == "block" && e.call == 0)
-        .map(|e| e.record.as_str())
+        .map(|e| e.statement.as_str())
         .collect();
     assert_eq!(
         names,

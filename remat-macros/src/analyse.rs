@@ -8,7 +8,7 @@ use syn::visit::Visit;
 use syn::{Expr, Ident, Pat};
 
 use crate::errors::Errors;
-use crate::parse::{Block, Kind, StmtKind};
+use crate::model::{AnnotationKind, Block, StmtKind};
 
 /// A binding a statement reads.
 #[derive(Debug, Clone)]
@@ -18,22 +18,23 @@ pub(crate) struct Read {
     pub by_ref: bool,
 }
 
-/// What the analysis decided for one statement.
+/// What the analysis found for one statement.
 #[derive(Debug, Clone)]
-pub(crate) struct StmtPlan {
+pub(crate) struct StatementAnalysis {
     /// The record name (empty for items and forward-only statements).
     pub name: String,
     /// Save, Recompute or ForwardOnly; `None` for an unannotated statement,
     /// whose policy the region's plan decides at run time.
-    pub kind: Option<Kind>,
+    pub kind: Option<AnnotationKind>,
     /// The bindings it reads, in order of first use.
     pub reads: Vec<Read>,
     /// Owned bindings whose last reader this statement is: dropped after it.
     pub releases: Vec<Ident>,
 }
 
-pub(crate) struct Plan {
-    pub statements: Vec<StmtPlan>,
+/// What the analysis found for a block: per statement, and for the tail.
+pub(crate) struct Analysis {
+    pub statements: Vec<StatementAnalysis>,
     pub tail_reads: Vec<Read>,
     /// The tail is `Ok(x)` with `x` a binding of a statement: the block
     /// returns it as it is, with no statement of its own.
@@ -158,45 +159,108 @@ fn single(pat: &Pat) -> Option<&Ident> {
     }
 }
 
-pub(crate) fn analyse(block: &Block, errors: &mut Errors) -> Plan {
-    let mut bindings: Vec<Binding> = block
-        .params
-        .iter()
-        .map(|p| Binding {
-            ident: p.ident.clone(),
-            by_ref: p.by_ref,
-            producer: None,
-            last_reader: None,
-        })
-        .collect();
-    let mut current: HashMap<String, usize> = bindings
-        .iter()
-        .enumerate()
-        .map(|(i, b)| (b.ident.to_string(), i))
-        .collect();
-    let kinds: Vec<Option<Kind>> = block
-        .statements
-        .iter()
-        .map(|s| s.annotation.as_ref().map(|a| a.kind))
-        .collect();
+/// Analyses `block`: dataflow, names and releases, with the semantic errors
+/// pushed to `errors`.
+pub(crate) fn analyse(block: &Block, errors: &mut Errors) -> Analysis {
+    let mut a = Analyser::new(block, errors);
+    let reads = a.dataflow();
+    let names = a.names();
+    a.finish(reads, names)
+}
 
-    // Dataflow: who reads which binding.
-    let mut reads: Vec<Vec<usize>> = Vec::new();
-    let resolve = |expr: &Expr,
-                   reader: usize,
-                   forward_only: bool,
-                   bindings: &mut Vec<Binding>,
-                   current: &HashMap<String, usize>,
-                   errors: &mut Errors|
-     -> Vec<usize> {
+/// The state of one block's analysis.
+struct Analyser<'a> {
+    block: &'a Block,
+    errors: &'a mut Errors,
+    /// Every binding: the parameters, then each statement's, in order.
+    bindings: Vec<Binding>,
+    /// The binding each name refers to at the current statement.
+    current: HashMap<String, usize>,
+    /// Each statement's annotation.
+    kinds: Vec<Option<AnnotationKind>>,
+}
+
+/// Which bindings each statement reads, and which the tail reads.
+struct Reads {
+    statements: Vec<Vec<usize>>,
+    tail: Vec<usize>,
+}
+
+impl<'a> Analyser<'a> {
+    fn new(block: &'a Block, errors: &'a mut Errors) -> Self {
+        let bindings: Vec<Binding> = block
+            .params
+            .iter()
+            .map(|p| Binding {
+                ident: p.ident.clone(),
+                by_ref: p.by_ref,
+                producer: None,
+                last_reader: None,
+            })
+            .collect();
+        let current = bindings
+            .iter()
+            .enumerate()
+            .map(|(i, b)| (b.ident.to_string(), i))
+            .collect();
+        let kinds = block
+            .statements
+            .iter()
+            .map(|s| s.annotation.as_ref().map(|a| a.kind))
+            .collect();
+        Analyser {
+            block,
+            errors,
+            bindings,
+            current,
+            kinds,
+        }
+    }
+
+    /// Dataflow: who reads which binding, statement by statement, and the
+    /// tail.
+    fn dataflow(&mut self) -> Reads {
+        let block = self.block;
+        let mut statements = Vec::new();
+        for (i, stmt) in block.statements.iter().enumerate() {
+            let forward_only = self.kinds[i] == Some(AnnotationKind::ForwardOnly);
+            match &stmt.kind {
+                StmtKind::Let { pat, init } => {
+                    statements.push(self.resolve(init, i, forward_only));
+                    for ident in bound(pat) {
+                        self.current.insert(ident.to_string(), self.bindings.len());
+                        self.bindings.push(Binding {
+                            ident,
+                            by_ref: false,
+                            producer: Some(i),
+                            last_reader: None,
+                        });
+                    }
+                }
+                StmtKind::Expr(e) => statements.push(self.resolve(e, i, forward_only)),
+                StmtKind::Item(_) => statements.push(Vec::new()),
+            }
+        }
+        let n = block.statements.len();
+        let tail = match &block.tail {
+            Some(t) => self.resolve(t, n, false),
+            None => Vec::new(),
+        };
+        Reads { statements, tail }
+    }
+
+    /// The bindings `expr`, read by statement `reader` (the tail's index is
+    /// the number of statements), mentions; refuses reads of forward-only
+    /// bindings from statements that replay.
+    fn resolve(&mut self, expr: &Expr, reader: usize, forward_only: bool) -> Vec<usize> {
         let mut out = Vec::new();
         for (name, span) in mentions(expr) {
-            let Some(&b) = current.get(&name) else {
+            let Some(&b) = self.current.get(&name) else {
                 continue;
             };
-            if let Some(p) = bindings[b].producer {
-                if kinds[p] == Some(Kind::ForwardOnly) && !forward_only {
-                    errors.push(
+            if let Some(p) = self.bindings[b].producer {
+                if self.kinds[p] == Some(AnnotationKind::ForwardOnly) && !forward_only {
+                    self.errors.push(
                         span,
                         format!(
                             "`{name}` is bound by a #[forward_only] statement, which does not run \
@@ -207,63 +271,83 @@ pub(crate) fn analyse(block: &Block, errors: &mut Errors) -> Plan {
                     );
                 }
             }
-            bindings[b].last_reader = Some(reader);
+            self.bindings[b].last_reader = Some(reader);
             out.push(b);
         }
         out
-    };
-    for (i, stmt) in block.statements.iter().enumerate() {
-        let forward_only = kinds[i] == Some(Kind::ForwardOnly);
-        match &stmt.kind {
-            StmtKind::Let { pat, init } => {
-                reads.push(resolve(
-                    init,
-                    i,
-                    forward_only,
-                    &mut bindings,
-                    &current,
-                    errors,
-                ));
-                for ident in bound(pat) {
-                    current.insert(ident.to_string(), bindings.len());
-                    bindings.push(Binding {
-                        ident,
-                        by_ref: false,
-                        producer: Some(i),
-                        last_reader: None,
-                    });
-                }
-            }
-            StmtKind::Expr(e) => {
-                reads.push(resolve(e, i, forward_only, &mut bindings, &current, errors))
-            }
-            StmtKind::Item(_) => reads.push(Vec::new()),
-        }
     }
-    let n = block.statements.len();
-    let tail_reads = match &block.tail {
-        Some(t) => resolve(t, n, false, &mut bindings, &current, errors),
-        None => Vec::new(),
-    };
-    let tail_passthrough = block
-        .tail
-        .as_ref()
-        .and_then(|t| passthrough(t, &tail_reads, &bindings));
 
-    // Names: explicit ones first (checked for duplicates), then the rest.
-    let mut names = vec![String::new(); n];
-    let mut first_use: HashMap<String, Span> = HashMap::new();
-    for (i, stmt) in block.statements.iter().enumerate() {
-        let Some(a) = &stmt.annotation else { continue };
-        let explicit = match (&a.name, &stmt.kind) {
+    /// Names: explicit ones first (checked for duplicates), then the rest
+    /// from their bindings, made unique.
+    fn names(&mut self) -> Vec<String> {
+        let block = self.block;
+        let n = block.statements.len();
+        let mut names = vec![String::new(); n];
+        let mut first_use: HashMap<String, Span> = HashMap::new();
+        for (i, stmt) in block.statements.iter().enumerate() {
+            let Some((name, span)) = self.explicit_name(stmt) else {
+                continue;
+            };
+            if let Some(first) = first_use.get(&name) {
+                self.errors.push(
+                    span,
+                    format!(
+                        "duplicate statement name `{name}`: names must be unique within a block"
+                    ),
+                );
+                self.errors
+                    .push(*first, format!("`{name}` is first used here"));
+                continue;
+            }
+            first_use.insert(name.clone(), span);
+            names[i] = name;
+        }
+        let mut used: HashSet<String> = first_use.into_keys().collect();
+        let mut fresh = |base: String| -> String {
+            let mut name = base.clone();
+            let mut k = 2;
+            while used.contains(&name) {
+                name = format!("{base}#{k}");
+                k += 1;
+            }
+            used.insert(name.clone());
+            name
+        };
+        for (i, stmt) in block.statements.iter().enumerate() {
+            if !names[i].is_empty() || self.kinds[i] == Some(AnnotationKind::ForwardOnly) {
+                continue;
+            }
+            names[i] = match &stmt.kind {
+                StmtKind::Let { pat, .. } => fresh(match single(pat) {
+                    Some(ident) => ident.to_string(),
+                    None => {
+                        let idents: Vec<String> =
+                            bound(pat).iter().map(|i| i.to_string()).collect();
+                        format!("({})", idents.join(", "))
+                    }
+                }),
+                StmtKind::Expr(_) => fresh(format!("(statement {})", i + 1)),
+                StmtKind::Item(_) => String::new(),
+            };
+        }
+        names
+    }
+
+    /// The name a statement's annotation gives it: `name = "..."`, or the
+    /// binding of a saved or offloaded `let`.
+    fn explicit_name(&mut self, stmt: &crate::model::Statement) -> Option<(String, Span)> {
+        let a = stmt.annotation.as_ref()?;
+        match (&a.name, &stmt.kind) {
             (Some(lit), _) => Some((lit.value(), lit.span())),
-            (None, StmtKind::Let { pat, .. }) if matches!(a.kind, Kind::Save | Kind::Offload) => {
+            (None, StmtKind::Let { pat, .. })
+                if matches!(a.kind, AnnotationKind::Save | AnnotationKind::Offload) =>
+            {
                 match single(pat) {
                     Some(ident) => Some((ident.to_string(), ident.span())),
                     None => {
                         let attr = a.kind.attr();
                         let bare = attr.trim_end_matches(']');
-                        errors.push_spanned(
+                        self.errors.push_spanned(
                             pat,
                             format!(
                                 "{attr} on a destructuring pattern needs an explicit name: \
@@ -275,80 +359,48 @@ pub(crate) fn analyse(block: &Block, errors: &mut Errors) -> Plan {
                 }
             }
             _ => None,
-        };
-        let Some((name, span)) = explicit else {
-            continue;
-        };
-        if let Some(first) = first_use.get(&name) {
-            errors.push(
-                span,
-                format!("duplicate statement name `{name}`: names must be unique within a block"),
-            );
-            errors.push(*first, format!("`{name}` is first used here"));
-            continue;
         }
-        first_use.insert(name.clone(), span);
-        names[i] = name;
-    }
-    let mut used: HashSet<String> = first_use.into_keys().collect();
-    let mut fresh = |base: String| -> String {
-        let mut name = base.clone();
-        let mut k = 2;
-        while used.contains(&name) {
-            name = format!("{base}#{k}");
-            k += 1;
-        }
-        used.insert(name.clone());
-        name
-    };
-    for (i, stmt) in block.statements.iter().enumerate() {
-        if !names[i].is_empty() || kinds[i] == Some(Kind::ForwardOnly) {
-            continue;
-        }
-        names[i] = match &stmt.kind {
-            StmtKind::Let { pat, .. } => fresh(match single(pat) {
-                Some(ident) => ident.to_string(),
-                None => {
-                    let idents: Vec<String> = bound(pat).iter().map(|i| i.to_string()).collect();
-                    format!("({})", idents.join(", "))
-                }
-            }),
-            StmtKind::Expr(_) => fresh(format!("(statement {})", i + 1)),
-            StmtKind::Item(_) => String::new(),
-        };
     }
 
-    // Owned bindings are dropped after their last reader (the tail's are
-    // dropped with the block anyway). Which saved outputs stay on the tape
-    // for the replay is decided at run time, where the plan is known.
-    let mut releases: Vec<Vec<Ident>> = vec![Vec::new(); n];
-    for b in &bindings {
-        if let Some(r) = b.last_reader {
-            if r < n && !b.by_ref {
-                releases[r].push(b.ident.clone());
+    /// The analysis: reads, names, and the owned bindings each statement
+    /// releases (dropped after their last reader; the tail's are dropped with
+    /// the block anyway). Which saved outputs are ferried to the replay is
+    /// decided at run time, where the plan is known.
+    fn finish(self, reads: Reads, mut names: Vec<String>) -> Analysis {
+        let block = self.block;
+        let n = block.statements.len();
+        let mut releases: Vec<Vec<Ident>> = vec![Vec::new(); n];
+        for b in &self.bindings {
+            if let Some(r) = b.last_reader {
+                if r < n && !b.by_ref {
+                    releases[r].push(b.ident.clone());
+                }
             }
         }
-    }
-
-    let to_reads = |ids: &[usize]| -> Vec<Read> {
-        ids.iter()
-            .map(|&b| Read {
-                ident: bindings[b].ident.clone(),
-                by_ref: bindings[b].by_ref,
+        let to_reads = |ids: &[usize]| -> Vec<Read> {
+            ids.iter()
+                .map(|&b| Read {
+                    ident: self.bindings[b].ident.clone(),
+                    by_ref: self.bindings[b].by_ref,
+                })
+                .collect()
+        };
+        let tail_passthrough = block
+            .tail
+            .as_ref()
+            .and_then(|t| passthrough(t, &reads.tail, &self.bindings));
+        let statements = (0..n)
+            .map(|i| StatementAnalysis {
+                name: std::mem::take(&mut names[i]),
+                kind: self.kinds[i],
+                reads: to_reads(&reads.statements[i]),
+                releases: std::mem::take(&mut releases[i]),
             })
-            .collect()
-    };
-    let statements = (0..n)
-        .map(|i| StmtPlan {
-            name: std::mem::take(&mut names[i]),
-            kind: kinds[i],
-            reads: to_reads(&reads[i]),
-            releases: std::mem::take(&mut releases[i]),
-        })
-        .collect();
-    Plan {
-        statements,
-        tail_reads: to_reads(&tail_reads),
-        tail_passthrough,
+            .collect();
+        Analysis {
+            statements,
+            tail_reads: to_reads(&reads.tail),
+            tail_passthrough,
+        }
     }
 }

@@ -7,8 +7,8 @@ use quote::{format_ident, quote, quote_spanned};
 use syn::spanned::Spanned;
 use syn::Ident;
 
-use crate::analyse::{Plan, Read, StmtPlan};
-use crate::parse::{Block, Kind, StmtKind};
+use crate::analyse::{Analysis, Read, StatementAnalysis};
+use crate::model::{AnnotationKind, Block, StmtKind};
 
 /// A call of a runtime statement method computing `body` from `reads`,
 /// spanned at the user's statement so that type errors point there.
@@ -44,12 +44,12 @@ fn statement_call(
     }
 }
 
-fn method(plan: &StmtPlan) -> &'static str {
-    match plan.kind {
-        Some(Kind::Save) => "save",
-        Some(Kind::Offload) => "offload",
-        Some(Kind::Recompute) => "recompute",
-        _ => "auto",
+fn method(statement: &StatementAnalysis) -> &'static str {
+    match statement.kind {
+        Some(AnnotationKind::Save) => "save",
+        Some(AnnotationKind::Offload) => "offload",
+        Some(AnnotationKind::Recompute) => "recompute",
+        _ => "open",
     }
 }
 
@@ -57,7 +57,7 @@ fn releases(idents: &[Ident]) -> TokenStream {
     quote! { #(::remat_runtime::__private::release(#idents);)* }
 }
 
-pub(crate) fn generate(block: &Block, plan: &Plan) -> TokenStream {
+pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
     let func = &block.func;
     let (attrs, vis, sig) = (&func.attrs, &func.vis, &func.sig);
     let region = sig.ident.to_string();
@@ -84,20 +84,27 @@ pub(crate) fn generate(block: &Block, plan: &Plan) -> TokenStream {
     }
 
     let mut body = TokenStream::new();
-    for (i, (stmt, sp)) in block.statements.iter().zip(&plan.statements).enumerate() {
+    for (i, (stmt, sp)) in block
+        .statements
+        .iter()
+        .zip(&analysis.statements)
+        .enumerate()
+    {
         let attrs = &stmt.attrs;
         let name = sp.name.as_str();
         let release = releases(&sp.releases);
         let value = format_ident!("__remat_s{}", i + 1);
         match (&stmt.kind, sp.kind) {
             (StmtKind::Item(item), _) => body.extend(quote! { #item }),
-            (StmtKind::Let { pat, init }, Some(Kind::ForwardOnly)) => body.extend(quote! {
-                if !__remat_ctx.is_replay() {
-                    #(#attrs)* let #pat = #init;
-                }
-                #release
-            }),
-            (StmtKind::Expr(e), Some(Kind::ForwardOnly)) => body.extend(quote! {
+            (StmtKind::Let { pat, init }, Some(AnnotationKind::ForwardOnly)) => {
+                body.extend(quote! {
+                    if !__remat_ctx.is_replay() {
+                        #(#attrs)* let #pat = #init;
+                    }
+                    #release
+                })
+            }
+            (StmtKind::Expr(e), Some(AnnotationKind::ForwardOnly)) => body.extend(quote! {
                 if !__remat_ctx.is_replay() {
                     #(#attrs)* #e;
                 }
@@ -138,14 +145,14 @@ pub(crate) fn generate(block: &Block, plan: &Plan) -> TokenStream {
     }
     let ret = &block.ret;
     let result = match &block.tail {
-        Some(tail) => match &plan.tail_passthrough {
+        Some(tail) => match &analysis.tail_passthrough {
             Some(ident) => quote! { ::core::result::Result::Ok(#ident) },
             None => {
                 let call = statement_call(
                     tail.span(),
-                    "auto",
+                    "open",
                     "(return)",
-                    &plan.tail_reads,
+                    &analysis.tail_reads,
                     quote! {
                         let __remat_v: #ret = #tail;
                         ::remat_runtime::__private::tail(__remat_v)

@@ -2,10 +2,13 @@
 //! region. Use it through `remat_runtime`, which re-exports it and documents
 //! it; this crate holds the implementation:
 //!
-//! * `parse`: the token stream to an internal model of the block, with
-//!   syntax errors collected;
-//! * `analyse`: names, static dataflow (who reads which binding), ferried
-//!   outputs, early drops, and the semantic errors;
+//! * `model`: what a block is once parsed (function, parameters,
+//!   statements, annotations);
+//! * `parse`: the token stream to the model, with syntax errors collected;
+//!   `attributes` reads our annotations, `checks` refuses what the replay
+//!   could not run faithfully;
+//! * `analyse`: names, static dataflow (who reads which binding), early
+//!   drops, and the semantic errors;
 //! * `generate`: the code, a forward-and-replay body for
 //!   `remat_runtime::Region`.
 //!
@@ -14,8 +17,11 @@
 //! not cascade into errors at every call site.
 
 mod analyse;
+mod attributes;
+mod checks;
 mod errors;
 mod generate;
+mod model;
 mod parse;
 
 use proc_macro2::TokenStream;
@@ -36,9 +42,9 @@ fn expand(input: TokenStream) -> TokenStream {
     let mut out = TokenStream::new();
     for block in &blocks {
         let before = errors.len();
-        let plan = analyse::analyse(block, &mut errors);
+        let analysis = analyse::analyse(block, &mut errors);
         if !block.failed && errors.len() == before {
-            out.extend(generate::generate(block, &plan));
+            out.extend(generate::generate(block, &analysis));
         } else {
             out.extend(generate::stub(block));
         }

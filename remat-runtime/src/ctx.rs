@@ -4,16 +4,19 @@ use std::collections::HashSet;
 
 use candle_core::Tensor;
 
-use crate::forward::{Decided, ForwardState};
+use crate::backward::Replay;
 use crate::random;
-use crate::replay::ReplayState;
+use crate::tape::recorder::{Recorder, Statement};
 use crate::{Inputs, Outputs, Plan, Policy, RematError, Result, StatementInfo};
 
+/// What running a statement does.
 pub(crate) enum Mode {
     /// No checkpointing: statements run as plain candle code.
-    Plain(HashSet<String>),
-    Forward(ForwardState),
-    Replay(ReplayState),
+    Plain,
+    /// The region's forward: statements run and are recorded on the tape.
+    Record(Recorder),
+    /// The replay at the start of the region's backward.
+    Replay(Replay),
 }
 
 /// The context a checkpointed block runs its statements through.
@@ -54,6 +57,9 @@ pub struct Ctx {
     plan: Plan,
     /// The region call's seed for [`crate::random`].
     seed: u64,
+    /// The statement names used so far (the replay checks names against
+    /// the tape instead).
+    names: HashSet<String>,
 }
 
 impl Ctx {
@@ -63,6 +69,7 @@ impl Ctx {
             mode,
             plan,
             seed,
+            names: HashSet::new(),
         }
     }
 
@@ -131,22 +138,22 @@ impl Ctx {
         self.run(name, Some(policy), false, inputs, f)
     }
 
-    /// Runs a statement whose policy the region's [`Plan`] decides
-    /// (recomputed under the default plan). Unannotated `remat!` statements
-    /// are these.
+    /// Runs an *open* statement: one whose policy the region's [`Plan`]
+    /// decides (recomputed under the default plan). Unannotated `remat!`
+    /// statements are these.
     ///
     /// ```
     /// use candle_core::{Device, Var};
     /// use remat_runtime::{MemoryReport, Plan, Policy, Region};
     /// let x = Var::ones(4, candle_core::DType::F32, &Device::Cpu)?;
     /// let y = Region::new("r").plan(Plan::save_all()).run(&[x.as_tensor()], |ctx, ins| {
-    ///     ctx.auto("sq", &[&ins[0]], |t| Ok(t[0].sqr()?.sum_all()?))
+    ///     ctx.open("sq", &[&ins[0]], |t| Ok(t[0].sqr()?.sum_all()?))
     /// })?;
     /// assert_eq!(MemoryReport::capture().entries[1].policy, Some(Policy::Save));
     /// assert_eq!(y.backward()?.get(&x).unwrap().to_vec1::<f32>()?, vec![2.0; 4]);
     /// # Ok::<(), remat_runtime::RematError>(())
     /// ```
-    pub fn auto<O: Outputs>(
+    pub fn open<O: Outputs>(
         &mut self,
         name: &str,
         inputs: impl Inputs,
@@ -156,13 +163,13 @@ impl Ctx {
     }
 
     /// Every statement method ends here. `declared`: the policy written in
-    /// the code, if any; `keep`: the outputs of a saved statement stay on the
-    /// tape for the replay.
+    /// the code, if any; `ferry`: the outputs of a saved statement are
+    /// ferried to the replay.
     fn run<O: Outputs>(
         &mut self,
         name: &str,
         declared: Option<Policy>,
-        keep: bool,
+        ferry: bool,
         inputs: impl Inputs,
         f: impl FnOnce(&[Tensor]) -> Result<O>,
     ) -> Result<O> {
@@ -173,30 +180,30 @@ impl Ctx {
         let f = move |args: &[Tensor]| random::in_statement(seed, name, || f(args));
         let inputs: Vec<&Tensor> = owned.iter().collect();
         let inputs = inputs.as_slice();
+        if !matches!(self.mode, Mode::Replay(_)) && !self.names.insert(name.to_string()) {
+            return Err(RematError::DuplicateName {
+                region: self.region.clone(),
+                statement: name.to_string(),
+            });
+        }
         match &mut self.mode {
-            Mode::Plain(names) => {
-                if !names.insert(name.to_string()) {
-                    return Err(RematError::DuplicateName {
-                        region: self.region.clone(),
-                        record: name.to_string(),
-                    });
-                }
-                f(&owned).map_err(|e| e.in_statement(&self.region, name))
-            }
-            Mode::Forward(state) => {
+            Mode::Plain => f(&owned).map_err(|e| e.in_statement(&self.region, name)),
+            Mode::Record(recorder) => {
                 let policy = self.plan.policy(&StatementInfo {
                     region: &self.region,
                     name,
                     declared,
                 });
-                let decided = Decided {
+                let statement = Statement {
+                    region: &self.region,
+                    name,
                     declared,
                     policy,
-                    keep: keep && policy.keeps_residuals(),
+                    ferry: ferry && policy.keeps_residuals(),
                 };
-                state.statement(&self.region, name, decided, inputs, f)
+                recorder.statement(statement, inputs, f)
             }
-            Mode::Replay(state) => state.statement(&self.region, name, declared, inputs, f),
+            Mode::Replay(replay) => replay.statement(&self.region, name, declared, inputs, f),
         }
     }
 
@@ -222,8 +229,8 @@ impl Ctx {
         self.statement(name, Policy::Save, inputs, f)
     }
 
-    /// Runs a saved statement whose outputs also stay on the tape for the
-    /// replay, because a recomputed statement reads them (the "ferry").
+    /// Runs a saved statement whose outputs are also ferried to the replay
+    /// (kept on the tape), because a recomputed statement reads them.
     ///
     /// [`Ctx::save`] finds this out by itself when the reader declares the
     /// output as an input; the `remat!` macro, which knows the dataflow
@@ -234,13 +241,13 @@ impl Ctx {
     /// # use remat_runtime::Region;
     /// let x = Var::ones(2, candle_core::DType::F32, &Device::Cpu)?;
     /// let y = Region::new("r").run(&[x.as_tensor()], |ctx, ins| {
-    ///     let e = ctx.save_kept("e", &[&ins[0]], |t| Ok(t[0].exp()?))?;
+    ///     let e = ctx.save_ferried("e", &[&ins[0]], |t| Ok(t[0].exp()?))?;
     ///     ctx.recompute("s", &[&e], |t| Ok(t[0].sum_all()?))
     /// })?;
     /// assert_eq!(y.backward()?.get(&x).unwrap().to_vec1::<f32>()?, vec![1f32.exp(); 2]);
     /// # Ok::<(), remat_runtime::RematError>(())
     /// ```
-    pub fn save_kept<O: Outputs>(
+    pub fn save_ferried<O: Outputs>(
         &mut self,
         name: &str,
         inputs: impl Inputs,

@@ -5,7 +5,7 @@ use std::sync::Arc;
 /// Everything that can go wrong in a checkpointed region.
 ///
 /// Every variant names the region and, where there is one, the statement
-/// (record) involved, and its message says what to do about it.
+/// involved, and its message says what to do about it.
 ///
 /// ```
 /// use remat_runtime::RematError;
@@ -21,23 +21,23 @@ pub enum RematError {
     /// A recomputed statement read the output of a `Save` statement whose value
     /// was not kept for replay (replay only has a placeholder for it).
     #[error(
-        "region `{region}`: recomputed statement `{record}` reads `{producer}`, the output of a \
+        "region `{region}`: recomputed statement `{statement}` reads `{producer}`, the output of a \
          saved statement, but only a placeholder of it exists during replay; pass that value to \
-         `{record}` as a statement input (so the forward keeps it on the tape), or make `{record}` \
+         `{statement}` as a statement input (so the forward keeps it on the tape), or make `{statement}` \
          a saved statement, or make `{producer}` a recomputed one"
     )]
     PlaceholderRead {
         /// The region's name.
         region: String,
         /// The statement that tried to read the placeholder.
-        record: String,
+        statement: String,
         /// The saved statement whose output was read.
         producer: String,
     },
     /// A value recomputed during replay differs in shape, dtype or device from
     /// what the forward produced: the block is not deterministic.
     #[error(
-        "region `{region}`, statement `{record}`: {mismatch}; a checkpointed block must run the \
+        "region `{region}`, statement `{statement}`: {mismatch}; a checkpointed block must run the \
          same computation twice (do not read mutable state, clocks or unseeded randomness inside \
          it){}",
         trace_suffix(.trace)
@@ -46,7 +46,7 @@ pub enum RematError {
         /// The region's name.
         region: String,
         /// The statement whose value differs.
-        record: String,
+        statement: String,
         /// What differs.
         mismatch: Box<Mismatch>,
         /// The forward's records and the replay's statements side by side, up
@@ -70,16 +70,16 @@ pub enum RematError {
         /// to the first divergence (empty when not available).
         trace: String,
     },
-    /// The replay finished without running a statement recorded in the forward.
+    /// The replay finished without running a statement the forward ran.
     #[error(
-        "region `{region}`: record `{record}` was not consumed: the replay returned before running \
-         it; a checkpointed block must run the same statements every time"
+        "region `{region}`: statement `{statement}` was not replayed: the replay returned before \
+         running it; a checkpointed block must run the same statements every time"
     )]
-    UnconsumedRecord {
+    NotReplayed {
         /// The region's name.
         region: String,
-        /// The first record the replay did not reach.
-        record: String,
+        /// The first statement the replay did not reach.
+        statement: String,
     },
     /// A backward reached a region whose tape was already released.
     #[error(
@@ -94,19 +94,19 @@ pub enum RematError {
     },
     /// Two statements of one region call used the same name.
     #[error(
-        "region `{region}`: the statement name `{record}` is used twice; names must be unique \
+        "region `{region}`: the statement name `{statement}` is used twice; names must be unique \
          within a region (give one of them another name)"
     )]
     DuplicateName {
         /// The region's name.
         region: String,
         /// The duplicated name.
-        record: String,
+        statement: String,
     },
     /// A statement read a tensor that needs gradients but that the region does
     /// not know: its gradient would be lost.
     #[error(
-        "region `{region}`, statement `{record}`: input {index} needs gradients but is neither a \
+        "region `{region}`, statement `{statement}`: input {index} needs gradients but is neither a \
          region input, a parameter (`Var`) nor a statement output; pass it to the region as an \
          input so that its gradient is not lost"
     )]
@@ -114,7 +114,7 @@ pub enum RematError {
         /// The region's name.
         region: String,
         /// The statement that read the tensor.
-        record: String,
+        statement: String,
         /// Position of the tensor among the statement inputs.
         index: usize,
     },
@@ -146,19 +146,19 @@ pub enum RematError {
         names: Vec<String>,
     },
     /// A statement's own code failed.
-    #[error("region `{region}`, statement `{record}`: {source}")]
+    #[error("region `{region}`, statement `{statement}`: {source}")]
     Statement {
         /// The region's name.
         region: String,
         /// The failing statement.
-        record: String,
+        statement: String,
         /// What went wrong.
         source: Arc<RematError>,
     },
     /// Moving the residuals of an offloaded statement between the device and
     /// the host failed (typically: out of memory on the side it goes to).
     #[error(
-        "region `{region}`: copying the residuals of offloaded statement `{record}` \
+        "region `{region}`: copying the residuals of offloaded statement `{statement}` \
          {direction} failed: {source}; the region's tape is released. Free memory on that \
          side, or keep the statement on the device with #[save]"
     )]
@@ -166,7 +166,7 @@ pub enum RematError {
         /// The region's name.
         region: String,
         /// The offloaded statement.
-        record: String,
+        statement: String,
         /// `to the host` or `back to the device`.
         direction: String,
         /// candle's error.
@@ -203,10 +203,10 @@ impl RematError {
     ///
     /// ```
     /// use remat_runtime::RematError;
-    /// let inner = RematError::DuplicateName { region: "r".into(), record: "a".into() };
+    /// let inner = RematError::DuplicateName { region: "r".into(), statement: "a".into() };
     /// let e = RematError::Statement {
     ///     region: "outer".into(),
-    ///     record: "s".into(),
+    ///     statement: "s".into(),
     ///     source: std::sync::Arc::new(inner),
     /// };
     /// assert!(matches!(e.root(), RematError::DuplicateName { .. }));
@@ -215,6 +215,30 @@ impl RematError {
         match self {
             RematError::Statement { source, .. } => source.root(),
             other => other,
+        }
+    }
+
+    /// The replay ran `found` where the forward ran `expected`.
+    pub(crate) fn desync(
+        region: &str,
+        expected: impl Into<String>,
+        found: impl Into<String>,
+    ) -> Self {
+        RematError::ReplayDesync {
+            region: region.to_string(),
+            expected: expected.into(),
+            found: found.into(),
+            trace: String::new(),
+        }
+    }
+
+    /// A value of `statement` differs between the forward and the replay.
+    pub(crate) fn mismatch(region: &str, statement: &str, mismatch: Mismatch) -> Self {
+        RematError::ReplayMismatch {
+            region: region.to_string(),
+            statement: statement.to_string(),
+            mismatch: Box::new(mismatch),
+            trace: String::new(),
         }
     }
 
@@ -228,10 +252,11 @@ impl RematError {
         self
     }
 
-    pub(crate) fn in_statement(self, region: &str, record: &str) -> Self {
+    /// Wraps an error raised by the code of `statement`.
+    pub(crate) fn in_statement(self, region: &str, statement: &str) -> Self {
         RematError::Statement {
             region: region.to_string(),
-            record: record.to_string(),
+            statement: statement.to_string(),
             source: Arc::new(self),
         }
     }
@@ -249,19 +274,28 @@ fn trace_suffix(trace: &str) -> String {
 /// What differs between the forward and the replay of a value.
 ///
 /// ```
-/// let m = remat_runtime::Mismatch {
-///     slot: "output 0".into(),
-///     what: "shape",
-///     forward: "[2, 3]".into(),
-///     replay: "[2, 5]".into(),
-/// };
-/// assert_eq!(m.to_string(), "shape of output 0 is [2, 5] in the replay but was [2, 3] in the forward");
+/// use std::sync::atomic::{AtomicUsize, Ordering};
+/// use candle_core::{DType, Device, Var};
+/// use remat_runtime::{Region, RematError};
+/// let x = Var::ones(2, DType::F32, &Device::Cpu)?;
+/// let calls = AtomicUsize::new(0);
+/// let y = Region::new("r").run(&[x.as_tensor()], move |ctx, ins| {
+///     // wider in the replay than in the forward: not the same computation
+///     let n = 2 + calls.fetch_add(1, Ordering::SeqCst);
+///     ctx.recompute("widen", &[&ins[0]], move |t| Ok(t[0].repeat(n)?))
+/// })?;
+/// let e = remat_runtime::backward(&y.sum_all()?).unwrap_err();
+/// let RematError::ReplayMismatch { mismatch, .. } = e else { panic!("{e}") };
+/// assert_eq!(mismatch.value, "output 0");
+/// assert_eq!(mismatch.to_string(), "shape of output 0 is [6] in the replay but was [4] in the forward");
+/// # Ok::<(), RematError>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{what} of {slot} is {replay} in the replay but was {forward} in the forward")]
+#[non_exhaustive]
+#[error("{what} of {value} is {replay} in the replay but was {forward} in the forward")]
 pub struct Mismatch {
     /// Which value: `input 0`, `output 1`, ...
-    pub slot: String,
+    pub value: String,
     /// `shape`, `dtype` or `device`.
     pub what: &'static str,
     /// What the forward saw.

@@ -30,66 +30,62 @@
 //! # Ok::<(), remat_runtime::RematError>(())
 //! ```
 //!
-//! The pieces:
+//! The pieces, in the order one region call meets them:
 //!
-//! * [`remat!`](macro@remat) and [`Region`] / [`Ctx`]: blocks and their
-//!   statements; [`checkpoint_sequential`] for a stack of blocks;
-//! * [`Plan`]: policies chosen at run time (full, by name, a function, or a
-//!   memory budget solved exactly per region);
+//! * [`remat!`](macro@remat), [`Region`] / [`Ctx`], [`checkpoint_sequential`]:
+//!   blocks and their statements (`region.rs`, `ctx.rs`, `sequential.rs`,
+//!   the values they take and give in `values.rs`);
+//! * [`Plan`] (`plan/`): the policy of every statement, chosen at run time
+//!   (by annotation, by name, by a function, or a memory budget solved
+//!   exactly per region);
+//! * `tape/`: the forward records each statement on the region call's tape,
+//!   and the one rule that counts the bytes a tape holds;
+//! * `graph/`: the custom candle ops that attach the call to candle's graph
+//!   (anchors, taps, seeds) and the leaves statements run on;
+//! * `backward/`: the replay and the reverse sweep that candle's backward
+//!   runs through the anchors; [`retain_tape`] and [`backward`];
 //! * [`offload`]: [`Policy::Offload`], residuals in host memory between the
 //!   forward and the backward on CUDA;
 //! * [`random`]: dropout and random draws that replay identically;
-//! * [`MemoryReport`], [`CountingAlloc`], [`device_memory_in_use`],
-//!   [`device_memory_peak`], [`Trace`]: what the tapes hold and what ran;
-//! * [`check_gradients`], [`retain_tape`], [`backward`]: training helpers.
+//! * [`inspect`]: [`MemoryReport`], [`Trace`](inspect::Trace), the counting
+//!   allocator and device memory, [`check_gradients`];
+//! * `ambient.rs`: every piece of per-thread state, in one list.
+//!
+//! `docs/architecture.md` walks one region call through these modules.
 //!
 //! How each value is made available during the replay follows torch_remat:
 //! region inputs are kept; outputs and residuals of recomputed statements are
 //! recomputed; residuals of saved statements are kept; outputs of saved
-//! statements are kept only when a recomputed statement reads them, and are
-//! placeholders otherwise. See `docs/semantics.md`.
+//! statements are ferried only when a recomputed statement reads them, and
+//! are placeholders otherwise. See `docs/semantics.md`.
 
 #![warn(missing_docs)]
 
-mod counting;
+mod ambient;
+mod backward;
 mod ctx;
-mod device_memory;
 mod error;
-mod forward;
-mod grads;
-mod inputs;
-mod memory;
+mod graph;
+pub mod inspect;
 pub mod offload;
-mod ops;
-mod outputs;
-mod plan;
-mod planner;
+pub mod plan;
 mod policy;
 mod private;
 pub mod random;
 mod region;
-mod replay;
-mod retain;
 mod sequential;
-mod state;
-mod sweep;
 mod tape;
-mod trace;
+mod values;
 
-pub use counting::CountingAlloc;
+pub use backward::{backward, retain_tape};
 pub use ctx::Ctx;
-pub use device_memory::{device_memory_in_use, device_memory_peak, reset_device_memory_peak};
 pub use error::{Mismatch, RematError, Result};
-pub use grads::check_gradients;
-pub use inputs::Inputs;
-pub use memory::{MemoryEntry, MemoryReport};
-pub use outputs::Outputs;
-pub use plan::{Plan, PlannedStatement, Solution, StatementInfo};
+pub use inspect::{check_gradients, MemoryReport};
+pub use plan::{Plan, StatementInfo};
 pub use policy::Policy;
 pub use region::{checkpoint, Region};
-pub use retain::{backward, retain_tape};
 pub use sequential::checkpoint_sequential;
-pub use trace::{Phase, Trace, TraceEvent};
+pub use values::{Inputs, Outputs};
 
 #[doc = include_str!("remat.md")]
 pub use remat_macros::remat;
@@ -106,3 +102,9 @@ pub struct ReadmeDoctests;
 
 /// candle's core crate, as the runtime uses it.
 pub use candle_core;
+
+/// Locks `m`, recovering the data of a poisoned lock: every critical section
+/// in the runtime leaves the data consistent before anything can panic.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}

@@ -10,21 +10,15 @@
 //! whichever other statements were saved or recomputed, and the same code
 //! run without checkpointing draws the same values too.
 
-use std::cell::{Cell, RefCell};
+use std::cell::Cell;
 
 use candle_core::{DType, Device, Shape, Tensor};
 
+use crate::ambient::{scoped, RANDOM_BASE, RANDOM_OUTSIDE, RANDOM_STREAMS};
 use crate::Result;
 
-thread_local! {
-    static BASE: Cell<u64> = const { Cell::new(0x05EE_D0F4_E3A7) };
-    /// Region calls and draws made outside any statement on this thread.
-    static OUTSIDE: Cell<u64> = const { Cell::new(0) };
-    /// The statements running on this thread, innermost last.
-    static STACK: RefCell<Vec<Stream>> = const { RefCell::new(Vec::new()) };
-}
-
-struct Stream {
+/// The draws of one running statement: its key and how many it drew.
+pub(crate) struct Stream {
     key: u64,
     draws: u64,
 }
@@ -62,25 +56,25 @@ fn name_hash(name: &str) -> u64 {
 /// # Ok::<(), remat_runtime::RematError>(())
 /// ```
 pub fn seed(seed: u64) {
-    BASE.with(|b| b.set(seed));
-    OUTSIDE.with(|c| c.set(0));
+    RANDOM_BASE.with(|b| b.set(seed));
+    RANDOM_OUTSIDE.with(|c| c.set(0));
 }
 
 /// The next key of the innermost running statement, or of the thread when
 /// no statement runs.
 fn next_key() -> u64 {
-    STACK.with(|s| match s.borrow_mut().last_mut() {
+    RANDOM_STREAMS.with(|s| match s.borrow_mut().last_mut() {
         Some(stream) => {
             stream.draws += 1;
             mix(stream.key, stream.draws)
         }
         None => {
-            let n = OUTSIDE.with(|c| {
+            let n = RANDOM_OUTSIDE.with(|c| {
                 let n = c.get();
                 c.set(n + 1);
                 n
             });
-            mix(BASE.with(Cell::get), n)
+            mix(RANDOM_BASE.with(Cell::get), n)
         }
     })
 }
@@ -92,26 +86,22 @@ pub(crate) fn call_seed() -> u64 {
     next_key()
 }
 
-/// Pops the stream pushed by [`in_statement`], also on a panic.
-struct Pop;
-
-impl Drop for Pop {
-    fn drop(&mut self) {
-        STACK.with(|s| s.borrow_mut().pop());
-    }
-}
-
 /// Runs `f` as statement `name` of the region call seeded `seed`: draws in
 /// it come from the statement's own stream.
 pub(crate) fn in_statement<R>(seed: u64, name: &str, f: impl FnOnce() -> R) -> R {
-    STACK.with(|s| {
-        s.borrow_mut().push(Stream {
-            key: mix(seed, name_hash(name)),
-            draws: 0,
-        })
-    });
-    let _pop = Pop;
-    f()
+    let stream = Stream {
+        key: mix(seed, name_hash(name)),
+        draws: 0,
+    };
+    scoped(
+        || RANDOM_STREAMS.with(|s| s.borrow_mut().push(stream)),
+        || {
+            RANDOM_STREAMS.with(|s| {
+                s.borrow_mut().pop();
+            })
+        },
+        f,
+    )
 }
 
 /// Uniform `f32` values in `[0, 1)` of shape `shape` on `device`, drawn from

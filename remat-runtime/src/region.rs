@@ -4,12 +4,13 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::Tensor;
 
+use crate::backward::Call;
 use crate::ctx::{Ctx, Mode};
-use crate::forward::ForwardState;
-use crate::ops::{AnchorFirst, AnchorLink, Tap};
-use crate::state::RegionState;
-use crate::tape::{Body, Meta, Tape};
-use crate::{memory, offload, planner, random, trace, Inputs, Outputs, Plan, Result};
+use crate::graph::{anchor_chain, Tap};
+use crate::inspect::{memory, trace};
+use crate::tape::recorder::Recorder;
+use crate::tape::{Body, Meta, Tape, TapeState};
+use crate::{lock, offload, plan, random, Inputs, Outputs, Plan, Result};
 
 /// A checkpointed region: a block of statements whose activations are
 /// recomputed (or kept, statement by statement) for the backward.
@@ -139,12 +140,7 @@ impl Region {
         // draws what a checkpointed one does.
         let seed = random::call_seed();
         if !self.enabled || plan.is_off() {
-            let mut ctx = Ctx::new(
-                &self.name,
-                Mode::Plain(Default::default()),
-                plan.clone(),
-                seed,
-            );
+            let mut ctx = Ctx::new(&self.name, Mode::Plain, plan.clone(), seed);
             return plan.scope(|| body(&mut ctx, &inputs));
         }
         let detached: Vec<Tensor> = inputs.iter().map(|t| t.detach()).collect();
@@ -154,7 +150,7 @@ impl Region {
         let profile = plan.wants_profile(&self.name);
         let mut ctx = Ctx::new(
             &self.name,
-            Mode::Forward(ForwardState::new(
+            Mode::Record(Recorder::new(
                 &detached,
                 &requires_grad,
                 profile,
@@ -168,10 +164,10 @@ impl Region {
         let out = plan.scope(|| body(&mut ctx, &detached))?;
         let mut outputs = Vec::new();
         let skeleton = out.split_into(&mut outputs);
-        let Mode::Forward(state) = ctx.mode else {
-            unreachable!("the context was built in forward mode")
+        let Mode::Record(recorder) = ctx.mode else {
+            unreachable!("the context was built in record mode")
         };
-        let (records, params) = state.finish();
+        let (records, params) = recorder.finish();
         let anchored: Vec<Tensor> = inputs
             .iter()
             .zip(&requires_grad)
@@ -186,7 +182,7 @@ impl Region {
         if profile {
             // It saved every open statement: plan the region from what that
             // cost.
-            plan.plan_region(&self.name, planner::items(&records, &params, &detached));
+            plan.plan_region(&self.name, plan::items(&records, &params, &detached));
         }
         let body: Body = Arc::new(move |ctx: &mut Ctx, ins: &[Tensor]| {
             let mut tensors = Vec::new();
@@ -204,44 +200,28 @@ impl Region {
             seed,
             trace_label,
         };
-        let state = Arc::new(RegionState::new(self.name.clone(), tape));
-        memory::register(&state);
-        let top = anchor_chain(&state, &anchored)?;
+        let call = Arc::new(Call::new(self.name.clone(), tape));
+        memory::register(&call);
+        let top = anchor_chain(&call, &anchored)?;
         let attached = outputs
             .into_iter()
             .enumerate()
             .map(|(index, t)| {
                 let tap = Tap {
-                    state: state.clone(),
+                    call: call.clone(),
                     index,
-                    stash: Mutex::new(Some(t)),
+                    value: Mutex::new(Some(t)),
                 };
                 Ok(top.apply_op1(tap)?)
             })
             .collect::<Result<Vec<Tensor>>>()?;
         // The taps have copied the outputs: what offloaded statements hold
         // can move to the host.
-        offload::swap_out_tape(&state)?;
+        if let TapeState::Live(tape) = &mut *lock(&call.tape) {
+            offload::swap_out(&call.name, tape)?;
+        }
         O::join(&mut attached.into_iter(), &skeleton)
     }
-}
-
-/// Builds the anchor chain over `args` and returns its top.
-fn anchor_chain(state: &Arc<RegionState>, args: &[Tensor]) -> Result<Tensor> {
-    let last = args.len() - 1;
-    let mut top = args[0].apply_op1(AnchorFirst {
-        state: state.clone(),
-        top: last == 0,
-    })?;
-    for (index, arg) in args.iter().enumerate().skip(1) {
-        let link = AnchorLink {
-            state: state.clone(),
-            index,
-            top: index == last,
-        };
-        top = top.apply_op2(arg, link)?;
-    }
-    Ok(top)
 }
 
 /// Runs `body` as a checkpointed region named `name`: shorthand for

@@ -67,7 +67,7 @@ where
         h = Region::new(format!("{name}[{start}..{end}]")).run(&[&h], move |ctx, ins| {
             let mut h = ins[0].clone();
             for (i, f) in &seg {
-                h = ctx.auto(&format!("block.{i}"), &[&h], |t| Ok(f(&t[0])?))?;
+                h = ctx.open(&format!("block.{i}"), &[&h], |t| Ok(f(&t[0])?))?;
             }
             Ok(h)
         })?;

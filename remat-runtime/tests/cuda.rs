@@ -7,7 +7,8 @@ mod common;
 
 use candle_core::{DType, Device, Tensor, Var};
 use common::*;
-use remat_runtime::{device_memory_in_use, random, MemoryReport, Policy, Region};
+use remat_runtime::inspect::device_memory_in_use;
+use remat_runtime::{random, MemoryReport, Policy, Region};
 
 fn cuda() -> Device {
     Device::new_cuda(0).expect("a CUDA device (this test needs a GPU)")
@@ -49,8 +50,8 @@ fn gpt_block_gradients_on_cuda_match_plain_candle_offload_included() {
             .iter()
             .filter(|e| e.policy == Some(Policy::Offload))
         {
-            assert_eq!(e.bytes, 0, "{} still on the device", e.record);
-            assert!(e.host_bytes > 0, "{} moved nothing", e.record);
+            assert_eq!(e.bytes, 0, "{} still on the device", e.statement);
+            assert!(e.host_bytes > 0, "{} moved nothing", e.statement);
         }
         let g = y.sum_all().unwrap().backward().unwrap();
         for v in on_dev.vars().iter().chain([&x]) {
@@ -138,17 +139,21 @@ fn offload_holds_less_device_memory_than_save() {
 #[test]
 fn the_pool_peak_sees_a_tensor_that_is_gone() {
     let dev = cuda();
-    remat_runtime::reset_device_memory_peak(&dev).unwrap();
-    let base = remat_runtime::device_memory_peak(&dev)
+    remat_runtime::inspect::reset_device_memory_peak(&dev).unwrap();
+    let base = remat_runtime::inspect::device_memory_peak(&dev)
         .unwrap()
         .expect("an H100 has memory pools");
     let bytes = 64 << 20;
     let t = Tensor::zeros(bytes / 4, DType::F32, &dev).unwrap();
     drop(t);
-    let peak = remat_runtime::device_memory_peak(&dev).unwrap().unwrap();
+    let peak = remat_runtime::inspect::device_memory_peak(&dev)
+        .unwrap()
+        .unwrap();
     println!("pool high-water: {base} -> {peak} bytes");
     assert!(peak - base >= bytes, "{base} -> {peak}");
-    remat_runtime::reset_device_memory_peak(&dev).unwrap();
-    let after = remat_runtime::device_memory_peak(&dev).unwrap().unwrap();
+    remat_runtime::inspect::reset_device_memory_peak(&dev).unwrap();
+    let after = remat_runtime::inspect::device_memory_peak(&dev)
+        .unwrap()
+        .unwrap();
     assert!(after < peak);
 }

@@ -8,7 +8,8 @@ mod common;
 
 use candle_core::{DType, Tensor};
 use common::*;
-use remat_runtime::{CountingAlloc, MemoryReport, Policy, Region, RematError};
+use remat_runtime::inspect::CountingAlloc;
+use remat_runtime::{MemoryReport, Policy, Region, RematError};
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc::new();
@@ -161,7 +162,7 @@ fn exact_memory_of_an_eight_block_stack() {
     fail_at(5);
     let base = live();
     let e = fail_at(5);
-    assert!(matches!(e, RematError::Statement { ref record, .. } if record == "boom"));
+    assert!(matches!(e, RematError::Statement { ref statement, .. } if statement == "boom"));
     drop(e);
     assert_eq!(live(), base, "an error mid-forward leaked");
 

@@ -7,7 +7,8 @@ mod common;
 
 use candle_core::{DType, Tensor, Var};
 use common::*;
-use remat_runtime::{checkpoint_sequential, CountingAlloc, MemoryReport, Plan};
+use remat_runtime::inspect::CountingAlloc;
+use remat_runtime::{checkpoint_sequential, MemoryReport, Plan};
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc::new();

@@ -22,9 +22,10 @@ use examples::data::{default_text, Corpus};
 use examples::gpt::{Checkpointing, Config, Gpt};
 use examples::rng::Rng;
 use plotters::prelude::*;
-use remat_runtime::{
-    device_memory_in_use, device_memory_peak, reset_device_memory_peak, CountingAlloc, Plan,
+use remat_runtime::inspect::{
+    device_memory_in_use, device_memory_peak, reset_device_memory_peak, CountingAlloc,
 };
+use remat_runtime::Plan;
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc::new();

@@ -12,7 +12,8 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::Optimizer;
-use remat_runtime::{CountingAlloc, Ctx, MemoryReport, Policy, Region};
+use remat_runtime::inspect::CountingAlloc;
+use remat_runtime::{Ctx, MemoryReport, Policy, Region};
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc::new();

@@ -14,7 +14,7 @@ use examples::data::{default_text, Corpus};
 use examples::gpt::Checkpointing;
 use examples::soak::{soak, Shape};
 use plotters::prelude::*;
-use remat_runtime::CountingAlloc;
+use remat_runtime::inspect::CountingAlloc;
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc::new();

@@ -11,7 +11,8 @@ use examples::cli::{device, Flags};
 use examples::data::{default_text, Corpus};
 use examples::gpt::Checkpointing;
 use examples::train::{train, Options};
-use remat_runtime::{CountingAlloc, MemoryReport};
+use remat_runtime::inspect::CountingAlloc;
+use remat_runtime::MemoryReport;
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc::new();

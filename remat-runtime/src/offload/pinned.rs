@@ -12,7 +12,7 @@ use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, PinnedHos
 use candle_core::cuda_backend::CudaStorageSlice;
 use candle_core::CudaStorage;
 
-use crate::device_memory::driver_error;
+use crate::inspect::device_memory::driver_error;
 
 /// The bytes of one CUDA storage in pinned host memory.
 pub(crate) struct Pinned(PinnedHostSlice<u8>);

@@ -1,0 +1,170 @@
+//! The backward of a region call: the replay, then the reverse sweep.
+//!
+//! * this file: [`Call`], one region call between its forward and its
+//!   backward, and the driver [`Call::backward`] that candle's top anchor
+//!   runs;
+//! * `replay`: the block runs again, recomputing what was not saved and
+//!   grouping the statements into units;
+//! * `sweep`: the units' backwards, last to first;
+//! * `retain`: [`retain_tape`] and the typed [`backward`], how user code
+//!   enters a backward.
+
+mod replay;
+mod retain;
+mod sweep;
+
+pub(crate) use replay::Replay;
+pub(crate) use retain::remember_error;
+pub use retain::{backward, retain_tape};
+
+use std::sync::Mutex;
+
+use candle_core::Tensor;
+
+use crate::ctx::{Ctx, Mode};
+use crate::tape::{Meta, Tape, TapeState};
+use crate::{inspect, lock, RematError, Result};
+
+/// One region call: its tape, and the gradients its taps and anchors hand
+/// each other during the backward.
+pub(crate) struct Call {
+    pub name: String,
+    pub tape: Mutex<TapeState>,
+    /// Per region output: its gradient, set by its tap.
+    output_grads: Mutex<Vec<Option<Tensor>>>,
+    /// Per anchor argument: its gradient, computed by the top anchor.
+    anchor_grads: Mutex<Vec<Option<Tensor>>>,
+}
+
+impl Call {
+    pub fn new(name: String, tape: Tape) -> Self {
+        let n_outputs = tape.outputs.len();
+        Call {
+            name,
+            tape: Mutex::new(TapeState::Live(tape)),
+            output_grads: Mutex::new(vec![None; n_outputs]),
+            anchor_grads: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Called by the tap of output `index` with the output's gradient.
+    pub fn set_output_grad(&self, index: usize, grad: Tensor) {
+        if let Some(slot) = lock(&self.output_grads).get_mut(index) {
+            *slot = Some(grad);
+        }
+    }
+
+    /// Called by each anchor for the gradient of its argument.
+    pub fn take_anchor_grad(&self, index: usize) -> Option<Tensor> {
+        lock(&self.anchor_grads)
+            .get_mut(index)
+            .and_then(Option::take)
+    }
+
+    /// The region's backward: replay, then the reverse sweep over the tape.
+    /// Leaves the gradients of the anchor arguments for the anchors.
+    ///
+    /// Without [`retain_tape`] the tape is consumed (released record by
+    /// record); with it, the sweep runs on a copy of the tape's handles and
+    /// the tape stays whole. On an error the tape is released whole, never
+    /// half.
+    pub fn backward(&self) -> Result<()> {
+        let retain = retain::retaining();
+        let tape = {
+            let mut state = lock(&self.tape);
+            match &*state {
+                TapeState::Released(reason) => {
+                    return Err(RematError::TapeReleased {
+                        region: self.name.clone(),
+                        reason: reason.clone(),
+                    })
+                }
+                TapeState::Live(tape) if retain => tape.clone(),
+                TapeState::Live(_) => {
+                    let released = TapeState::Released(
+                        "it was consumed by an earlier backward that did not retain it".into(),
+                    );
+                    match std::mem::replace(&mut *state, released) {
+                        TapeState::Live(tape) => tape,
+                        TapeState::Released(_) => unreachable!("checked above"),
+                    }
+                }
+            }
+        };
+        let output_grads = {
+            let mut set = lock(&self.output_grads);
+            let empty = vec![None; set.len()];
+            std::mem::replace(&mut *set, empty)
+        };
+        match self.replay_and_sweep(tape, output_grads) {
+            Ok(grads) => {
+                *lock(&self.anchor_grads) = grads;
+                Ok(())
+            }
+            Err(e) => {
+                if !retain {
+                    *lock(&self.tape) =
+                        TapeState::Released(format!("an earlier backward failed: {e}"));
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn replay_and_sweep(
+        &self,
+        tape: Tape,
+        output_grads: Vec<Option<Tensor>>,
+    ) -> Result<Vec<Option<Tensor>>> {
+        let Tape {
+            body,
+            inputs,
+            requires_grad,
+            records,
+            params,
+            outputs,
+            plan,
+            seed,
+            trace_label,
+        } = tape;
+        let mut ctx = Ctx::new(
+            &self.name,
+            Mode::Replay(Replay::new(
+                records,
+                &inputs,
+                &requires_grad,
+                trace_label.filter(|_| inspect::trace::enabled()),
+            )),
+            plan.clone(),
+            seed,
+        );
+        // Regions nested in the block run under the plan of the forward too.
+        let replay_outputs = plan.scope(|| body(&mut ctx, &inputs))?;
+        if replay_outputs.len() != outputs.len() {
+            return Err(RematError::OutputCount {
+                region: self.name.clone(),
+                forward: outputs.len(),
+                replay: replay_outputs.len(),
+            });
+        }
+        for (j, (meta, t)) in outputs.iter().zip(&replay_outputs).enumerate() {
+            meta.check(&Meta::of(t), &self.name, "(region)", format!("output {j}"))?;
+        }
+        let Mode::Replay(replay) = ctx.mode else {
+            unreachable!("the context was built in replay mode")
+        };
+        let units = replay.finish(&self.name, &replay_outputs)?;
+        let output_ids = replay_outputs.iter().map(|t| t.id()).collect::<Vec<_>>();
+        drop(replay_outputs);
+        let (input_grads, param_grads) =
+            sweep::sweep(units, &output_ids, output_grads, &inputs, &params)?;
+        // Anchor arguments: the inputs that need gradients, then the parameters.
+        Ok(input_grads
+            .into_iter()
+            .zip(&requires_grad)
+            .filter(|(_, &r)| r)
+            .map(|(g, _)| g)
+            .chain(param_grads)
+            .collect())
+    }
+}

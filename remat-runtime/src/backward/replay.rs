@@ -1,0 +1,396 @@
+//! Statements during the replay that starts a region's backward.
+
+use std::collections::{HashMap, HashSet};
+
+use candle_core::{Tensor, TensorId};
+
+use super::sweep::Unit;
+use crate::graph::{check_input, make_leaf};
+use crate::inspect::trace::{self, Phase, TraceEvent};
+use crate::tape::{Meta, Record};
+use crate::{Outputs, Policy, RematError, Result};
+
+/// A value seen during replay.
+struct Value {
+    /// The unit that produced it; `None` for region inputs and constants.
+    unit: Option<usize>,
+    requires_grad: bool,
+    /// What statements read.
+    tensor: Tensor,
+    /// What the backward of the producing unit is seeded on: the value itself
+    /// for a recomputed segment, the tracked output kept from the forward for
+    /// a saved statement.
+    target: Option<Tensor>,
+}
+
+/// The block's second run, at the start of the region's backward.
+pub(crate) struct Replay {
+    records: Vec<Record>,
+    next: usize,
+    values: HashMap<TensorId, Value>,
+    /// The keys of `values` in the order they were first seen, so that the
+    /// backward seeds (and sums gradients) in the same order every time.
+    order: Vec<TensorId>,
+    placeholders: HashMap<TensorId, String>,
+    units: Vec<Unit>,
+    /// The segment recomputed statements currently add to.
+    open: Option<usize>,
+    /// Leaves of the open segment, by the value they stand for.
+    open_leaves: HashMap<TensorId, Tensor>,
+    /// Values some unit holds a leaf of, or that are region outputs.
+    needed: HashSet<TensorId>,
+    /// The call's label in the current trace, when one is recorded.
+    trace: Option<String>,
+}
+
+/// `save`, `recompute` or `(plan)`, for side-by-side traces.
+fn declared_label(declared: Option<Policy>) -> String {
+    declared.map_or("(plan)".to_string(), |p| p.to_string())
+}
+
+/// How a statement was written, for desync messages.
+fn describe(declared: Option<Policy>) -> String {
+    match declared {
+        Some(p) => format!("{p} statement"),
+        None => "statement".to_string(),
+    }
+}
+
+/// A stand-in for a saved output that was not kept: a broadcast scalar with
+/// the right shape, dtype and device and one element of memory. Statements
+/// that declare it as an input get [`RematError::PlaceholderRead`]; code that
+/// reads it any other way computes with NaN (for float dtypes), so that the
+/// mistake shows in the gradients instead of passing silently.
+fn placeholder(meta: &Meta) -> Result<Tensor> {
+    let scalar = if meta.dtype.is_float() {
+        Tensor::new(f64::NAN, &meta.device)?.to_dtype(meta.dtype)?
+    } else {
+        Tensor::zeros((), meta.dtype, &meta.device)?
+    };
+    Ok(scalar.broadcast_as(meta.shape.clone())?)
+}
+
+impl Replay {
+    pub fn new(
+        records: Vec<Record>,
+        inputs: &[Tensor],
+        requires_grad: &[bool],
+        trace: Option<String>,
+    ) -> Self {
+        let order = inputs.iter().map(|t| t.id()).collect();
+        let values = inputs
+            .iter()
+            .zip(requires_grad)
+            .map(|(t, &r)| {
+                let v = Value {
+                    unit: None,
+                    requires_grad: r,
+                    tensor: t.clone(),
+                    target: None,
+                };
+                (t.id(), v)
+            })
+            .collect();
+        Replay {
+            records,
+            next: 0,
+            values,
+            order,
+            placeholders: HashMap::new(),
+            units: Vec::new(),
+            open: None,
+            open_leaves: HashMap::new(),
+            needed: HashSet::new(),
+            trace,
+        }
+    }
+
+    /// Finds the forward record this statement replays and checks its inputs.
+    /// Returns its index and the policy the forward gave it.
+    fn expect(
+        &mut self,
+        region: &str,
+        name: &str,
+        declared: Option<Policy>,
+        inputs: &[&Tensor],
+    ) -> Result<(usize, Policy)> {
+        let k = self.next;
+        let found = format!("{} `{name}`", describe(declared));
+        let here = format!("{name} {}", declared_label(declared));
+        let Some(record) = self.records.get(k) else {
+            return Err(RematError::desync(region, "no further statement", found)
+                .with_trace(self.side_by_side(k, &here)));
+        };
+        if record.name != name || record.declared != declared || record.inputs.len() != inputs.len()
+        {
+            let expected = format!(
+                "{} `{}` with {} inputs",
+                describe(record.declared),
+                record.name,
+                record.inputs.len()
+            );
+            let found = format!("{found} with {} inputs", inputs.len());
+            let at = format!("{here}, {} inputs", inputs.len());
+            return Err(
+                RematError::desync(region, expected, found).with_trace(self.side_by_side(k, &at))
+            );
+        }
+        for (i, (meta, t)) in record.inputs.iter().zip(inputs).enumerate() {
+            let replay = Meta::of(t);
+            meta.check(&replay, region, name, format!("input {i}"))
+                .map_err(|e| {
+                    let at = format!("{here}, input {i} {:?}", replay.shape.dims());
+                    e.with_trace(self.side_by_side(k, &at))
+                })?;
+        }
+        self.next += 1;
+        Ok((k, record.policy))
+    }
+
+    /// The forward's records next to the replay so far, diverging at `k`.
+    fn side_by_side(&self, k: usize, found: &str) -> String {
+        let forward: Vec<(String, String)> = self
+            .records
+            .iter()
+            .map(|r| (r.name.clone(), trace::policy_label(r.policy, r.declared)))
+            .collect();
+        trace::side_by_side(&forward, k, found)
+    }
+
+    pub fn statement<O: Outputs>(
+        &mut self,
+        region: &str,
+        name: &str,
+        declared: Option<Policy>,
+        inputs: &[&Tensor],
+        f: impl FnOnce(&[Tensor]) -> Result<O>,
+    ) -> Result<O> {
+        let (k, policy) = self.expect(region, name, declared, inputs)?;
+        let out = match policy {
+            Policy::Recompute => self.recompute(region, name, k, inputs, f)?,
+            Policy::Save | Policy::Offload => self.skip_saved(region, name, k, inputs)?,
+        };
+        if let Some(label) = &self.trace {
+            let record = &self.records[k];
+            let bytes = match policy {
+                Policy::Recompute => record
+                    .outputs
+                    .iter()
+                    .map(|m| m.shape.elem_count() * m.dtype.size_in_bytes())
+                    .sum(),
+                Policy::Save | Policy::Offload => 0,
+            };
+            trace::push(TraceEvent::of(Phase::Replay, label, record, bytes));
+        }
+        Ok(out)
+    }
+
+    fn recompute<O: Outputs>(
+        &mut self,
+        region: &str,
+        name: &str,
+        k: usize,
+        inputs: &[&Tensor],
+        f: impl FnOnce(&[Tensor]) -> Result<O>,
+    ) -> Result<O> {
+        for t in inputs {
+            if let Some(producer) = self.placeholders.get(&t.id()) {
+                return Err(RematError::PlaceholderRead {
+                    region: region.to_string(),
+                    statement: name.to_string(),
+                    producer: producer.clone(),
+                });
+            }
+        }
+        let u = match self.open {
+            Some(u) => {
+                self.units[u].label.push_str(&format!(", {name}"));
+                u
+            }
+            None => {
+                self.units.push(Unit::new(name, Vec::new(), Vec::new()));
+                self.open = Some(self.units.len() - 1);
+                self.units.len() - 1
+            }
+        };
+        let mut args = Vec::with_capacity(inputs.len());
+        for (i, t) in inputs.iter().enumerate() {
+            match self.values.get(&t.id()) {
+                Some(v) if v.requires_grad && v.unit != Some(u) => {
+                    let leaf = match self.open_leaves.get(&t.id()) {
+                        Some(leaf) => leaf.clone(),
+                        None => {
+                            let leaf = make_leaf(&v.tensor)?;
+                            self.open_leaves.insert(t.id(), leaf.clone());
+                            self.units[u].leaves.push((t.id(), leaf.clone()));
+                            self.needed.insert(t.id());
+                            leaf
+                        }
+                    };
+                    args.push(leaf);
+                }
+                Some(_) => args.push((*t).clone()),
+                None => {
+                    check_input(region, name, i, t)?;
+                    args.push((*t).clone());
+                }
+            }
+        }
+        let out = f(&args).map_err(|e| e.in_statement(region, name))?;
+        drop(args);
+        let mut tensors = Vec::new();
+        let skeleton = out.split_into(&mut tensors);
+        let record = &self.records[k];
+        if tensors.len() != record.outputs.len() {
+            return Err(RematError::desync(
+                region,
+                format!("`{name}` returning {} tensors", record.outputs.len()),
+                format!("`{name}` returning {} tensors", tensors.len()),
+            ));
+        }
+        for (j, (meta, t)) in record.outputs.iter().zip(&tensors).enumerate() {
+            let replay = Meta::of(t);
+            if let Err(e) = meta.check(&replay, region, name, format!("output {j}")) {
+                let at = format!("{name} recompute, output {j} {:?}", replay.shape.dims());
+                return Err(e.with_trace(self.side_by_side(k, &at)));
+            }
+        }
+        for t in &tensors {
+            // An output that is one of the segment's own leaves stays what it is.
+            if !self.values.contains_key(&t.id()) {
+                self.order.push(t.id());
+                let value = Value {
+                    unit: Some(u),
+                    requires_grad: t.track_op(),
+                    tensor: t.clone(),
+                    target: Some(t.clone()),
+                };
+                self.values.insert(t.id(), value);
+            }
+        }
+        O::join(&mut tensors.into_iter(), &skeleton)
+    }
+
+    fn skip_saved<O: Outputs>(
+        &mut self,
+        region: &str,
+        name: &str,
+        k: usize,
+        inputs: &[&Tensor],
+    ) -> Result<O> {
+        self.open = None;
+        self.open_leaves.clear();
+        let record = &mut self.records[k];
+        let saved = record.saved.take().ok_or_else(|| {
+            RematError::desync(
+                region,
+                format!("saved statement `{name}` with its record"),
+                "a record that was already consumed",
+            )
+        })?;
+        // A chained record joins the unit of the saved record before it,
+        // which is the last unit.
+        let u = match (saved.chained, self.units.len()) {
+            (true, n) if n > 0 => n - 1,
+            (_, n) => n,
+        };
+        let mut leaves = Vec::new();
+        for (i, leaf) in saved.leaves.iter().enumerate() {
+            let Some(leaf) = leaf else { continue };
+            let t = inputs[i];
+            match self.values.get(&t.id()) {
+                Some(v) if v.requires_grad => {
+                    leaves.push((t.id(), leaf.clone()));
+                    self.needed.insert(t.id());
+                }
+                _ => {
+                    return Err(RematError::desync(
+                        region,
+                        format!("input {i} of `{name}` needing gradients"),
+                        "an input that needs none",
+                    ))
+                }
+            }
+        }
+        // Offloaded residuals come back when the sweep reaches the unit, or
+        // now if a recomputed statement reads one of the outputs.
+        let mut restore = Vec::new();
+        if let Some(offloaded) = &saved.offloaded {
+            if saved.ferried.iter().any(Option::is_some) {
+                offloaded.restore()?;
+            } else {
+                restore.push(offloaded.clone());
+            }
+        }
+        let mut outputs = Vec::with_capacity(record.outputs.len());
+        for (j, meta) in record.outputs.iter().enumerate() {
+            let target = saved.outs.get(j).cloned();
+            let value = match saved.ferried.get(j).cloned().flatten() {
+                Some(ferried) => ferried,
+                None => {
+                    let p = placeholder(meta)?;
+                    self.placeholders.insert(p.id(), name.to_string());
+                    p
+                }
+            };
+            let requires_grad = target.as_ref().is_some_and(|t| t.track_op());
+            self.order.push(value.id());
+            self.values.insert(
+                value.id(),
+                Value {
+                    unit: Some(u),
+                    requires_grad,
+                    tensor: value.clone(),
+                    target,
+                },
+            );
+            outputs.push(value);
+        }
+        let skeleton = saved
+            .skeleton
+            .downcast_ref::<O::Skeleton>()
+            .ok_or_else(|| {
+                RematError::desync(
+                    region,
+                    format!("`{name}` returning the same type as in the forward"),
+                    "another type",
+                )
+            })?
+            .clone();
+        if u < self.units.len() {
+            let unit = &mut self.units[u];
+            unit.label.push_str(&format!(", {name}"));
+            unit.leaves.extend(leaves);
+            unit.restore.extend(restore);
+        } else {
+            self.units.push(Unit::new(name, leaves, restore));
+        }
+        O::join(&mut outputs.into_iter(), &skeleton)
+    }
+
+    /// Ends the replay: checks every record was consumed and decides which
+    /// values each unit seeds. Returns the units for the sweep.
+    pub fn finish(mut self, region: &str, outputs: &[Tensor]) -> Result<Vec<Unit>> {
+        if let Some(record) = self.records.get(self.next) {
+            return Err(RematError::NotReplayed {
+                region: region.to_string(),
+                statement: record.name.clone(),
+            });
+        }
+        self.needed.extend(outputs.iter().map(|t| t.id()));
+        for id in self.order {
+            if !self.needed.contains(&id) {
+                continue;
+            }
+            let Some(value) = self.values.remove(&id) else {
+                continue;
+            };
+            if let (Some(u), Some(target)) = (value.unit, value.target) {
+                if target.track_op() {
+                    self.units[u].targets.push((id, target));
+                }
+            }
+        }
+        Ok(self.units)
+    }
+}

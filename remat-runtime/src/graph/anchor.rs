@@ -1,0 +1,108 @@
+//! The anchor chain: the tensors that need gradients, tied to a region call.
+
+use std::sync::Arc;
+
+use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
+
+use super::{scalar_zero, to_candle};
+use crate::backward::Call;
+use crate::Result;
+
+/// The first anchor of a chain: one argument.
+struct AnchorFirst {
+    call: Arc<Call>,
+    top: bool,
+}
+
+/// Every further anchor: the previous anchor and one more argument.
+struct AnchorLink {
+    call: Arc<Call>,
+    index: usize,
+    top: bool,
+}
+
+fn anchor_grad(
+    call: &Call,
+    index: usize,
+    top: bool,
+    arg: &Tensor,
+) -> candle_core::Result<Option<Tensor>> {
+    if top {
+        call.backward().map_err(to_candle)?;
+    }
+    match call.take_anchor_grad(index) {
+        Some(g) => Ok(Some(g)),
+        // Candle skips variables that get no gradient, but panics on a tracked
+        // non-variable node that gets none: hand back zeros there.
+        None if arg.is_variable() => Ok(None),
+        None => Ok(Some(arg.zeros_like()?)),
+    }
+}
+
+impl CustomOp1 for AnchorFirst {
+    fn name(&self) -> &'static str {
+        "remat-anchor"
+    }
+    fn cpu_fwd(&self, s: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        scalar_zero(s)
+    }
+    fn cuda_fwd(&self, s: &CudaStorage, _: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        scalar_zero(s)
+    }
+    fn bwd(&self, arg: &Tensor, _: &Tensor, _: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        anchor_grad(&self.call, 0, self.top, arg)
+    }
+}
+
+impl CustomOp2 for AnchorLink {
+    fn name(&self) -> &'static str {
+        "remat-anchor"
+    }
+    fn cpu_fwd(
+        &self,
+        s: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        scalar_zero(s)
+    }
+    fn cuda_fwd(
+        &self,
+        s: &CudaStorage,
+        _: &Layout,
+        _: &CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        scalar_zero(s)
+    }
+    fn bwd(
+        &self,
+        prev: &Tensor,
+        arg: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let g = anchor_grad(&self.call, self.index, self.top, arg)?;
+        Ok((Some(prev.zeros_like()?), g))
+    }
+}
+
+/// Builds the anchor chain of `call` over `args` (at least one) and returns
+/// its top.
+pub(crate) fn anchor_chain(call: &Arc<Call>, args: &[Tensor]) -> Result<Tensor> {
+    let last = args.len() - 1;
+    let mut top = args[0].apply_op1(AnchorFirst {
+        call: call.clone(),
+        top: last == 0,
+    })?;
+    for (index, arg) in args.iter().enumerate().skip(1) {
+        let link = AnchorLink {
+            call: call.clone(),
+            index,
+            top: index == last,
+        };
+        top = top.apply_op2(arg, link)?;
+    }
+    Ok(top)
+}

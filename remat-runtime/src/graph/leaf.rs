@@ -1,0 +1,27 @@
+//! Leaves: the fresh variables statements run on, and the tensors a
+//! statement may read that the region does not know.
+
+use candle_core::{Tensor, Var};
+
+use crate::{RematError, Result};
+
+/// Copies `t` into a fresh variable: a leaf of a tracked sub-graph whose
+/// gradient candle computes.
+pub(crate) fn make_leaf(t: &Tensor) -> Result<Tensor> {
+    Ok(Var::from_tensor(&t.detach())?.into_inner())
+}
+
+/// Checks input `index` of `statement`, a tensor that is neither a region
+/// input nor a statement output: a constant or a parameter (candle tracks
+/// the latter by itself) is fine; a tracked tensor from elsewhere would lose
+/// its gradient. The forward and the replay both check with this.
+pub(crate) fn check_input(region: &str, statement: &str, index: usize, t: &Tensor) -> Result<()> {
+    if t.track_op() && !t.is_variable() {
+        return Err(RematError::ForeignTrackedInput {
+            region: region.to_string(),
+            statement: statement.to_string(),
+            index,
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,67 @@
+//! candle glue: the custom ops that attach a region to candle's graph, and
+//! the leaves its statements run on.
+//!
+//! * anchors (`anchor`): a chain of nodes whose arguments are the tensors
+//!   that need gradients (tracked region inputs and parameters). The top
+//!   anchor runs the region's backward; every anchor hands back the gradient
+//!   of its argument.
+//! * taps (`tap`): one per region output, each an op on the top anchor whose
+//!   forward copies the output the block computed and whose backward hands
+//!   the output's gradient to the region call.
+//! * seeds (`seed`): start a candle backward from a tensor with a given
+//!   upstream gradient, without building `(out * g).sum()`.
+//! * leaves (`leaf`): the fresh variables statements run on, and which
+//!   tracked tensors a statement may read.
+
+mod anchor;
+mod leaf;
+mod seed;
+mod tap;
+
+pub(crate) use anchor::anchor_chain;
+pub(crate) use leaf::{check_input, make_leaf};
+pub(crate) use seed::Seed;
+pub(crate) use tap::Tap;
+
+use candle_core::backend::{BackendDevice, BackendStorage};
+use candle_core::{DType, Layout, Shape};
+
+/// A scalar `f32` zero on the device of `like`.
+pub(crate) fn scalar_zero<S>(like: &S) -> candle_core::Result<(S, Shape)>
+where
+    S: BackendStorage,
+    S::Device: BackendDevice<Storage = S>,
+{
+    let shape = Shape::from(());
+    Ok((like.device().zeros_impl(&shape, DType::F32)?, shape))
+}
+
+/// Copies the elements `layout` addresses in `src` into a new contiguous storage.
+pub(crate) fn copy_compact<S>(src: &S, layout: &Layout) -> candle_core::Result<(S, Shape)>
+where
+    S: BackendStorage,
+    S::Device: BackendDevice<Storage = S>,
+{
+    let shape = layout.shape().clone();
+    // SAFETY: `alloc_uninit` returns storage for `shape.elem_count()` elements
+    // of `src.dtype()`; `copy_strided_src` with offset 0 writes every one of
+    // them (the layout has exactly that many elements) before the storage is
+    // returned, so no uninitialised element is ever read. This is the same
+    // sequence candle's own `Tensor::copy` uses.
+    let mut dst = unsafe { src.device().alloc_uninit(&shape, src.dtype())? };
+    src.copy_strided_src(&mut dst, 0, layout)?;
+    Ok((dst, shape))
+}
+
+pub(crate) fn wrong_device(op: &str) -> candle_core::Error {
+    candle_core::Error::Msg(format!(
+        "remat: the value of {op} is on a different device than the region"
+    ))
+}
+
+/// Turns a runtime error raised inside candle's backward into a candle error,
+/// remembering the typed error for [`crate::backward`].
+pub(crate) fn to_candle(e: crate::RematError) -> candle_core::Error {
+    crate::backward::remember_error(&e);
+    candle_core::Error::wrap(e)
+}

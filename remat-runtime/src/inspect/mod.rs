@@ -1,0 +1,22 @@
+//! Seeing what checkpointing does: what the tapes hold, what ran, how much
+//! memory a step takes, and which parameters got no gradient.
+//!
+//! * [`MemoryReport`]: the bytes every live tape holds, by region and
+//!   statement (also at the crate root: it is how a plan is chosen);
+//! * [`Trace`]: every statement of the forward and the replay;
+//! * [`CountingAlloc`]: exact live and peak bytes on the CPU;
+//! * [`device_memory_in_use`], [`device_memory_peak`]: the same on CUDA;
+//! * [`check_gradients`]: parameters that silently got no gradient (also at
+//!   the crate root: it belongs in every training loop).
+
+mod counting;
+pub(crate) mod device_memory;
+mod gradients;
+pub(crate) mod memory;
+pub(crate) mod trace;
+
+pub use counting::CountingAlloc;
+pub use device_memory::{device_memory_in_use, device_memory_peak, reset_device_memory_peak};
+pub use gradients::check_gradients;
+pub use memory::{MemoryEntry, MemoryReport};
+pub use trace::{Phase, Trace, TraceEvent};

@@ -1,0 +1,165 @@
+//! The tape: what one call of a region keeps from its forward for the
+//! replay, one record per statement.
+//!
+//! * this file: the [`Tape`] and its [`Record`]s;
+//! * `recorder`: the forward, which runs the block and writes the records;
+//! * `bytes`: the one rule for counting what a tape holds, shared by the
+//!   memory report, the budget planner, the trace and offload.
+
+pub(crate) mod bytes;
+pub(crate) mod recorder;
+
+use std::any::Any;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Shape, Tensor};
+
+use crate::ctx::Ctx;
+use crate::offload::Offloaded;
+use crate::{Mismatch, Plan, Policy, RematError, Result};
+
+/// Shape, dtype and device of a value: what the replay is checked against.
+#[derive(Debug, Clone)]
+pub(crate) struct Meta {
+    pub shape: Shape,
+    pub dtype: DType,
+    pub device: Device,
+}
+
+impl Meta {
+    pub fn of(t: &Tensor) -> Self {
+        Meta {
+            shape: t.shape().clone(),
+            dtype: t.dtype(),
+            device: t.device().clone(),
+        }
+    }
+
+    /// Checks that `replay` matches this forward meta; `value` says which
+    /// value of `statement` it is (`input 0`, `output 1`).
+    pub fn check(&self, replay: &Meta, region: &str, statement: &str, value: String) -> Result<()> {
+        let mismatch = |what, forward: String, replay: String| {
+            RematError::mismatch(
+                region,
+                statement,
+                Mismatch {
+                    value: value.clone(),
+                    what,
+                    forward,
+                    replay,
+                },
+            )
+        };
+        if self.shape != replay.shape {
+            return Err(mismatch(
+                "shape",
+                format!("{:?}", self.shape.dims()),
+                format!("{:?}", replay.shape.dims()),
+            ));
+        }
+        if self.dtype != replay.dtype {
+            return Err(mismatch(
+                "dtype",
+                format!("{:?}", self.dtype),
+                format!("{:?}", replay.dtype),
+            ));
+        }
+        if self.device.location() != replay.device.location() {
+            return Err(mismatch(
+                "device",
+                format!("{:?}", self.device.location()),
+                format!("{:?}", replay.device.location()),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What a `Save` statement keeps.
+#[derive(Clone)]
+pub(crate) struct Saved {
+    /// Per input: the leaf stand-in the statement ran on, when the input needed
+    /// gradients.
+    pub leaves: Vec<Option<Tensor>>,
+    /// The statement's tracked outputs; their graph holds the residuals. Empty
+    /// when nothing in the statement needs gradients.
+    pub outs: Vec<Tensor>,
+    /// Per output: the value ferried to the replay, because a recomputed
+    /// statement reads it.
+    pub ferried: Vec<Option<Tensor>>,
+    /// The plain part of the statement's return value.
+    pub skeleton: Arc<dyn Any + Send + Sync>,
+    /// The statement ran on the tracked outputs of the saved statement just
+    /// before it (no leaf copies between them): the two graphs are one, and
+    /// the sweep runs them as one unit.
+    pub chained: bool,
+    /// For an offloaded statement whose residuals were moved: where they are.
+    pub offloaded: Option<Arc<Offloaded>>,
+}
+
+/// One statement of the forward.
+#[derive(Clone)]
+pub(crate) struct Record {
+    pub name: String,
+    /// The policy written in the code, if any.
+    pub declared: Option<Policy>,
+    /// The policy the plan gave the statement in the forward.
+    pub policy: Policy,
+    pub inputs: Vec<Meta>,
+    pub outputs: Vec<Meta>,
+    /// `Some` exactly for `Save` and `Offload` statements.
+    pub saved: Option<Saved>,
+    /// What the budget planner needs to know about the statement; measured
+    /// only on the call a budget plan profiles.
+    pub profile: Option<Box<Profile>>,
+}
+
+/// Where one statement input came from, for the budget planner.
+#[derive(Debug, Clone)]
+pub(crate) struct Source {
+    pub needs_grad: bool,
+    /// The record that produced it; `None` for region inputs and constants.
+    pub producer: Option<usize>,
+    /// Its size, the bytes of a leaf copy of it.
+    pub bytes: usize,
+}
+
+/// Measurements of one statement in the forward.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Profile {
+    /// Wall time of the statement's code.
+    pub seconds: f64,
+    /// Per input.
+    pub sources: Vec<Source>,
+}
+
+/// The type-erased block a region runs, for the replay.
+pub(crate) type Body = Arc<dyn Fn(&mut Ctx, &[Tensor]) -> Result<Vec<Tensor>> + Send + Sync>;
+
+/// Everything one region call keeps between its forward and its backward.
+#[derive(Clone)]
+pub(crate) struct Tape {
+    pub body: Body,
+    /// The region inputs, detached (they share storage with the caller's).
+    pub inputs: Vec<Tensor>,
+    /// Which inputs need gradients.
+    pub requires_grad: Vec<bool>,
+    pub records: Vec<Record>,
+    /// The parameters (`Var`s) the block used, in order of first use.
+    pub params: Vec<Tensor>,
+    pub outputs: Vec<Meta>,
+    /// The plan the forward ran under: the replay runs under it too.
+    pub plan: Plan,
+    /// The call's seed for [`crate::random`]: the replay draws the same.
+    pub seed: u64,
+    /// The call's label in the trace recorded during its forward, if any.
+    pub trace_label: Option<String>,
+}
+
+/// A region call's tape, until its backward consumes it.
+pub(crate) enum TapeState {
+    Live(Tape),
+    /// Consumed or dropped, with the reason, for the error of a later
+    /// backward.
+    Released(String),
+}

@@ -1,0 +1,344 @@
+//! The forward of a region: runs each statement and writes its record.
+//!
+//! A statement takes one of two paths, as in the replay: [`Recorder::recompute`]
+//! runs it on its inputs as they are and keeps nothing but its metadata;
+//! [`Recorder::save`] runs it on leaf copies of the inputs that need
+//! gradients and keeps its tracked graph (its residuals) on the tape.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::{Tensor, TensorId};
+
+use super::bytes::{Counter, Seen};
+use super::{Meta, Profile, Record, Saved, Source};
+use crate::graph::{check_input, make_leaf};
+use crate::inspect::trace::{self, Phase, TraceEvent};
+use crate::{Outputs, Policy, Result};
+
+/// A statement about to be recorded, as the context decided it.
+pub(crate) struct Statement<'a> {
+    pub region: &'a str,
+    pub name: &'a str,
+    /// The policy written in the code, if any.
+    pub declared: Option<Policy>,
+    /// The policy the plan gave it.
+    pub policy: Policy,
+    /// The outputs of a saved statement are ferried to the replay whatever
+    /// reads them (`Ctx::save_ferried`).
+    pub ferry: bool,
+}
+
+/// What the statement's code returned: its tensors (still attached to the
+/// graph the code built) and the plain rest of its value.
+struct Ran<S> {
+    tensors: Vec<Tensor>,
+    skeleton: S,
+    seconds: f64,
+}
+
+/// What the forward learns while the block runs.
+pub(crate) struct Recorder {
+    /// For every value the block has seen: does it need gradients?
+    requires_grad: HashMap<TensorId, bool>,
+    /// Every statement output: value -> record (measured calls only).
+    producers: HashMap<TensorId, usize>,
+    /// Outputs of saved statements: value -> (record, output position).
+    saved_outputs: HashMap<TensorId, (usize, usize)>,
+    /// Saved outputs a recomputed statement reads: ferried to the replay.
+    ferried: HashSet<(usize, usize)>,
+    records: Vec<Record>,
+    leaf_ids: HashSet<TensorId>,
+    params: Vec<Tensor>,
+    param_ids: HashSet<TensorId>,
+    /// First record of the run of chained saved records that ends with the
+    /// last record, if the last record is a saved one with a graph.
+    chain: Option<usize>,
+    /// Measure statements for the budget planner.
+    profile: bool,
+    /// The call's label in the trace being recorded, if any.
+    trace: Option<String>,
+    /// Storages already counted in the trace's bytes.
+    trace_seen: Seen,
+}
+
+impl Recorder {
+    /// `profile`: measure every statement for the budget planner; `trace`:
+    /// the call's label in the trace being recorded, if any.
+    pub fn new(
+        inputs: &[Tensor],
+        requires_grad: &[bool],
+        profile: bool,
+        trace: Option<String>,
+    ) -> Self {
+        let mut trace_seen = Seen::default();
+        if trace.is_some() {
+            for t in inputs {
+                trace_seen.exclude(t);
+            }
+        }
+        Recorder {
+            requires_grad: inputs
+                .iter()
+                .zip(requires_grad)
+                .map(|(t, r)| (t.id(), *r))
+                .collect(),
+            producers: HashMap::new(),
+            saved_outputs: HashMap::new(),
+            ferried: HashSet::new(),
+            records: Vec::new(),
+            leaf_ids: HashSet::new(),
+            params: Vec::new(),
+            param_ids: HashSet::new(),
+            chain: None,
+            profile,
+            trace,
+            trace_seen,
+        }
+    }
+
+    /// Records one statement: checks its inputs, runs it on the path its
+    /// policy gives, and writes its record.
+    pub fn statement<O: Outputs>(
+        &mut self,
+        s: Statement,
+        inputs: &[&Tensor],
+        f: impl FnOnce(&[Tensor]) -> Result<O>,
+    ) -> Result<O> {
+        let needs = inputs
+            .iter()
+            .enumerate()
+            .map(|(i, t)| self.needs_grad(s.region, s.name, i, t))
+            .collect::<Result<Vec<bool>>>()?;
+        let sources = self.sources(inputs, &needs);
+        let timed = self.profile;
+        let run = |args: &[Tensor]| -> Result<Ran<O::Skeleton>> {
+            let start = timed.then(Instant::now);
+            let out = f(args).map_err(|e| e.in_statement(s.region, s.name))?;
+            let seconds = start.map_or(0.0, |s| s.elapsed().as_secs_f64());
+            let mut tensors = Vec::new();
+            let skeleton = out.split_into(&mut tensors);
+            Ok(Ran {
+                tensors,
+                skeleton,
+                seconds,
+            })
+        };
+        let (outputs, saved, ran) = match s.policy {
+            Policy::Recompute => self.recompute(inputs, &needs, run)?,
+            Policy::Save | Policy::Offload => self.save(&s, inputs, &needs, run)?,
+        };
+        let index = self.records.len();
+        self.records.push(Record {
+            name: s.name.to_string(),
+            declared: s.declared,
+            policy: s.policy,
+            inputs: inputs.iter().map(|t| Meta::of(t)).collect(),
+            outputs: outputs.iter().map(Meta::of).collect(),
+            saved,
+            profile: self.profile.then(|| {
+                Box::new(Profile {
+                    seconds: ran.seconds,
+                    sources,
+                })
+            }),
+        });
+        self.trace_event(index);
+        O::join(&mut outputs.into_iter(), &ran.skeleton)
+    }
+
+    /// A recomputed statement: runs on its inputs as they are; its outputs
+    /// are detached, and nothing of its graph is kept.
+    fn recompute<S>(
+        &mut self,
+        inputs: &[&Tensor],
+        needs: &[bool],
+        run: impl FnOnce(&[Tensor]) -> Result<Ran<S>>,
+    ) -> Result<(Vec<Tensor>, Option<Saved>, Ran<S>)> {
+        for t in inputs {
+            if let Some(&output) = self.saved_outputs.get(&t.id()) {
+                self.ferried.insert(output);
+            }
+        }
+        let args: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
+        let mut ran = run(&args)?;
+        let any_input = needs.iter().any(|&n| n);
+        let tracked = std::mem::take(&mut ran.tensors);
+        let outputs = tracked
+            .iter()
+            .map(|t| self.detach_output(t, any_input || t.track_op()))
+            .collect();
+        self.chain = None;
+        Ok((outputs, None, ran))
+    }
+
+    /// A saved (or offloaded) statement: runs on leaf copies of the inputs
+    /// that need gradients, or continues the graph of the saved statement
+    /// just before it; keeps its tracked graph.
+    fn save<S: Clone + Send + Sync + 'static>(
+        &mut self,
+        s: &Statement,
+        inputs: &[&Tensor],
+        needs: &[bool],
+        run: impl FnOnce(&[Tensor]) -> Result<Ran<S>>,
+    ) -> Result<(Vec<Tensor>, Option<Saved>, Ran<S>)> {
+        // An offloaded statement's graph moves to the host as a whole: it
+        // neither continues a saved graph nor is continued.
+        let offload = s.policy == Policy::Offload;
+        let index = self.records.len();
+        let mut leaves = Vec::with_capacity(inputs.len());
+        let mut args = Vec::with_capacity(inputs.len());
+        let mut chained = false;
+        for (t, &need) in inputs.iter().zip(needs) {
+            if let Some(tracked) = (need && !offload).then(|| self.chainable(t)).flatten() {
+                // Continue the previous saved statement's graph: no leaf
+                // copy, and the two records form one unit.
+                chained = true;
+                leaves.push(None);
+                args.push(tracked);
+            } else if need {
+                let leaf = make_leaf(t)?;
+                self.leaf_ids.insert(leaf.id());
+                leaves.push(Some(leaf.clone()));
+                args.push(leaf);
+            } else {
+                leaves.push(None);
+                args.push((*t).clone());
+            }
+        }
+        let mut ran = run(&args)?;
+        drop(args);
+        let tracked = std::mem::take(&mut ran.tensors);
+        let outputs: Vec<Tensor> = tracked
+            .iter()
+            .enumerate()
+            .map(|(j, t)| {
+                let d = self.detach_output(t, t.track_op());
+                self.saved_outputs.insert(d.id(), (index, j));
+                d
+            })
+            .collect();
+        if s.ferry {
+            self.ferried.extend((0..outputs.len()).map(|j| (index, j)));
+        }
+        let any_tracked = tracked.iter().any(|t| t.track_op());
+        let saved = Saved {
+            leaves: if any_tracked {
+                leaves
+            } else {
+                vec![None; inputs.len()]
+            },
+            outs: if any_tracked { tracked } else { Vec::new() },
+            ferried: outputs.iter().cloned().map(Some).collect(),
+            skeleton: Arc::new(ran.skeleton.clone()),
+            chained: chained && any_tracked,
+            offloaded: None,
+        };
+        self.chain = match (any_tracked && !offload, chained) {
+            (false, _) => None,
+            (true, true) => self.chain,
+            (true, false) => Some(index),
+        };
+        Ok((outputs, Some(saved), ran))
+    }
+
+    /// The detached output the block sees in place of `t`, an output of the
+    /// statement being recorded.
+    fn detach_output(&mut self, t: &Tensor, requires_grad: bool) -> Tensor {
+        self.discover_params(t);
+        let d = t.detach();
+        self.requires_grad.insert(d.id(), requires_grad);
+        if self.profile {
+            self.producers.insert(d.id(), self.records.len());
+        }
+        d
+    }
+
+    /// Where each input came from, for the budget planner (measured calls
+    /// only).
+    fn sources(&self, inputs: &[&Tensor], needs: &[bool]) -> Vec<Source> {
+        if !self.profile {
+            return Vec::new();
+        }
+        inputs
+            .iter()
+            .zip(needs)
+            .map(|(t, &need)| Source {
+                needs_grad: need,
+                producer: self.producers.get(&t.id()).copied(),
+                bytes: t.elem_count() * t.dtype().size_in_bytes(),
+            })
+            .collect()
+    }
+
+    /// Records statement `index` in the trace being recorded, if any, with
+    /// the bytes it holds on the tape counted as the memory report counts
+    /// them (storages once per region call, parameters and their views not).
+    fn trace_event(&mut self, index: usize) {
+        let Some(label) = &self.trace else { return };
+        let record = &self.records[index];
+        for p in &self.params {
+            self.trace_seen.exclude(p);
+        }
+        let bytes = record
+            .saved
+            .as_ref()
+            .map_or(0, |saved| Counter::new(&mut self.trace_seen).saved(saved));
+        trace::push(TraceEvent::of(Phase::Forward, label, record, bytes));
+    }
+
+    fn needs_grad(&self, region: &str, statement: &str, index: usize, t: &Tensor) -> Result<bool> {
+        if let Some(&r) = self.requires_grad.get(&t.id()) {
+            return Ok(r);
+        }
+        check_input(region, statement, index, t)?;
+        Ok(false)
+    }
+
+    /// Records the variables `t` depends on that are not leaves of this region.
+    fn discover_params(&mut self, t: &Tensor) {
+        if !t.track_op() {
+            return;
+        }
+        for node in t.sorted_nodes() {
+            if node.is_variable()
+                && !self.leaf_ids.contains(&node.id())
+                && self.param_ids.insert(node.id())
+            {
+                self.params.push(node.clone());
+            }
+        }
+    }
+
+    /// The tracked output behind `t` when `t` is an output of the run of
+    /// saved records that ends just before the new statement: the new saved
+    /// statement continues that graph instead of copying `t` into a leaf. A
+    /// leaf there would be wrong, not only wasteful: its gradient would flow
+    /// to a unit the sweep has already finished.
+    fn chainable(&self, t: &Tensor) -> Option<Tensor> {
+        let start = self.chain?;
+        let &(k, j) = self.saved_outputs.get(&t.id())?;
+        if k < start {
+            return None;
+        }
+        let tracked = self.records.get(k)?.saved.as_ref()?.outs.get(j)?;
+        tracked.track_op().then(|| tracked.clone())
+    }
+
+    /// Ends the forward: saved outputs that no recomputed statement reads are
+    /// dropped from the tape (replay gives placeholders for them). Returns
+    /// the records and the parameters the block used.
+    pub fn finish(mut self) -> (Vec<Record>, Vec<Tensor>) {
+        for (k, record) in self.records.iter_mut().enumerate() {
+            if let Some(saved) = record.saved.as_mut() {
+                for (j, ferried) in saved.ferried.iter_mut().enumerate() {
+                    if !self.ferried.contains(&(k, j)) {
+                        *ferried = None;
+                    }
+                }
+            }
+        }
+        (self.records, self.params)
+    }
+}

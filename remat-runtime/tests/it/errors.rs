@@ -1,0 +1,249 @@
+//! Runtime errors: each asserts the error kind, that the message names the
+//! region and the record, and that the region is left in a clean state.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use crate::common::*;
+use candle_core::{DType, Tensor, Var};
+use remat_runtime::{backward, Policy, Region, RematError};
+
+fn x() -> Var {
+    var(&[2, 3], 1, 1.0, DType::F32)
+}
+
+#[test]
+fn placeholder_read_names_the_reader_and_the_producer() {
+    // The forward's recomputed statement reads the product of a constant; the
+    // replay's reads the saved output `h`, which the forward never handed to a
+    // recomputed statement: only a placeholder of it exists during replay.
+    let x = x();
+    let y = Region::new("blk")
+        .run(&[x.as_tensor()], |ctx, ins| {
+            let h = ctx.save("h", &[&ins[0]], |t| Ok(t[0].exp()?))?;
+            let other = Tensor::ones(h.dims(), DType::F32, h.device())?;
+            let read = if ctx.is_replay() { &h } else { &other };
+            let s = ctx.recompute("s", &[read], |t| Ok(t[0].sin()?))?;
+            ctx.save("out", &[&h, &s], |t| Ok((&t[0] * &t[1])?.sum_all()?))
+        })
+        .unwrap();
+    let e = backward(&y).unwrap_err();
+    assert!(
+        matches!(&e, RematError::PlaceholderRead { region, statement, producer }
+        if region == "blk" && statement == "s" && producer == "h"),
+        "{e:?}"
+    );
+    let msg = e.to_string();
+    assert!(
+        msg.contains("`s`") && msg.contains("`h`") && msg.contains("blk"),
+        "{msg}"
+    );
+    // The tape was released whole: a second attempt says why, no panic.
+    let again = backward(&y).unwrap_err();
+    assert!(matches!(&again, RematError::TapeReleased { reason, .. } if reason.contains("failed")));
+}
+
+static WIDTH: AtomicUsize = AtomicUsize::new(3);
+
+#[test]
+fn replay_shape_mismatch_from_a_changing_global() {
+    let x = x();
+    let y = Region::new("blk")
+        .run(&[x.as_tensor()], |ctx, ins| {
+            let w = ctx.recompute("widen", &[&ins[0]], |t| {
+                // reads mutable global state: not replayable
+                let n = WIDTH.load(Ordering::SeqCst);
+                Ok(t[0].sum_keepdim(1)?.broadcast_as((2, n))?.contiguous()?)
+            })?;
+            ctx.recompute("sum", &[&w], |t| Ok(t[0].sum_all()?))
+        })
+        .unwrap();
+    WIDTH.store(5, Ordering::SeqCst);
+    let e = backward(&y).unwrap_err();
+    WIDTH.store(3, Ordering::SeqCst);
+    assert!(
+        matches!(&e, RematError::ReplayMismatch { statement, mismatch, .. } if statement == "widen" && mismatch.what == "shape"),
+        "{e:?}"
+    );
+    let msg = e.to_string();
+    assert!(
+        msg.contains("`widen`") && msg.contains("[2, 3]") && msg.contains("[2, 5]"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn second_backward_without_retain() {
+    let x = x();
+    let y = Region::new("blk")
+        .run(&[x.as_tensor()], |ctx, ins| {
+            ctx.save("sq", &[&ins[0]], |t| Ok(t[0].sqr()?.sum_all()?))
+        })
+        .unwrap();
+    backward(&y).unwrap();
+    let e = backward(&y).unwrap_err();
+    assert!(
+        matches!(&e, RematError::TapeReleased { region, .. } if region == "blk"),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("retain_tape"));
+    // Through candle's own backward the error is a message, not a panic.
+    let plain = y.backward().unwrap_err().to_string();
+    assert!(
+        plain.contains("blk") && plain.contains("retain_tape"),
+        "{plain}"
+    );
+}
+
+static EARLY: AtomicBool = AtomicBool::new(false);
+
+#[test]
+fn unconsumed_record() {
+    let x = x();
+    let y = Region::new("blk")
+        .run(&[x.as_tensor()], |ctx, ins| {
+            let a = ctx.recompute("a", &[&ins[0]], |t| Ok(t[0].exp()?))?;
+            if EARLY.load(Ordering::SeqCst) {
+                return Ok(a.sum_all()?);
+            }
+            let b = ctx.save("b", &[&a], |t| Ok(t[0].sin()?))?;
+            ctx.recompute("c", &[&b, &a], |t| Ok((&t[0] + &t[1])?.sum_all()?))
+        })
+        .unwrap();
+    EARLY.store(true, Ordering::SeqCst);
+    let e = backward(&y).unwrap_err();
+    EARLY.store(false, Ordering::SeqCst);
+    assert!(
+        matches!(&e, RematError::NotReplayed { region, statement } if region == "blk" && statement == "b"),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("`b`"));
+}
+
+#[test]
+fn replay_running_another_statement_is_a_desync() {
+    static FLIP: AtomicBool = AtomicBool::new(false);
+    let x = x();
+    let y = Region::new("blk")
+        .run(&[x.as_tensor()], |ctx, ins| {
+            let name = if FLIP.load(Ordering::SeqCst) {
+                "other"
+            } else {
+                "first"
+            };
+            ctx.recompute(name, &[&ins[0]], |t| Ok(t[0].sum_all()?))
+        })
+        .unwrap();
+    FLIP.store(true, Ordering::SeqCst);
+    let e = backward(&y).unwrap_err();
+    assert!(matches!(&e, RematError::ReplayDesync { .. }), "{e:?}");
+    let msg = e.to_string();
+    assert!(msg.contains("`first`") && msg.contains("`other`"), "{msg}");
+}
+
+#[test]
+fn duplicate_statement_name() {
+    let x = x();
+    let e = Region::new("blk")
+        .run(&[x.as_tensor()], |ctx, ins| {
+            let a = ctx.recompute("a", &[&ins[0]], |t| Ok(t[0].exp()?))?;
+            ctx.save("a", &[&a], |t| Ok(t[0].sum_all()?))
+        })
+        .unwrap_err();
+    assert!(
+        matches!(&e, RematError::DuplicateName { region, statement } if region == "blk" && statement == "a")
+    );
+}
+
+#[test]
+fn tracked_tensor_captured_from_outside_is_refused() {
+    let x = x();
+    let outside = (x.as_tensor() * 2.0).unwrap(); // tracked, not a Var
+    let e = Region::new("blk")
+        .run(&[], move |ctx, _| {
+            ctx.recompute("use", &[&outside], |t| Ok(t[0].exp()?))
+        })
+        .unwrap_err();
+    assert!(
+        matches!(&e, RematError::ForeignTrackedInput { statement, index: 0, .. } if statement == "use"),
+        "{e:?}"
+    );
+}
+
+#[test]
+fn failing_statement_names_itself_and_the_next_step_works() {
+    let m = Mlp::new(3, 4, 2, DType::F32);
+    let x = x();
+    let me = m.clone();
+    let e = Region::new("blk")
+        .run(&[x.as_tensor()], move |ctx, ins| {
+            let h = me.body(ctx, &ins[0], &all(Policy::Save))?;
+            // wrong shapes: (2, 3) x (2, 3)
+            ctx.recompute("bad", &[&h, &ins[0]], |t| Ok(t[0].matmul(&t[1])?))
+        })
+        .unwrap_err();
+    assert!(
+        matches!(&e, RematError::Statement { region, statement, .. } if region == "blk" && statement == "bad")
+    );
+    assert!(e.to_string().contains("statement `bad`"));
+    // Nothing half-recorded: the next call works.
+    let y = m
+        .region("blk", x.as_tensor(), all(Policy::Save), true)
+        .unwrap();
+    assert!(backward(&y.sum_all().unwrap()).unwrap().get(&x).is_some());
+}
+
+#[test]
+fn replay_returning_another_number_of_outputs() {
+    static MORE: AtomicBool = AtomicBool::new(false);
+    let x = x();
+    let y: Vec<Tensor> = Region::new("blk")
+        .run(&[x.as_tensor()], |ctx, ins| {
+            let a = ctx.recompute("a", &[&ins[0]], |t| Ok(t[0].exp()?))?;
+            let mut outs = vec![a.sum_all()?];
+            if MORE.load(Ordering::SeqCst) {
+                outs.push(a);
+            }
+            Ok(outs)
+        })
+        .unwrap();
+    MORE.store(true, Ordering::SeqCst);
+    let e = backward(&y[0]).unwrap_err();
+    MORE.store(false, Ordering::SeqCst);
+    assert!(
+        matches!(&e, RematError::OutputCount { region, forward: 1, replay: 2 } if region == "blk"),
+        "{e:?}"
+    );
+}
+
+#[test]
+fn dropout_probability_out_of_range() {
+    let x = x();
+    for p in [-0.1, 1.0, 2.0] {
+        let e = remat_runtime::random::dropout(x.as_tensor(), p).unwrap_err();
+        assert!(e.to_string().contains("outside [0, 1)"), "{e}");
+    }
+}
+
+#[test]
+fn checkpoint_sequential_with_a_bad_segment_count() {
+    let x = x();
+    let blocks = || (0..3).map(|_| |t: &Tensor| t.exp());
+    for k in [0, 4] {
+        let e =
+            remat_runtime::checkpoint_sequential("stack", k, x.as_tensor(), blocks()).unwrap_err();
+        assert!(
+            e.to_string().contains("`stack`") && e.to_string().contains("between 1 and"),
+            "{e}"
+        );
+    }
+}
+
+#[test]
+fn missing_gradients_are_named() {
+    let x = x();
+    let unused = Var::ones(2, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+    let grads = x.as_tensor().sum_all().unwrap().backward().unwrap();
+    let e = remat_runtime::check_gradients(&grads, [("x", &x), ("unused", &unused)]).unwrap_err();
+    assert!(matches!(&e, RematError::MissingGradients { names } if names == &["unused"]));
+    assert!(e.to_string().contains("layer_norm_slow"), "{e}");
+}

@@ -1,0 +1,19 @@
+//! The integration tests that share one process: everything that needs
+//! neither its own global allocator (`memory.rs`, `sequential.rs`) nor a
+//! feature (`cuda.rs`). One binary links candle once.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod dispatch;
+mod errors;
+mod features;
+mod finite_differences;
+mod grad_equality;
+mod macro_blocks;
+mod memory_report;
+mod offload;
+mod plans;
+mod properties;
+mod random;
+mod trace;

@@ -1,0 +1,326 @@
+//! Plans: policies chosen at run time for statements the code leaves open.
+//! Gradients are compared with the same block run as plain candle code
+//! (`Plan::off`); tolerance 1e-6 relative, as in `grad_equality.rs` (f32
+//! sums reordered across units), and exact where nothing is reordered.
+
+use crate::common::*;
+use candle_core::{DType, Result, Tensor, Var};
+use remat_runtime::{remat, MemoryReport, Plan, Policy, Region};
+
+#[derive(Clone)]
+pub struct P {
+    w1: Var,
+    w2: Var,
+}
+
+remat! {
+    /// Two open statements around one that insists on being saved and one
+    /// that insists on being recomputed.
+    fn mlp(x: &Tensor, p: &P) -> Result<Tensor> {
+        let h = x.matmul(&p.w1)?;
+        #[recompute] let g = h.tanh()?;
+        let o = g.matmul(&p.w2)?;
+        #[save(name = "out")] let y = (o.exp()? + x)?;
+        Ok(y)
+    }
+}
+
+fn params() -> (Var, P) {
+    let x = var(&[4, 8], 1, 1.0, DType::F32);
+    let p = P {
+        w1: var(&[8, 16], 2, 0.3, DType::F32),
+        w2: var(&[16, 8], 3, 0.3, DType::F32),
+    };
+    (x, p)
+}
+
+/// Runs the block under `plan`; returns the policies the tape recorded by
+/// name and the worst relative gradient difference to plain candle.
+fn run(plan: &Plan) -> (Vec<(String, Option<Policy>)>, f64) {
+    let (x, p) = params();
+    let weights = tensor(&[4, 8], 9, 1.0, DType::F32);
+    let loss = |y: &Tensor| (y * &weights).unwrap().sum_all().unwrap();
+    let y_ref = Plan::off().scope(|| mlp(x.as_tensor(), &p)).unwrap();
+    assert!(
+        MemoryReport::capture().entries.is_empty(),
+        "off keeps no tape"
+    );
+    let g_ref = loss(&y_ref).backward().unwrap();
+    let y = plan.scope(|| mlp(x.as_tensor(), &p)).unwrap();
+    let policies = MemoryReport::capture()
+        .entries
+        .into_iter()
+        .map(|e| (e.statement, e.policy))
+        .collect();
+    assert_eq!(rel_diff(&y, &y_ref), 0.0);
+    // The backward runs outside the scope: the replay must follow the tape.
+    let g = loss(&y).backward().unwrap();
+    let worst = [&x, &p.w1, &p.w2]
+        .iter()
+        .map(|v| rel_diff(g.get(v).unwrap(), g_ref.get(v).unwrap()))
+        .fold(0.0, f64::max);
+    (policies, worst)
+}
+
+fn expect(entries: &[(&str, Option<Policy>)]) -> Vec<(String, Option<Policy>)> {
+    entries.iter().map(|(n, p)| (n.to_string(), *p)).collect()
+}
+
+const S: Option<Policy> = Some(Policy::Save);
+const R: Option<Policy> = Some(Policy::Recompute);
+
+#[test]
+fn declared_plan_recomputes_open_statements() {
+    let (policies, worst) = run(&Plan::declared());
+    assert_eq!(
+        policies,
+        expect(&[("(inputs)", None), ("h", R), ("g", R), ("o", R), ("out", S)])
+    );
+    assert!(worst <= 1e-6, "{worst}");
+}
+
+#[test]
+fn save_only_saves_named_open_statements_and_keeps_annotations() {
+    // `g` is listed but declared `#[recompute]`: the annotation wins.
+    let (policies, worst) = run(&Plan::save_only(["h", "g", "o"]));
+    assert_eq!(
+        policies,
+        expect(&[("(inputs)", None), ("h", S), ("g", R), ("o", S), ("out", S)])
+    );
+    assert!(worst <= 1e-6, "{worst}");
+}
+
+#[test]
+fn recompute_all_and_save_all_override_annotations() {
+    let (policies, worst) = run(&Plan::recompute_all());
+    assert_eq!(
+        policies,
+        expect(&[("(inputs)", None), ("h", R), ("g", R), ("o", R), ("out", R)])
+    );
+    assert_eq!(worst, 0.0, "one segment: the same graph as plain candle");
+    let (policies, worst) = run(&Plan::save_all());
+    assert_eq!(
+        policies,
+        expect(&[("(inputs)", None), ("h", S), ("g", S), ("o", S), ("out", S)])
+    );
+    assert!(worst <= 1e-6, "{worst}");
+}
+
+#[test]
+fn custom_plan_sees_names_and_declarations() {
+    let plan = Plan::from_fn("matmuls", |s| {
+        assert_eq!(s.region, "mlp");
+        s.declared.unwrap_or(if s.name == "o" {
+            Policy::Save
+        } else {
+            Policy::Recompute
+        })
+    });
+    let (policies, worst) = run(&plan);
+    assert_eq!(
+        policies,
+        expect(&[("(inputs)", None), ("h", R), ("g", R), ("o", S), ("out", S)])
+    );
+    assert!(worst <= 1e-6, "{worst}");
+}
+
+#[test]
+fn region_plan_beats_scope_and_nested_regions_inherit_it() {
+    let (x, p) = params();
+    let inner_policy = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = inner_policy.clone();
+    let pc = p.clone();
+    let outer = Region::new("outer").plan(Plan::save_all());
+    let y = Plan::recompute_all()
+        .scope(|| {
+            outer.run(&[x.as_tensor()], move |ctx, ins| {
+                let h = ctx.open("pre", &[&ins[0]], |t| Ok(t[0].sqr()?))?;
+                // A region nested in the block: runs in the forward and again
+                // in the outer replay, both times under the outer plan.
+                let pc = pc.clone();
+                seen.lock().unwrap().push(ctx.plan().to_string());
+                ctx.open("inner", &[&h], move |t| Ok(mlp(&t[0], &pc)?))
+            })
+        })
+        .unwrap();
+    let report = MemoryReport::capture();
+    // The outer region's statements and the inner region's statements are
+    // all saved: the scope's `recompute_all` is overridden by the region.
+    for e in report.entries.iter().filter(|e| e.policy.is_some()) {
+        assert_eq!(e.policy, S, "{}/{}", e.region, e.statement);
+    }
+    assert!(report.entries.iter().any(|e| e.region == "mlp"));
+    let g = y.sum_all().unwrap().backward().unwrap();
+    assert_eq!(
+        *inner_policy.lock().unwrap(),
+        vec!["save all".to_string(), "save all".to_string()],
+        "forward and replay ran under the region's plan"
+    );
+    // Plain reference.
+    let h = x.as_tensor().sqr().unwrap();
+    let w = h
+        .matmul(&p.w1)
+        .unwrap()
+        .tanh()
+        .unwrap()
+        .matmul(&p.w2)
+        .unwrap();
+    let y_ref = (w.exp().unwrap() + &h).unwrap();
+    let g_ref = y_ref.sum_all().unwrap().backward().unwrap();
+    for v in [&x, &p.w1, &p.w2] {
+        let d = rel_diff(g.get(v).unwrap(), g_ref.get(v).unwrap());
+        assert!(d <= 1e-6, "{d}");
+    }
+}
+
+#[test]
+fn scope_is_popped_after_a_panic() {
+    let r = std::panic::catch_unwind(|| Plan::save_all().scope(|| panic!("inside")));
+    assert!(r.is_err());
+    assert_eq!(Plan::current().to_string(), "declared");
+}
+
+// ------------------------------------------------------------ budget plans
+
+#[derive(Clone)]
+pub struct Block {
+    w_qkv: Var,
+    w_proj: Var,
+    w_fc: Var,
+    w_out: Var,
+    g: Var,
+    b: Var,
+}
+
+remat! {
+    /// A transformer-like block with every statement left to the plan.
+    fn open_block(x: &Tensor, p: &Block, mask: &Tensor) -> Result<Tensor> {
+        let ln1 = candle_nn::ops::layer_norm_slow(x, &p.g, &p.b, 1e-5)?;
+        let qkv = ln1.broadcast_matmul(&p.w_qkv)?;
+        let (q, k, v) = (qkv.narrow(2, 0, 16)?, qkv.narrow(2, 16, 16)?, qkv.narrow(2, 32, 16)?);
+        let scores = q.matmul(&k.t()?)?.broadcast_add(mask)?;
+        let probs = candle_nn::ops::softmax(&scores, candle_core::D::Minus1)?;
+        let att = probs.matmul(&v)?;
+        let proj = att.broadcast_matmul(&p.w_proj)?;
+        let x = (x + proj)?;
+        let fc = x.broadcast_matmul(&p.w_fc)?;
+        let act = fc.gelu()?;
+        let out = act.broadcast_matmul(&p.w_out)?;
+        Ok((x + out)?)
+    }
+}
+
+fn open_block_setup() -> (Var, Block, Tensor) {
+    let x = var(&[2, 8, 16], 11, 1.0, DType::F32);
+    let p = Block {
+        w_qkv: var(&[16, 48], 12, 0.3, DType::F32),
+        w_proj: var(&[16, 16], 13, 0.3, DType::F32),
+        w_fc: var(&[16, 64], 14, 0.3, DType::F32),
+        w_out: var(&[64, 16], 15, 0.3, DType::F32),
+        g: var(&[16], 16, 1.0, DType::F32),
+        b: var(&[16], 17, 0.1, DType::F32),
+    };
+    (x, p, causal_mask(8, DType::F32))
+}
+
+/// Bytes the statements of the live tapes hold (region inputs excluded).
+fn tape_bytes() -> usize {
+    MemoryReport::capture()
+        .entries
+        .iter()
+        .filter(|e| e.policy.is_some())
+        .map(|e| e.bytes)
+        .sum()
+}
+
+#[test]
+fn budget_plans_hold_what_the_planner_predicts_and_trade_time_for_memory() {
+    let (x, p, mask) = open_block_setup();
+    let y_ref = Plan::off()
+        .scope(|| open_block(x.as_tensor(), &p, &mask))
+        .unwrap();
+    let g_ref = y_ref.sum_all().unwrap().backward().unwrap();
+    let mut last: Option<(usize, f64)> = None;
+    for fraction in [0.0, 0.2, 0.4, 0.6, 0.8, 1.0] {
+        let plan = Plan::budget(fraction);
+        // The first call measures (saves everything open), the second one
+        // follows the solution.
+        for call in 0..2 {
+            let y = plan.scope(|| open_block(x.as_tensor(), &p, &mask)).unwrap();
+            let held = tape_bytes();
+            let solution = plan
+                .solutions()
+                .pop()
+                .expect("planned after the first call");
+            if call == 0 {
+                assert_eq!(
+                    held, solution.max_bytes,
+                    "the measuring call saves everything"
+                );
+            } else {
+                // The cost model is exact: the tape holds what it predicted.
+                assert_eq!(held, solution.bytes, "fraction {fraction}:\n{solution}");
+                assert!(solution.bytes <= solution.budget);
+            }
+            let g = y.sum_all().unwrap().backward().unwrap();
+            for v in [&x, &p.w_qkv, &p.w_proj, &p.w_fc, &p.w_out, &p.g, &p.b] {
+                let d = rel_diff(g.get(v).unwrap(), g_ref.get(v).unwrap());
+                assert!(d <= 1e-6, "fraction {fraction}: {d}");
+            }
+        }
+        let solution = &plan.solutions()[0];
+        println!("{solution}");
+        assert_eq!(solution.min_bytes, 0);
+        if fraction == 0.0 {
+            assert!(solution
+                .statements
+                .iter()
+                .all(|s| s.policy == Policy::Recompute));
+        }
+        if fraction == 1.0 {
+            assert_eq!(solution.recompute_seconds, 0.0);
+        }
+        // A larger budget never recomputes more.
+        if let Some((bytes, secs)) = last {
+            assert!(solution.bytes >= bytes || solution.recompute_seconds <= secs);
+            assert!(solution.recompute_seconds <= secs);
+        }
+        last = Some((solution.bytes, solution.recompute_seconds));
+    }
+}
+
+#[test]
+fn budget_plans_keep_annotations() {
+    // `out` is declared saved, `g` declared recomputed in `mlp`: a zero
+    // budget still saves `out` and a full one still recomputes `g`.
+    let (x, p) = params();
+    for (fraction, expected) in [(0.0, [R, R, R, S]), (1.0, [S, R, S, S])] {
+        let plan = Plan::budget(fraction);
+        for _ in 0..2 {
+            let y = plan.scope(|| mlp(x.as_tensor(), &p)).unwrap();
+            y.sum_all().unwrap().backward().unwrap();
+        }
+        let got: Vec<Option<Policy>> = plan.solutions()[0]
+            .statements
+            .iter()
+            .map(|s| Some(s.policy))
+            .collect();
+        assert_eq!(got, expected, "fraction {fraction}");
+    }
+}
+
+#[test]
+fn byte_budgets_are_respected() {
+    let (x, p, mask) = open_block_setup();
+    let plan = Plan::budget_bytes(6000);
+    for call in 0..2 {
+        let y = plan.scope(|| open_block(x.as_tensor(), &p, &mask)).unwrap();
+        if call == 1 {
+            assert!(tape_bytes() <= 6000);
+        }
+        y.sum_all().unwrap().backward().unwrap();
+    }
+    let solution = &plan.solutions()[0];
+    assert_eq!(solution.budget, 6000);
+    assert!(solution.bytes <= 6000 && solution.bytes > 0, "{solution}");
+}

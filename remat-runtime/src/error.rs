@@ -19,7 +19,7 @@ use std::sync::Arc;
 #[non_exhaustive]
 pub enum RematError {
     /// A recomputed statement read the output of a `Save` statement whose value
-    /// was not kept for replay (replay only has a placeholder for it).
+    /// was not ferried to the replay (the replay only has a placeholder for it).
     #[error(
         "region `{region}`: recomputed statement `{statement}` reads `{producer}`, the output of a \
          saved statement, but only a placeholder of it exists during replay; pass that value to \
@@ -70,15 +70,44 @@ pub enum RematError {
         /// to the first divergence (empty when not available).
         trace: String,
     },
-    /// The replay finished without running a statement the forward ran.
+    /// The replay finished without running statements the forward ran.
     #[error(
-        "region `{region}`: statement `{statement}` was not replayed: the replay returned before \
-         running it; a checkpointed block must run the same statements every time"
+        "region `{region}`: {} not replayed: the replay returned before running {}; a \
+         checkpointed block must run the same statements every time",
+        list_statements(.statements),
+        if .statements.len() == 1 { "it" } else { "them" }
     )]
     NotReplayed {
         /// The region's name.
         region: String,
-        /// The first statement the replay did not reach.
+        /// Every statement the replay did not reach, in order.
+        statements: Vec<String>,
+    },
+    /// A region output was computed outside any statement: nothing in the
+    /// replay produces it, so its gradient would be lost.
+    #[error(
+        "region `{region}`: output {index} was computed outside any statement (a tensor op in \
+         the block's body, not in a statement's closure), so its gradient would be lost; compute \
+         it in a statement (`ctx.recompute(\"name\", &[..], |t| ...)`)"
+    )]
+    OutputOutsideStatement {
+        /// The region's name.
+        region: String,
+        /// Position of the tensor among the region's outputs.
+        index: usize,
+    },
+    /// A recomputed statement read a value that needs gradients without
+    /// declaring it as an input (a closure capture): the gradient through
+    /// that value would be lost.
+    #[error(
+        "region `{region}`, statement `{statement}`: reads a value that needs gradients without \
+         declaring it as an input (captured by its closure), so the gradient through it would be \
+         lost; declare it as an input of `{statement}`"
+    )]
+    UndeclaredInput {
+        /// The region's name.
+        region: String,
+        /// The statement that read the value.
         statement: String,
     },
     /// A backward reached a region whose tape was already released.
@@ -259,6 +288,15 @@ impl RematError {
             statement: statement.to_string(),
             source: Arc::new(self),
         }
+    }
+}
+
+/// `statement `a`` or `statements `a`, `b``.
+fn list_statements(names: &[String]) -> String {
+    let quoted: Vec<String> = names.iter().map(|n| format!("`{n}`")).collect();
+    match quoted.len() {
+        1 => format!("statement {} was", quoted[0]),
+        _ => format!("statements {} were", quoted.join(", ")),
     }
 }
 

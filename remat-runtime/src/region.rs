@@ -10,7 +10,7 @@ use crate::graph::{anchor_chain, Tap};
 use crate::inspect::{memory, trace};
 use crate::tape::recorder::Recorder;
 use crate::tape::{Body, Meta, Tape, TapeState};
-use crate::{lock, offload, plan, random, Inputs, Outputs, Plan, Result};
+use crate::{lock, offload, plan, random, Inputs, Outputs, Plan, RematError, Result};
 
 /// A checkpointed region: a block of statements whose activations are
 /// recomputed (or kept, statement by statement) for the backward.
@@ -167,7 +167,15 @@ impl Region {
         let Mode::Record(recorder) = ctx.mode else {
             unreachable!("the context was built in record mode")
         };
-        let (records, params) = recorder.finish();
+        // A `Var` returned as it is keeps its gradient path: it is anchored
+        // like every parameter, and the sweep hands it its output's gradient.
+        let known: Vec<bool> = outputs.iter().map(|t| recorder.knows(t)).collect();
+        let (records, mut params, kept_inputs) = recorder.finish(&detached);
+        for t in &outputs {
+            if t.is_variable() && !params.iter().any(|p| p.id() == t.id()) {
+                params.push(t.clone());
+            }
+        }
         let anchored: Vec<Tensor> = inputs
             .iter()
             .zip(&requires_grad)
@@ -178,6 +186,12 @@ impl Region {
         if anchored.is_empty() {
             // Inert: nothing needs gradients, the outputs are plain values.
             return O::join(&mut outputs.into_iter(), &skeleton);
+        }
+        if let Some(index) = (0..outputs.len()).find(|&j| !known[j] && !outputs[j].is_variable()) {
+            return Err(RematError::OutputOutsideStatement {
+                region: self.name.clone(),
+                index,
+            });
         }
         if profile {
             // It saved every open statement: plan the region from what that
@@ -191,7 +205,8 @@ impl Region {
         });
         let tape = Tape {
             body,
-            inputs: detached,
+            input_metas: detached.iter().map(Meta::of).collect(),
+            inputs: kept_inputs,
             requires_grad,
             records,
             params,

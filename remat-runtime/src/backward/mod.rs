@@ -119,6 +119,7 @@ impl Call {
         let Tape {
             body,
             inputs,
+            input_metas,
             requires_grad,
             records,
             params,
@@ -127,12 +128,20 @@ impl Call {
             seed,
             trace_label,
         } = tape;
+        // Inputs no recomputed statement reads were released after the
+        // forward: the block sees placeholders for them.
+        let inputs = inputs
+            .into_iter()
+            .zip(&input_metas)
+            .map(|(t, meta)| t.map_or_else(|| replay::placeholder(meta), Ok))
+            .collect::<Result<Vec<Tensor>>>()?;
         let mut ctx = Ctx::new(
             &self.name,
             Mode::Replay(Replay::new(
                 records,
                 &inputs,
                 &requires_grad,
+                &params,
                 trace_label.filter(|_| inspect::trace::enabled()),
             )),
             plan.clone(),

@@ -41,6 +41,8 @@ pub(crate) struct Replay {
     needed: HashSet<TensorId>,
     /// The call's label in the current trace, when one is recorded.
     trace: Option<String>,
+    /// The parameters the block used in the forward.
+    params: HashSet<TensorId>,
 }
 
 /// `save`, `recompute` or `(plan)`, for side-by-side traces.
@@ -56,12 +58,12 @@ fn describe(declared: Option<Policy>) -> String {
     }
 }
 
-/// A stand-in for a saved output that was not kept: a broadcast scalar with
+/// A stand-in for a saved output that was not ferried: a broadcast scalar with
 /// the right shape, dtype and device and one element of memory. Statements
 /// that declare it as an input get [`RematError::PlaceholderRead`]; code that
 /// reads it any other way computes with NaN (for float dtypes), so that the
 /// mistake shows in the gradients instead of passing silently.
-fn placeholder(meta: &Meta) -> Result<Tensor> {
+pub(crate) fn placeholder(meta: &Meta) -> Result<Tensor> {
     let scalar = if meta.dtype.is_float() {
         Tensor::new(f64::NAN, &meta.device)?.to_dtype(meta.dtype)?
     } else {
@@ -75,6 +77,7 @@ impl Replay {
         records: Vec<Record>,
         inputs: &[Tensor],
         requires_grad: &[bool],
+        params: &[Tensor],
         trace: Option<String>,
     ) -> Self {
         let order = inputs.iter().map(|t| t.id()).collect();
@@ -102,6 +105,7 @@ impl Replay {
             open_leaves: HashMap::new(),
             needed: HashSet::new(),
             trace,
+            params: params.iter().map(|p| p.id()).collect(),
         }
     }
 
@@ -255,6 +259,7 @@ impl Replay {
                 return Err(e.with_trace(self.side_by_side(k, &at)));
             }
         }
+        self.check_declared(region, name, u, &tensors)?;
         for t in &tensors {
             // An output that is one of the segment's own leaves stays what it is.
             if !self.values.contains_key(&t.id()) {
@@ -269,6 +274,28 @@ impl Replay {
             }
         }
         O::join(&mut tensors.into_iter(), &skeleton)
+    }
+
+    /// The variables the outputs of a recomputed statement depend on must be
+    /// leaves of its own unit or parameters. Another unit's leaf means the
+    /// closure captured a value computed elsewhere instead of declaring it:
+    /// that unit's backward would never see the gradient through it.
+    fn check_declared(&self, region: &str, name: &str, u: usize, outputs: &[Tensor]) -> Result<()> {
+        let own = &self.units[u].leaves;
+        for t in outputs.iter().filter(|t| t.track_op()) {
+            for node in t.sorted_nodes() {
+                let foreign = node.is_variable()
+                    && !self.params.contains(&node.id())
+                    && !own.iter().any(|(_, leaf)| leaf.id() == node.id());
+                if foreign {
+                    return Err(RematError::UndeclaredInput {
+                        region: region.to_string(),
+                        statement: name.to_string(),
+                    });
+                }
+            }
+        }
+        Ok(())
     }
 
     fn skip_saved<O: Outputs>(
@@ -371,10 +398,13 @@ impl Replay {
     /// Ends the replay: checks every record was consumed and decides which
     /// values each unit seeds. Returns the units for the sweep.
     pub fn finish(mut self, region: &str, outputs: &[Tensor]) -> Result<Vec<Unit>> {
-        if let Some(record) = self.records.get(self.next) {
+        if self.next < self.records.len() {
             return Err(RematError::NotReplayed {
                 region: region.to_string(),
-                statement: record.name.clone(),
+                statements: self.records[self.next..]
+                    .iter()
+                    .map(|r| r.name.clone())
+                    .collect(),
             });
         }
         self.needed.extend(outputs.iter().map(|t| t.id()));

@@ -106,6 +106,16 @@ pub(crate) fn sweep(
             }
         }
     }
+    // A parameter returned as a region output receives that output's
+    // gradient directly.
+    for (slot, p) in param_grads.iter_mut().zip(params) {
+        if let Some(g) = grads.remove(&p.id()) {
+            *slot = Some(match slot.take() {
+                None => g,
+                Some(prev) => (prev + g)?,
+            });
+        }
+    }
     let input_grads = inputs.iter().map(|t| grads.remove(&t.id())).collect();
     Ok((input_grads, param_grads))
 }

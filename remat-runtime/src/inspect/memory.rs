@@ -123,9 +123,18 @@ impl MemoryReport {
                         dtype,
                     }
                 };
-            let bytes = tape.inputs.iter().map(|t| counter.count(t, false)).sum();
-            let shapes = tape.inputs.iter().map(|t| t.dims().to_vec()).collect();
-            let dtype = tape.inputs.first().map(|t| t.dtype());
+            let bytes = tape
+                .inputs
+                .iter()
+                .flatten()
+                .map(|t| counter.count(t, false))
+                .sum();
+            let shapes = tape
+                .input_metas
+                .iter()
+                .map(|m| m.shape.dims().to_vec())
+                .collect();
+            let dtype = tape.input_metas.first().map(|m| m.dtype);
             entries.push(entry("(inputs)", None, bytes, 0, shapes, dtype));
             for record in &tape.records {
                 let bytes = record

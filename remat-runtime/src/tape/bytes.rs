@@ -69,7 +69,7 @@ impl<'a> Counter<'a> {
     }
 
     /// Bytes a saved record holds on its device that were not counted
-    /// before: its tracked graph, its leaf copies and its kept outputs, less
+    /// before: its tracked graph, its leaf copies and its ferried outputs, less
     /// what an offloaded record holds on the host.
     pub(crate) fn saved(&mut self, saved: &Saved) -> usize {
         if let Some(offloaded) = &saved.offloaded {

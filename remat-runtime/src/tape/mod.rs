@@ -140,8 +140,12 @@ pub(crate) type Body = Arc<dyn Fn(&mut Ctx, &[Tensor]) -> Result<Vec<Tensor>> + 
 #[derive(Clone)]
 pub(crate) struct Tape {
     pub body: Body,
-    /// The region inputs, detached (they share storage with the caller's).
-    pub inputs: Vec<Tensor>,
+    /// The region inputs the replay reads, detached (they share storage
+    /// with the caller's); `None` for an input no recomputed statement
+    /// reads, which the replay sees as a placeholder.
+    pub inputs: Vec<Option<Tensor>>,
+    /// Shape, dtype and device of every region input.
+    pub input_metas: Vec<Meta>,
     /// Which inputs need gradients.
     pub requires_grad: Vec<bool>,
     pub records: Vec<Record>,
@@ -157,6 +161,9 @@ pub(crate) struct Tape {
 }
 
 /// A region call's tape, until its backward consumes it.
+// One per region call, behind the call's `Arc`: boxing the live tape would
+// only add an allocation per call.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum TapeState {
     Live(Tape),
     /// Consumed or dropped, with the reason, for the error of a later

@@ -48,6 +48,8 @@ pub(crate) struct Recorder {
     saved_outputs: HashMap<TensorId, (usize, usize)>,
     /// Saved outputs a recomputed statement reads: ferried to the replay.
     ferried: HashSet<(usize, usize)>,
+    /// Every value a recomputed statement reads: what the replay reads.
+    replay_reads: HashSet<TensorId>,
     records: Vec<Record>,
     leaf_ids: HashSet<TensorId>,
     params: Vec<Tensor>,
@@ -87,6 +89,7 @@ impl Recorder {
             producers: HashMap::new(),
             saved_outputs: HashMap::new(),
             ferried: HashSet::new(),
+            replay_reads: HashSet::new(),
             records: Vec::new(),
             leaf_ids: HashSet::new(),
             params: Vec::new(),
@@ -157,6 +160,7 @@ impl Recorder {
         run: impl FnOnce(&[Tensor]) -> Result<Ran<S>>,
     ) -> Result<(Vec<Tensor>, Option<Saved>, Ran<S>)> {
         for t in inputs {
+            self.replay_reads.insert(t.id());
             if let Some(&output) = self.saved_outputs.get(&t.id()) {
                 self.ferried.insert(output);
             }
@@ -326,10 +330,17 @@ impl Recorder {
         tracked.track_op().then(|| tracked.clone())
     }
 
+    /// Whether `t` is a region input or a statement output of this call.
+    pub fn knows(&self, t: &Tensor) -> bool {
+        self.requires_grad.contains_key(&t.id())
+    }
+
     /// Ends the forward: saved outputs that no recomputed statement reads are
-    /// dropped from the tape (replay gives placeholders for them). Returns
-    /// the records and the parameters the block used.
-    pub fn finish(mut self) -> (Vec<Record>, Vec<Tensor>) {
+    /// dropped from the tape (replay gives placeholders for them), and so
+    /// are the region `inputs` no recomputed statement reads. Returns the
+    /// records, the parameters the block used, and the inputs the replay
+    /// needs (`None` for the others).
+    pub fn finish(mut self, inputs: &[Tensor]) -> (Vec<Record>, Vec<Tensor>, Vec<Option<Tensor>>) {
         for (k, record) in self.records.iter_mut().enumerate() {
             if let Some(saved) = record.saved.as_mut() {
                 for (j, ferried) in saved.ferried.iter_mut().enumerate() {
@@ -339,6 +350,10 @@ impl Recorder {
                 }
             }
         }
-        (self.records, self.params)
+        let needed = inputs
+            .iter()
+            .map(|t| self.replay_reads.contains(&t.id()).then(|| t.clone()))
+            .collect();
+        (self.records, self.params, needed)
     }
 }

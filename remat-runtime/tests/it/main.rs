@@ -12,6 +12,7 @@ mod finite_differences;
 mod grad_equality;
 mod macro_blocks;
 mod memory_report;
+mod misuse;
 mod offload;
 mod plans;
 mod properties;

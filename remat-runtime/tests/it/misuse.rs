@@ -1,0 +1,171 @@
+//! Misuses of the statement API that used to give wrong or missing
+//! gradients without an error: each is now a named error or a gradient
+//! equal to plain candle's (f64; the only difference allowed is summation
+//! order, hence 1e-12).
+
+use candle_core::{DType, Tensor, Var};
+use remat_runtime::{backward, MemoryReport, Region, RematError};
+
+use crate::common::*;
+
+fn x() -> Var {
+    var(&[3, 4], 11, 1.0, DType::F64)
+}
+
+fn w() -> Var {
+    var(&[4, 4], 12, 0.5, DType::F64)
+}
+
+/// Largest absolute difference between two gradients.
+fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap()
+}
+
+#[test]
+fn a_tensor_op_outside_any_statement_is_refused() {
+    for save in [false, true] {
+        let x = x();
+        let e = Region::new("blk")
+            .run(&[x.as_tensor()], move |ctx, ins| {
+                let a = if save {
+                    ctx.save("a", &[&ins[0]], |t| Ok(t[0].exp()?))?
+                } else {
+                    ctx.recompute("a", &[&ins[0]], |t| Ok(t[0].exp()?))?
+                };
+                // Outside any statement: nothing in the replay produces it.
+                Ok((&a * 10.0)?)
+            })
+            .unwrap_err();
+        assert!(
+            matches!(&e, RematError::OutputOutsideStatement { region, index: 0 } if region == "blk"),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("compute it in a statement"), "{e}");
+        // Nothing half made: no tape is left behind.
+        assert!(MemoryReport::capture().entries.is_empty());
+    }
+}
+
+#[test]
+fn a_captured_output_of_another_unit_is_refused() {
+    // `a` is recomputed in the first unit; `c`, in the unit after the saved
+    // `b`, reads `a` through its closure instead of declaring it.
+    let x = x();
+    let y = Region::new("blk")
+        .run(&[x.as_tensor()], |ctx, ins| {
+            let a = ctx.recompute("a", &[&ins[0]], |t| Ok((&t[0] * 2.0)?.sin()?))?;
+            let b = ctx.save("b", &[&ins[0]], |t| Ok((&t[0] * 2.0)?.exp()?))?;
+            ctx.recompute("c", &[&b], |t| Ok((&t[0] + &a)?.sum_all()?))
+        })
+        .unwrap();
+    let e = backward(&y).unwrap_err();
+    assert!(
+        matches!(&e, RematError::UndeclaredInput { region, statement }
+            if region == "blk" && statement == "c"),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("declare it as an input"), "{e}");
+}
+
+#[test]
+fn a_captured_output_of_the_same_unit_is_right() {
+    // Within one unit the capture is harmless: one candle backward sees it.
+    let x = x();
+    let y = Region::new("blk")
+        .run(&[x.as_tensor()], |ctx, ins| {
+            let a = ctx.recompute("a", &[&ins[0]], |t| Ok((&t[0] * 2.0)?.sin()?))?;
+            let b = ctx.recompute("b", &[&ins[0]], |t| Ok((&t[0] * 2.0)?.exp()?))?;
+            ctx.recompute("c", &[&b], |t| Ok((&t[0] + &a)?.sum_all()?))
+        })
+        .unwrap();
+    let g = y.backward().unwrap();
+    let x2 = (x.as_tensor() * 2.0).unwrap();
+    let expected = ((x2.exp().unwrap() + x2.cos().unwrap()).unwrap() * 2.0).unwrap();
+    assert!(max_diff(g.get(&x).unwrap(), &expected) < 1e-12);
+}
+
+/// Gradients of `loss = sum(x @ w) + 3 * sum(w_out)` where the region
+/// returns `w` itself as `w_out`, against plain candle.
+fn returned_var_case(use_in_statement: bool) {
+    let (x, w) = (x(), w());
+    let wt = w.clone();
+    let (y, w_out) = Region::new("blk")
+        .run(&[x.as_tensor()], move |ctx, ins| {
+            let y = if use_in_statement {
+                let w = wt.as_tensor().clone();
+                ctx.recompute("y", &[&ins[0]], move |t| Ok(t[0].matmul(&w)?))?
+            } else {
+                ctx.recompute("y", &[&ins[0]], |t| Ok(t[0].sqr()?))?
+            };
+            Ok((y, wt.as_tensor().clone()))
+        })
+        .unwrap();
+    let loss = (y.sum_all().unwrap() + (w_out.sum_all().unwrap() * 3.0).unwrap()).unwrap();
+    let g = loss.backward().unwrap();
+
+    let plain_y = if use_in_statement {
+        x.as_tensor().matmul(w.as_tensor()).unwrap()
+    } else {
+        x.as_tensor().sqr().unwrap()
+    };
+    let plain = (plain_y.sum_all().unwrap() + (w.as_tensor().sum_all().unwrap() * 3.0).unwrap())
+        .unwrap()
+        .backward()
+        .unwrap();
+    for (name, v) in [("x", &x), ("w", &w)] {
+        let got = g.get(v).unwrap_or_else(|| panic!("no gradient for {name}"));
+        assert!(max_diff(got, plain.get(v).unwrap()) < 1e-12, "{name}");
+    }
+}
+
+#[test]
+fn a_var_used_in_a_statement_and_returned_keeps_both_gradient_paths() {
+    returned_var_case(true);
+}
+
+#[test]
+fn a_captured_var_returned_as_it_is_gets_its_gradient() {
+    returned_var_case(false);
+}
+
+#[test]
+fn a_region_input_no_recomputed_statement_reads_is_not_held() {
+    // 3 x 4 f64: 96 bytes. Read by a saved statement only, the input is not
+    // needed by the replay (the statement keeps its own leaf copy).
+    for (recomputed_reader, held) in [(false, 0), (true, 96)] {
+        let x = x();
+        let y = Region::new("blk")
+            .run(&[x.as_tensor()], move |ctx, ins| {
+                let e = ctx.save("e", &[&ins[0]], |t| Ok(t[0].exp()?))?;
+                if recomputed_reader {
+                    ctx.recompute("s", &[&e, &ins[0]], |t| Ok((&t[0] * &t[1])?.sum_all()?))
+                } else {
+                    ctx.recompute("s", &[&e], |t| Ok(t[0].sum_all()?))
+                }
+            })
+            .unwrap();
+        let report = MemoryReport::capture();
+        let inputs = &report.entries[0];
+        assert_eq!(inputs.statement, "(inputs)");
+        assert_eq!(inputs.bytes, held, "recomputed reader: {recomputed_reader}");
+        assert_eq!(inputs.shapes, vec![vec![3, 4]]);
+        // Gradients are unchanged: d/dx sum(exp(x)) (* x).
+        let g = y.backward().unwrap();
+        let ex = x.as_tensor().exp().unwrap();
+        let expected = if recomputed_reader {
+            ((&ex * x.as_tensor()).unwrap() + &ex).unwrap()
+        } else {
+            ex
+        };
+        assert!(max_diff(g.get(&x).unwrap(), &expected) < 1e-12);
+    }
+}

@@ -12,6 +12,7 @@
 //! | [`PLAN_SCOPES`] | the stack of [`Plan::scope`]s | `Plan::scope` | [`scoped`] pops |
 //! | [`RETAIN_DEPTH`] | how many [`retain_tape`](crate::retain_tape) calls are running | `retain_tape` | [`scoped`] decrements |
 //! | [`LAST_ERROR`] | the first typed error raised inside candle's backward | the graph's ops | taken by [`backward`](crate::backward) |
+//! | [`FINGERPRINTS_OFF`] | forwards take no fingerprints for the replay check | [`without_fingerprints`](crate::without_fingerprints) | [`scoped`] restores |
 //! | [`SWAP_ON_CPU`] | offloaded statements move their residuals on a CPU | [`offload::swap_on_cpu`](crate::offload::swap_on_cpu) | [`scoped`] restores |
 //! | [`TRACES`] | the stack of traces being recorded | [`Trace::record`](crate::inspect::Trace::record) | [`scoped`] pops |
 //! | [`RANDOM_BASE`], [`RANDOM_OUTSIDE`] | the seed and counter of draws outside statements | [`random::seed`](crate::random::seed) | reseeded only |
@@ -34,6 +35,8 @@ thread_local! {
     pub(crate) static RETAIN_DEPTH: Cell<usize> = const { Cell::new(0) };
     /// Kept because candle keeps only an error's message.
     pub(crate) static LAST_ERROR: RefCell<Option<RematError>> = const { RefCell::new(None) };
+    /// Set while a `without_fingerprints` closure runs.
+    pub(crate) static FINGERPRINTS_OFF: Cell<bool> = const { Cell::new(false) };
     /// Set while an `offload::swap_on_cpu` closure runs.
     pub(crate) static SWAP_ON_CPU: Cell<bool> = const { Cell::new(false) };
     /// One collector per `Trace::record` running; events go to the last.

@@ -70,6 +70,50 @@ pub enum RematError {
         /// to the first divergence (empty when not available).
         trace: String,
     },
+    /// A value a recomputed statement computed again in the replay differs
+    /// from what it computed in the forward (its fingerprint, the sum and
+    /// the sum of magnitudes of a sample of its elements, does not match).
+    #[error(
+        "region `{region}`, statement `{statement}`: output {output} differs between the forward \
+         and the replay (sum and sum of magnitudes of a sample: {forward:?} in the forward, \
+         {replay:?} in the replay), so the gradients would be wrong; a recomputed statement must \
+         compute the same values twice: draw random numbers with `remat_runtime::random` \
+         (candle's `rand`, `randn`, `rand_like` and `candle_nn::ops::dropout` draw anew in the \
+         replay), and do not change parameters between a forward and its backward"
+    )]
+    ReplayDiverged {
+        /// The region's name.
+        region: String,
+        /// The statement whose output differs.
+        statement: String,
+        /// Which of its outputs.
+        output: usize,
+        /// The fingerprint in the forward.
+        forward: [f32; 2],
+        /// The fingerprint in the replay.
+        replay: [f32; 2],
+    },
+    /// A parameter the region used changed between the region's forward and
+    /// its backward (its fingerprint does not match).
+    #[error(
+        "region `{region}`: parameter {index} (shape {shape:?}) changed between the forward and \
+         the backward (sum and sum of magnitudes of a sample: {forward:?} in the forward, \
+         {replay:?} now): an optimizer step or `Var::set` ran before `backward()`, and the \
+         replay would recompute with the new values; run the backward before changing \
+         parameters"
+    )]
+    ParameterChanged {
+        /// The region's name.
+        region: String,
+        /// Which parameter, in the order the block first used them.
+        index: usize,
+        /// Its shape.
+        shape: Vec<usize>,
+        /// Its fingerprint in the forward.
+        forward: [f32; 2],
+        /// Its fingerprint at the backward.
+        replay: [f32; 2],
+    },
     /// The replay finished without running statements the forward ran.
     #[error(
         "region `{region}`: {} not replayed: the replay returned before running {}; a \

@@ -85,6 +85,7 @@ pub use plan::{Plan, StatementInfo};
 pub use policy::Policy;
 pub use region::{checkpoint, Region};
 pub use sequential::checkpoint_sequential;
+pub use tape::fingerprint::without_fingerprints;
 pub use values::{Inputs, Outputs};
 
 #[doc = include_str!("remat.md")]

@@ -8,8 +8,8 @@ use crate::backward::Call;
 use crate::ctx::{Ctx, Mode};
 use crate::graph::{anchor_chain, Tap};
 use crate::inspect::{memory, trace};
-use crate::tape::recorder::Recorder;
-use crate::tape::{Body, Meta, Tape, TapeState};
+use crate::tape::recorder::{Recorded, Recorder};
+use crate::tape::{fingerprint, Body, Meta, Tape, TapeState};
 use crate::{lock, offload, plan, random, Inputs, Outputs, Plan, RematError, Result};
 
 /// A checkpointed region: a block of statements whose activations are
@@ -148,12 +148,14 @@ impl Region {
         let requires_grad: Vec<bool> = inputs.iter().map(|t| t.track_op()).collect();
         // The first call of the region under a budget plan measures it.
         let profile = plan.wants_profile(&self.name);
+        let fingerprints = fingerprint::enabled();
         let mut ctx = Ctx::new(
             &self.name,
             Mode::Record(Recorder::new(
                 &detached,
                 &requires_grad,
                 profile,
+                fingerprints,
                 trace_label.clone(),
             )),
             plan.clone(),
@@ -170,7 +172,12 @@ impl Region {
         // A `Var` returned as it is keeps its gradient path: it is anchored
         // like every parameter, and the sweep hands it its output's gradient.
         let known: Vec<bool> = outputs.iter().map(|t| recorder.knows(t)).collect();
-        let (records, mut params, kept_inputs) = recorder.finish(&detached);
+        let Recorded {
+            records,
+            mut params,
+            inputs: kept_inputs,
+            fingerprints: output_fingerprints,
+        } = recorder.finish(&detached);
         for t in &outputs {
             if t.is_variable() && !params.iter().any(|p| p.id() == t.id()) {
                 params.push(t.clone());
@@ -203,6 +210,20 @@ impl Region {
             body(ctx, ins)?.split_into(&mut tensors);
             Ok(tensors)
         });
+        // Parameters first, then the recomputed outputs: one tensor.
+        let fingerprints = match output_fingerprints {
+            Some(outputs) => {
+                let mut all = params
+                    .iter()
+                    .map(fingerprint::of)
+                    .collect::<Result<Vec<Tensor>>>()?;
+                all.extend(outputs);
+                (!all.is_empty())
+                    .then(|| Tensor::cat(&all, 0))
+                    .transpose()?
+            }
+            None => None,
+        };
         let tape = Tape {
             body,
             input_metas: detached.iter().map(Meta::of).collect(),
@@ -210,6 +231,7 @@ impl Region {
             requires_grad,
             records,
             params,
+            fingerprints,
             outputs: outputs.iter().map(Meta::of).collect(),
             plan,
             seed,

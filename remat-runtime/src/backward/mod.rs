@@ -123,6 +123,7 @@ impl Call {
             requires_grad,
             records,
             params,
+            fingerprints,
             outputs,
             plan,
             seed,
@@ -142,8 +143,9 @@ impl Call {
                 &inputs,
                 &requires_grad,
                 &params,
+                fingerprints,
                 trace_label.filter(|_| inspect::trace::enabled()),
-            )),
+            )?),
             plan.clone(),
             seed,
         );

@@ -7,6 +7,7 @@ use candle_core::{Tensor, TensorId};
 use super::sweep::Unit;
 use crate::graph::{check_input, make_leaf};
 use crate::inspect::trace::{self, Phase, TraceEvent};
+use crate::tape::fingerprint;
 use crate::tape::{Meta, Record};
 use crate::{Outputs, Policy, RematError, Result};
 
@@ -43,6 +44,31 @@ pub(crate) struct Replay {
     trace: Option<String>,
     /// The parameters the block used in the forward.
     params: HashSet<TensorId>,
+    /// Fingerprints to compare when the replay ends (`None` when the
+    /// forward took none).
+    checks: Option<Checks>,
+}
+
+/// What a fingerprint is of.
+enum Subject {
+    Output {
+        statement: String,
+        output: usize,
+        tolerance: f32,
+    },
+    Parameter {
+        index: usize,
+        shape: Vec<usize>,
+    },
+}
+
+/// The replay's fingerprints, to compare with the forward's when the replay
+/// ends.
+struct Checks {
+    /// The forward's, one after the other.
+    forward: Tensor,
+    /// The replay's, in the same order, each with what it is of.
+    replay: Vec<(Subject, Tensor)>,
 }
 
 /// `save`, `recompute` or `(plan)`, for side-by-side traces.
@@ -78,8 +104,9 @@ impl Replay {
         inputs: &[Tensor],
         requires_grad: &[bool],
         params: &[Tensor],
+        fingerprints: Option<Tensor>,
         trace: Option<String>,
-    ) -> Self {
+    ) -> Result<Self> {
         let order = inputs.iter().map(|t| t.id()).collect();
         let values = inputs
             .iter()
@@ -94,7 +121,22 @@ impl Replay {
                 (t.id(), v)
             })
             .collect();
-        Replay {
+        // Parameters first: a changed parameter is the cause to report.
+        let checks = match fingerprints {
+            Some(forward) => {
+                let replay = params
+                    .iter()
+                    .enumerate()
+                    .map(|(index, p)| {
+                        let shape = p.dims().to_vec();
+                        Ok((Subject::Parameter { index, shape }, fingerprint::of(p)?))
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                Some(Checks { forward, replay })
+            }
+            None => None,
+        };
+        Ok(Replay {
             records,
             next: 0,
             values,
@@ -106,7 +148,8 @@ impl Replay {
             needed: HashSet::new(),
             trace,
             params: params.iter().map(|p| p.id()).collect(),
-        }
+            checks,
+        })
     }
 
     /// Finds the forward record this statement replays and checks its inputs.
@@ -260,6 +303,16 @@ impl Replay {
             }
         }
         self.check_declared(region, name, u, &tensors)?;
+        if let Some(checks) = &mut self.checks {
+            for (output, t) in tensors.iter().enumerate() {
+                let subject = Subject::Output {
+                    statement: name.to_string(),
+                    output,
+                    tolerance: fingerprint::tolerance(t.dtype()),
+                };
+                checks.replay.push((subject, fingerprint::of(t)?));
+            }
+        }
         for t in &tensors {
             // An output that is one of the segment's own leaves stays what it is.
             if !self.values.contains_key(&t.id()) {
@@ -407,6 +460,9 @@ impl Replay {
                     .collect(),
             });
         }
+        if let Some(checks) = self.checks.take() {
+            compare(region, checks)?;
+        }
         self.needed.extend(outputs.iter().map(|t| t.id()));
         for id in self.order {
             if !self.needed.contains(&id) {
@@ -423,4 +479,60 @@ impl Replay {
         }
         Ok(self.units)
     }
+}
+
+/// Compares the forward's fingerprints with the replay's, in one transfer
+/// to the host for the whole region (no wait on the device per statement).
+fn compare(region: &str, checks: Checks) -> Result<()> {
+    let replay: Vec<&Tensor> = checks.replay.iter().map(|(_, t)| t).collect();
+    if replay.is_empty() {
+        return Ok(());
+    }
+    let replay = Tensor::cat(&replay, 0)?;
+    if replay.elem_count() != checks.forward.elem_count() {
+        // The replay ran other statements: an error said so already, unless
+        // the tape was taken under another plan.
+        return Err(RematError::desync(
+            region,
+            format!("{} fingerprinted numbers", checks.forward.elem_count()),
+            format!("{}", replay.elem_count()),
+        ));
+    }
+    let both = Tensor::stack(&[&checks.forward, &replay], 0)?.to_vec2::<f32>()?;
+    let (forward, replay) = (&both[0], &both[1]);
+    let mut start = 0;
+    for (subject, t) in checks.replay {
+        let end = start + t.elem_count();
+        let (f, r) = (&forward[start..end], &replay[start..end]);
+        start = end;
+        match subject {
+            Subject::Output {
+                statement,
+                output,
+                tolerance,
+            } => {
+                if !fingerprint::values_match([f[0], f[1]], [r[0], r[1]], tolerance) {
+                    return Err(RematError::ReplayDiverged {
+                        region: region.to_string(),
+                        statement,
+                        output,
+                        forward: [f[0], f[1]],
+                        replay: [r[0], r[1]],
+                    });
+                }
+            }
+            Subject::Parameter { index, shape } => {
+                if !fingerprint::values_match([f[0], f[1]], [r[0], r[1]], 0.0) {
+                    return Err(RematError::ParameterChanged {
+                        region: region.to_string(),
+                        index,
+                        shape,
+                        forward: [f[0], f[1]],
+                        replay: [r[0], r[1]],
+                    });
+                }
+            }
+        }
+    }
+    Ok(())
 }

@@ -4,9 +4,11 @@
 //! * this file: the [`Tape`] and its [`Record`]s;
 //! * `recorder`: the forward, which runs the block and writes the records;
 //! * `bytes`: the one rule for counting what a tape holds, shared by the
-//!   memory report, the budget planner, the trace and offload.
+//!   memory report, the budget planner, the trace and offload;
+//! * `fingerprint`: samples of values the replay must compute again.
 
 pub(crate) mod bytes;
+pub(crate) mod fingerprint;
 pub(crate) mod recorder;
 
 use std::any::Any;
@@ -107,8 +109,10 @@ pub(crate) struct Record {
     pub policy: Policy,
     pub inputs: Vec<Meta>,
     pub outputs: Vec<Meta>,
-    /// `Some` exactly for `Save` and `Offload` statements.
-    pub saved: Option<Saved>,
+    /// `Some` exactly for `Save` and `Offload` statements (boxed: most
+    /// records of a recomputing tape have none, and every byte of a record
+    /// is held for as long as the tape).
+    pub saved: Option<Box<Saved>>,
     /// What the budget planner needs to know about the statement; measured
     /// only on the call a budget plan profiles.
     pub profile: Option<Box<Profile>>,
@@ -151,6 +155,10 @@ pub(crate) struct Tape {
     pub records: Vec<Record>,
     /// The parameters (`Var`s) the block used, in order of first use.
     pub params: Vec<Tensor>,
+    /// The forward's fingerprints, one after the other: the parameters'
+    /// (at the end of the forward), then every output of every recomputed
+    /// statement, in order (`None` when the forward took none).
+    pub fingerprints: Option<Tensor>,
     pub outputs: Vec<Meta>,
     /// The plan the forward ran under: the replay runs under it too.
     pub plan: Plan,

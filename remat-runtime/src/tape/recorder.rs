@@ -12,6 +12,7 @@ use std::time::Instant;
 use candle_core::{Tensor, TensorId};
 
 use super::bytes::{Counter, Seen};
+use super::fingerprint;
 use super::{Meta, Profile, Record, Saved, Source};
 use crate::graph::{check_input, make_leaf};
 use crate::inspect::trace::{self, Phase, TraceEvent};
@@ -38,6 +39,21 @@ struct Ran<S> {
     seconds: f64,
 }
 
+/// What one of a statement's two paths gives: the outputs the block sees
+/// (detached), what the tape keeps of it, and what its code returned.
+type Taken<S> = (Vec<Tensor>, Option<Box<Saved>>, Ran<S>);
+
+/// What a forward leaves for the tape.
+pub(crate) struct Recorded {
+    pub records: Vec<Record>,
+    /// The parameters the block used, in order of first use.
+    pub params: Vec<Tensor>,
+    /// The region inputs the replay reads (`None` for the others).
+    pub inputs: Vec<Option<Tensor>>,
+    /// The fingerprints of the recomputed outputs, in order, when taken.
+    pub fingerprints: Option<Vec<Tensor>>,
+}
+
 /// What the forward learns while the block runs.
 pub(crate) struct Recorder {
     /// For every value the block has seen: does it need gradients?
@@ -59,6 +75,9 @@ pub(crate) struct Recorder {
     chain: Option<usize>,
     /// Measure statements for the budget planner.
     profile: bool,
+    /// Fingerprints of recomputed outputs for the replay check, in order;
+    /// `None` when this forward takes none.
+    fingerprints: Option<Vec<Tensor>>,
     /// The call's label in the trace being recorded, if any.
     trace: Option<String>,
     /// Storages already counted in the trace's bytes.
@@ -66,12 +85,14 @@ pub(crate) struct Recorder {
 }
 
 impl Recorder {
-    /// `profile`: measure every statement for the budget planner; `trace`:
-    /// the call's label in the trace being recorded, if any.
+    /// `profile`: measure every statement for the budget planner;
+    /// `fingerprints`: take fingerprints of recomputed outputs; `trace`: the
+    /// call's label in the trace being recorded, if any.
     pub fn new(
         inputs: &[Tensor],
         requires_grad: &[bool],
         profile: bool,
+        fingerprints: bool,
         trace: Option<String>,
     ) -> Self {
         let mut trace_seen = Seen::default();
@@ -96,6 +117,7 @@ impl Recorder {
             param_ids: HashSet::new(),
             chain: None,
             profile,
+            fingerprints: fingerprints.then(Vec::new),
             trace,
             trace_seen,
         }
@@ -132,6 +154,11 @@ impl Recorder {
             Policy::Recompute => self.recompute(inputs, &needs, run)?,
             Policy::Save | Policy::Offload => self.save(&s, inputs, &needs, run)?,
         };
+        if let (Policy::Recompute, Some(fingerprints)) = (s.policy, &mut self.fingerprints) {
+            for t in &outputs {
+                fingerprints.push(fingerprint::of(t)?);
+            }
+        }
         let index = self.records.len();
         self.records.push(Record {
             name: s.name.to_string(),
@@ -158,7 +185,7 @@ impl Recorder {
         inputs: &[&Tensor],
         needs: &[bool],
         run: impl FnOnce(&[Tensor]) -> Result<Ran<S>>,
-    ) -> Result<(Vec<Tensor>, Option<Saved>, Ran<S>)> {
+    ) -> Result<Taken<S>> {
         for t in inputs {
             self.replay_reads.insert(t.id());
             if let Some(&output) = self.saved_outputs.get(&t.id()) {
@@ -186,7 +213,7 @@ impl Recorder {
         inputs: &[&Tensor],
         needs: &[bool],
         run: impl FnOnce(&[Tensor]) -> Result<Ran<S>>,
-    ) -> Result<(Vec<Tensor>, Option<Saved>, Ran<S>)> {
+    ) -> Result<Taken<S>> {
         // An offloaded statement's graph moves to the host as a whole: it
         // neither continues a saved graph nor is continued.
         let offload = s.policy == Policy::Offload;
@@ -244,7 +271,7 @@ impl Recorder {
             (true, true) => self.chain,
             (true, false) => Some(index),
         };
-        Ok((outputs, Some(saved), ran))
+        Ok((outputs, Some(Box::new(saved)), ran))
     }
 
     /// The detached output the block sees in place of `t`, an output of the
@@ -337,10 +364,8 @@ impl Recorder {
 
     /// Ends the forward: saved outputs that no recomputed statement reads are
     /// dropped from the tape (replay gives placeholders for them), and so
-    /// are the region `inputs` no recomputed statement reads. Returns the
-    /// records, the parameters the block used, and the inputs the replay
-    /// needs (`None` for the others).
-    pub fn finish(mut self, inputs: &[Tensor]) -> (Vec<Record>, Vec<Tensor>, Vec<Option<Tensor>>) {
+    /// are the region `inputs` no recomputed statement reads.
+    pub fn finish(mut self, inputs: &[Tensor]) -> Recorded {
         for (k, record) in self.records.iter_mut().enumerate() {
             if let Some(saved) = record.saved.as_mut() {
                 for (j, ferried) in saved.ferried.iter_mut().enumerate() {
@@ -354,6 +379,13 @@ impl Recorder {
             .iter()
             .map(|t| self.replay_reads.contains(&t.id()).then(|| t.clone()))
             .collect();
-        (self.records, self.params, needed)
+        // The tape keeps the records as long as it lives: no spare capacity.
+        self.records.shrink_to_fit();
+        Recorded {
+            records: self.records,
+            params: self.params,
+            inputs: needed,
+            fingerprints: self.fingerprints,
+        }
     }
 }

@@ -169,3 +169,70 @@ fn a_region_input_no_recomputed_statement_reads_is_not_held() {
         assert!(max_diff(g.get(&x).unwrap(), &expected) < 1e-12);
     }
 }
+
+#[test]
+fn candle_randomness_in_a_recomputed_statement_is_caught() {
+    // candle's CPU generator draws a new mask in the replay.
+    for draw in ["dropout", "rand_like"] {
+        let x = var(&[16, 32], 13, 1.0, DType::F32);
+        let y = Region::new("blk")
+            .run(&[x.as_tensor()], move |ctx, ins| {
+                let d = ctx.recompute("drop", &[&ins[0]], move |t| match draw {
+                    "dropout" => Ok(candle_nn::ops::dropout(&t[0], 0.5)?),
+                    _ => Ok((&t[0] * t[0].rand_like(0.0, 1.0)?)?),
+                })?;
+                ctx.save("loss", &[&d], |t| Ok(t[0].sqr()?.sum_all()?))
+            })
+            .unwrap();
+        let e = backward(&y).unwrap_err();
+        assert!(
+            matches!(&e, RematError::ReplayDiverged { region, statement, output: 0, .. }
+                if region == "blk" && statement == "drop"),
+            "{draw}: {e:?}"
+        );
+        assert!(e.to_string().contains("remat_runtime::random"), "{e}");
+    }
+}
+
+#[test]
+fn the_replay_check_can_be_turned_off() {
+    // Off, the replay is not compared: the gradient is the replay's (wrong),
+    // and no error names it. This is what the check prevents.
+    let x = var(&[16, 32], 13, 1.0, DType::F32);
+    let y = remat_runtime::without_fingerprints(|| {
+        Region::new("blk").run(&[x.as_tensor()], |ctx, ins| {
+            let d = ctx.recompute("drop", &[&ins[0]], |t| {
+                Ok(candle_nn::ops::dropout(&t[0], 0.5)?)
+            })?;
+            ctx.save("loss", &[&d], |t| Ok(t[0].sqr()?.sum_all()?))
+        })
+    })
+    .unwrap();
+    assert!(backward(&y).is_ok());
+}
+
+#[test]
+fn a_parameter_changed_before_the_backward_is_caught() {
+    let (x, w) = (x(), w());
+    let wt = w.as_tensor().clone();
+    let y = Region::new("blk")
+        .run(&[x.as_tensor()], move |ctx, ins| {
+            let w = wt.clone();
+            let h = ctx.recompute("h", &[&ins[0]], move |t| Ok(t[0].matmul(&w)?.tanh()?))?;
+            ctx.save("loss", &[&h], |t| Ok(t[0].sum_all()?))
+        })
+        .unwrap();
+    // An optimizer step before the backward.
+    w.set(&(w.as_tensor() * 0.999).unwrap()).unwrap();
+    let e = backward(&y).unwrap_err();
+    assert!(
+        matches!(&e, RematError::ParameterChanged { region, index: 0, shape, .. }
+            if region == "blk" && shape == &[4, 4]),
+        "{e:?}"
+    );
+    assert!(
+        e.to_string()
+            .contains("run the backward before changing parameters"),
+        "{e}"
+    );
+}

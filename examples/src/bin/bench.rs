@@ -43,6 +43,8 @@ usage: cargo run --release -p examples --bin bench -- [flags]
                [none,full,selective,save-all,budget=0.25,budget=0.5,budget=0.75];
                offload (selective's statements in host memory) is for GPUs
   --save A,B   also measure a plan saving these statements (e.g. qkv,fc)
+  --unchecked P,Q  also measure these policies without the replay check by
+               fingerprints (`remat_runtime::without_fingerprints`): its cost
   --device cpu|cuda [cpu]
   --move-on-cpu true  offloaded residuals move out of the graph and back on a
                CPU too (what a GPU does; measures the bookkeeping) [false]
@@ -52,6 +54,8 @@ usage: cargo run --release -p examples --bin bench -- [flags]
 struct Variant {
     name: String,
     plan: Plan,
+    /// The replay is checked by fingerprints (the default).
+    checked: bool,
     times: Vec<f64>,
     /// Forward part of each measured step.
     forward: Vec<f64>,
@@ -110,6 +114,15 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     // At least one: a budget plan measures its regions on the first call.
     let warmup = flags.get("warmup", 2usize)?.max(1);
     let save: Option<String> = flags.opt("save")?;
+    let unchecked: Option<String> = flags.opt("unchecked")?;
+    let unchecked = unchecked
+        .map(|u| {
+            u.split(',')
+                .map(|p| p.trim().parse::<Checkpointing>())
+                .collect::<Result<Vec<_>, _>>()
+        })
+        .transpose()?
+        .unwrap_or_default();
     let policies: String = flags.get(
         "policies",
         "none,full,selective,save-all,budget=0.25,budget=0.5,budget=0.75".to_string(),
@@ -139,14 +152,24 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
 
     let mut variants: Vec<Variant> = policies
         .iter()
-        .map(|c| (c.to_string(), c.plan()))
+        .map(|c| (c.to_string(), c.plan(), true))
         .chain(save.map(|s| {
             let names: Vec<String> = s.split(',').map(|n| n.trim().to_string()).collect();
-            (format!("save {}", names.join("+")), Plan::save_only(names))
+            (
+                format!("save {}", names.join("+")),
+                Plan::save_only(names),
+                true,
+            )
         }))
-        .map(|(name, plan)| Variant {
+        .chain(
+            unchecked
+                .iter()
+                .map(|c| (format!("{c} (unchecked)"), c.plan(), false)),
+        )
+        .map(|(name, plan, checked)| Variant {
             name,
             plan,
+            checked,
             times: Vec::new(),
             forward: Vec::new(),
             held: 0,
@@ -189,7 +212,15 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             let device_peak_before = device_memory_peak(&dev)?;
             ALLOC.reset_peak();
             let start = Instant::now();
-            let forward_pass = || v.plan.scope(|| model.loss(&x, &y));
+            let checked = v.checked;
+            let forward_pass = || {
+                let run = || v.plan.scope(|| model.loss(&x, &y));
+                if checked {
+                    run()
+                } else {
+                    remat_runtime::without_fingerprints(run)
+                }
+            };
             let loss = if move_on_cpu {
                 remat_runtime::offload::swap_on_cpu(forward_pass)?
             } else {

@@ -22,6 +22,7 @@ use std::sync::Mutex;
 use candle_core::Tensor;
 
 use crate::ctx::{Ctx, Mode};
+use crate::graph::make_leaf;
 use crate::tape::{Meta, Tape, TapeState};
 use crate::{inspect, lock, RematError, Result};
 
@@ -130,11 +131,19 @@ impl Call {
             trace_label,
         } = tape;
         // Inputs no recomputed statement reads were released after the
-        // forward: the block sees placeholders for them.
+        // forward: the block sees placeholders for them. The others that
+        // need gradients are leaves (one copy each, which every unit reading
+        // them shares), so that a statement reading one without declaring
+        // it shows in its graph.
         let inputs = inputs
             .into_iter()
             .zip(&input_metas)
-            .map(|(t, meta)| t.map_or_else(|| replay::placeholder(meta), Ok))
+            .zip(&requires_grad)
+            .map(|((t, meta), &grad)| match t {
+                Some(t) if grad => make_leaf(&t),
+                Some(t) => Ok(t),
+                None => replay::placeholder(meta),
+            })
             .collect::<Result<Vec<Tensor>>>()?;
         let mut ctx = Ctx::new(
             &self.name,

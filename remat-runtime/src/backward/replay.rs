@@ -16,7 +16,9 @@ struct Value {
     /// The unit that produced it; `None` for region inputs and constants.
     unit: Option<usize>,
     requires_grad: bool,
-    /// What statements read.
+    /// What statements read. A region input or a ferried output that needs
+    /// gradients is a leaf of its own (a variable): a statement that reads
+    /// it without declaring it then shows in its graph.
     tensor: Tensor,
     /// What the backward of the producing unit is seeded on: the value itself
     /// for a recomputed segment, the tracked output kept from the forward for
@@ -267,7 +269,13 @@ impl Replay {
                     let leaf = match self.open_leaves.get(&t.id()) {
                         Some(leaf) => leaf.clone(),
                         None => {
-                            let leaf = make_leaf(&v.tensor)?;
+                            // A value that is a leaf already serves every
+                            // unit that reads it: no copy.
+                            let leaf = if v.tensor.is_variable() {
+                                v.tensor.clone()
+                            } else {
+                                make_leaf(&v.tensor)?
+                            };
                             self.open_leaves.insert(t.id(), leaf.clone());
                             self.units[u].leaves.push((t.id(), leaf.clone()));
                             self.needed.insert(t.id());
@@ -405,7 +413,9 @@ impl Replay {
         let mut outputs = Vec::with_capacity(record.outputs.len());
         for (j, meta) in record.outputs.iter().enumerate() {
             let target = saved.outs.get(j).cloned();
+            let requires_grad = target.as_ref().is_some_and(|t| t.track_op());
             let value = match saved.ferried.get(j).cloned().flatten() {
+                Some(ferried) if requires_grad => make_leaf(&ferried)?,
                 Some(ferried) => ferried,
                 None => {
                     let p = placeholder(meta)?;
@@ -413,7 +423,6 @@ impl Replay {
                     p
                 }
             };
-            let requires_grad = target.as_ref().is_some_and(|t| t.track_op());
             self.order.push(value.id());
             self.values.insert(
                 value.id(),

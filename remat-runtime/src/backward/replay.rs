@@ -311,6 +311,21 @@ impl Replay {
             }
         }
         self.check_declared(region, name, u, &tensors)?;
+        // An output that needs gradients only in the replay got them through
+        // a value the statement read without declaring it: the forward
+        // handed it on as a constant, and saved statements reading it kept
+        // no way back.
+        let needed = self.records[k].outputs_need_grad;
+        let gained = tensors
+            .iter()
+            .enumerate()
+            .any(|(j, t)| j < 64 && t.track_op() && needed & (1 << j) == 0);
+        if gained {
+            return Err(RematError::UndeclaredInput {
+                region: region.to_string(),
+                statement: name.to_string(),
+            });
+        }
         if let Some(checks) = &mut self.checks {
             for (output, t) in tensors.iter().enumerate() {
                 let subject = Subject::Output {

@@ -109,6 +109,9 @@ pub(crate) struct Record {
     pub policy: Policy,
     pub inputs: Vec<Meta>,
     pub outputs: Vec<Meta>,
+    /// Bit `j`: output `j` needed gradients in the forward (outputs past the
+    /// 64th are taken to).
+    pub outputs_need_grad: u64,
     /// `Some` exactly for `Save` and `Offload` statements (boxed: most
     /// records of a recomputing tape have none, and every byte of a record
     /// is held for as long as the tape).

@@ -159,6 +159,13 @@ impl Recorder {
                 fingerprints.push(fingerprint::of(t)?);
             }
         }
+        let outputs_need_grad = outputs
+            .iter()
+            .enumerate()
+            .filter(|(j, t)| *j >= 64 || self.requires_grad.get(&t.id()) == Some(&true))
+            .fold(0u64, |mask, (j, _)| {
+                mask | 1u64.checked_shl(j as u32).unwrap_or(0)
+            });
         let index = self.records.len();
         self.records.push(Record {
             name: s.name.to_string(),
@@ -166,6 +173,7 @@ impl Recorder {
             policy: s.policy,
             inputs: inputs.iter().map(|t| Meta::of(t)).collect(),
             outputs: outputs.iter().map(Meta::of).collect(),
+            outputs_need_grad,
             saved,
             profile: self.profile.then(|| {
                 Box::new(Profile {

@@ -270,3 +270,27 @@ fn a_captured_region_input_or_saved_output_is_refused() {
         assert!(named, "{captured}: {e:?}");
     }
 }
+
+#[test]
+fn a_capture_that_makes_a_constant_need_gradients_is_refused() {
+    // `x` needs no gradient, so the forward hands `m` on as a constant; only
+    // the captured `h` (from `w`) makes it depend on a parameter. The saved
+    // `out` kept no way back to `m`: the replay refuses.
+    let (x, w) = (x(), w());
+    let wt = w.as_tensor().clone();
+    let x = x.as_tensor().detach();
+    let y = Region::new("blk")
+        .run(&[&x], move |ctx, ins| {
+            let w = wt.clone();
+            let h = ctx.recompute("h", &[&ins[0]], move |t| Ok(t[0].matmul(&w)?))?;
+            let m = ctx.recompute("m", &[&ins[0]], |t| Ok((t[0].tanh()? + &h)?))?;
+            let w = wt.clone();
+            ctx.save("out", &[&m], move |t| Ok(t[0].matmul(&w)?.sum_all()?))
+        })
+        .unwrap();
+    let e = backward(&y).unwrap_err();
+    assert!(
+        matches!(&e, RematError::UndeclaredInput { statement, .. } if statement == "m"),
+        "{e:?}"
+    );
+}

@@ -14,9 +14,12 @@
 //! `PROPTEST_CASES=5000 cargo test -p remat-runtime --test it properties`
 //! runs longer.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
 use candle_core::{Device, Tensor, Var};
 use proptest::prelude::*;
-use remat_runtime::{Plan, Policy, Region};
+use remat_runtime::{Plan, Policy, Region, RematError, StatementInfo};
 
 const N: usize = 4;
 
@@ -63,6 +66,34 @@ struct Program {
     /// Offloaded statements move their residuals out and back (as on a
     /// GPU) instead of being kept as saved on this CPU.
     swap: bool,
+}
+
+/// A misuse of the statement API (indices reduced modulo the count).
+#[derive(Debug, Clone)]
+enum Misuse {
+    /// Statement `i`'s closure also reads value `j` (an earlier value)
+    /// without declaring it: its first output gets `0.5 * value` added.
+    Capture(usize, usize),
+    /// The region also returns `10 * value`, computed outside any statement.
+    OutsideOp(usize),
+    /// The region also returns parameter `w` as it is.
+    ReturnVar(usize),
+    /// Statement `i` computes something else each time it runs (as candle's
+    /// own random ops do): its outputs are scaled by `1 + 0.1 * runs`.
+    Nondeterministic(usize),
+    /// Parameter `w` is changed between the forward and the backward.
+    UpdateParam(usize),
+}
+
+fn misuse() -> impl Strategy<Value = Misuse> {
+    let i = any::<usize>();
+    prop_oneof![
+        (i, i).prop_map(|(a, b)| Misuse::Capture(a, b)),
+        i.prop_map(Misuse::OutsideOp),
+        (0..3usize).prop_map(Misuse::ReturnVar),
+        i.prop_map(Misuse::Nondeterministic),
+        (0..3usize).prop_map(Misuse::UpdateParam),
+    ]
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -185,9 +216,16 @@ fn plan(p: &Program) -> Plan {
 }
 
 /// Runs the program as a region under `plan` and returns the region
-/// outputs.
-fn run_region(p: &Program, inputs: &[Tensor], ws: &[Tensor], plan: Plan) -> Vec<Tensor> {
+/// outputs, with `misuse` written into it.
+fn run_region(
+    p: &Program,
+    misuse: Option<&Misuse>,
+    inputs: &[Tensor],
+    ws: &[Tensor],
+    plan: Plan,
+) -> remat_runtime::Result<Vec<Tensor>> {
     let (stmts, outputs, ws) = (p.stmts.clone(), p.outputs.clone(), ws.to_vec());
+    let misuse = misuse.cloned();
     let refs: Vec<&Tensor> = inputs.iter().collect();
     Region::new("prop")
         .plan(plan)
@@ -200,9 +238,32 @@ fn run_region(p: &Program, inputs: &[Tensor], ws: &[Tensor], plan: Plan) -> Vec<
                 // value list it can index the same way.
                 let op = s.op.clone();
                 let ws = ws.clone();
+                let captured = match &misuse {
+                    Some(Misuse::Capture(c, j)) if c % stmts.len() == i => {
+                        Some(vals[j % vals.len()].clone())
+                    }
+                    _ => None,
+                };
+                let runs = match &misuse {
+                    Some(Misuse::Nondeterministic(c)) if c % stmts.len() == i => {
+                        Some(Arc::new(AtomicUsize::new(0)))
+                    }
+                    _ => None,
+                };
                 let f = move |t: &[Tensor]| -> remat_runtime::Result<Vec<Tensor>> {
                     let remap = remap(&op, t);
-                    Ok(apply(&remap.0, &remap.1, &ws)?)
+                    let mut out = apply(&remap.0, &remap.1, &ws)?;
+                    if let Some(c) = &captured {
+                        out[0] = (&out[0] + (c * 0.5)?)?;
+                    }
+                    if let Some(runs) = &runs {
+                        let k = runs.fetch_add(1, Ordering::SeqCst) as f64;
+                        out = out
+                            .iter()
+                            .map(|o| o * (1.0 + 0.1 * k))
+                            .collect::<candle_core::Result<_>>()?;
+                    }
+                    Ok(out)
                 };
                 let name = format!("s{i}");
                 let out = match s.declared {
@@ -212,12 +273,14 @@ fn run_region(p: &Program, inputs: &[Tensor], ws: &[Tensor], plan: Plan) -> Vec<
                 vals.extend(out);
             }
             let n = vals.len();
-            Ok(outputs
-                .iter()
-                .map(|&o| vals[o % n].clone())
-                .collect::<Vec<_>>())
+            let mut outs: Vec<Tensor> = outputs.iter().map(|&o| vals[o % n].clone()).collect();
+            match &misuse {
+                Some(Misuse::OutsideOp(j)) => outs.push((&vals[j % n] * 10.0)?),
+                Some(Misuse::ReturnVar(w)) => outs.push(ws[*w].clone()),
+                _ => {}
+            }
+            Ok(outs)
         })
-        .unwrap()
 }
 
 /// The op rewritten to read its operands from `t` (the statement's inputs
@@ -236,15 +299,33 @@ fn remap(op: &Op, t: &[Tensor]) -> (Op, Vec<Tensor>) {
     (op, t.to_vec())
 }
 
-/// The same program as plain candle code.
-fn run_plain(p: &Program, inputs: &[Tensor], ws: &[Tensor]) -> Vec<Tensor> {
+/// The same program as plain candle code, with `misuse` (a capture is an
+/// input like any other here; a nondeterministic statement runs once).
+fn run_plain(
+    p: &Program,
+    misuse: Option<&Misuse>,
+    inputs: &[Tensor],
+    ws: &[Tensor],
+) -> Vec<Tensor> {
     let mut vals: Vec<Tensor> = inputs.to_vec();
-    for s in &p.stmts {
-        let out = apply(&s.op, &vals, ws).unwrap();
+    for (i, s) in p.stmts.iter().enumerate() {
+        let mut out = apply(&s.op, &vals, ws).unwrap();
+        if let Some(Misuse::Capture(c, j)) = misuse {
+            if c % p.stmts.len() == i {
+                let captured = &vals[j % vals.len()];
+                out[0] = (&out[0] + (captured * 0.5).unwrap()).unwrap();
+            }
+        }
         vals.extend(out);
     }
     let n = vals.len();
-    p.outputs.iter().map(|&o| vals[o % n].clone()).collect()
+    let mut outs: Vec<Tensor> = p.outputs.iter().map(|&o| vals[o % n].clone()).collect();
+    match misuse {
+        Some(Misuse::OutsideOp(j)) => outs.push((&vals[j % n] * 10.0).unwrap()),
+        Some(Misuse::ReturnVar(w)) => outs.push(ws[*w].clone()),
+        _ => {}
+    }
+    outs
 }
 
 /// Largest absolute element.
@@ -259,7 +340,38 @@ fn max_abs(t: &Tensor) -> f64 {
         .unwrap()
 }
 
-fn check(p: &Program) -> Result<(), TestCaseError> {
+/// Whether `e` is one of the errors that name a misuse.
+fn names_a_misuse(e: &RematError) -> bool {
+    matches!(
+        e.root(),
+        RematError::OutputOutsideStatement { .. }
+            | RematError::UndeclaredInput { .. }
+            | RematError::ReplayDiverged { .. }
+            | RematError::ParameterChanged { .. }
+    )
+}
+
+/// The one misuse nothing catches: a *saved* statement whose closure
+/// captures a value (candle records no graph through a value that needs no
+/// gradient inside the statement, and its op graph is private to it).
+fn uncaught(p: &Program, misuse: Option<&Misuse>) -> bool {
+    let Some(Misuse::Capture(c, _)) = misuse else {
+        return false;
+    };
+    let i = c % p.stmts.len();
+    let name = format!("s{i}");
+    let info = StatementInfo {
+        region: "prop",
+        name: &name,
+        declared: p.stmts[i].declared,
+    };
+    plan(p).policy(&info) != Policy::Recompute
+}
+
+/// Runs `p` (with `misuse`) as a region and as plain candle code. The
+/// oracle: a named error, or forward values and gradients equal to plain
+/// candle's; never a silent difference.
+fn check(p: &Program, misuse: Option<&Misuse>) -> Result<(), TestCaseError> {
     let vars: Vec<Var> = p
         .inputs
         .iter()
@@ -293,19 +405,35 @@ fn check(p: &Program) -> Result<(), TestCaseError> {
             .reduce(|a, b| (a + b).unwrap())
             .unwrap()
     };
-    let reference = run_plain(p, &inputs, &wt);
+    let reference = run_plain(p, misuse, &inputs, &wt);
     let got = if p.swap {
-        remat_runtime::offload::swap_on_cpu(|| run_region(p, &inputs, &wt, plan(p)))
+        remat_runtime::offload::swap_on_cpu(|| run_region(p, misuse, &inputs, &wt, plan(p)))
     } else {
-        run_region(p, &inputs, &wt, plan(p))
+        run_region(p, misuse, &inputs, &wt, plan(p))
     };
+    let got = match got {
+        Ok(got) => got,
+        Err(e) if misuse.is_some() && names_a_misuse(&e) => return Ok(()),
+        Err(e) => return Err(TestCaseError::fail(format!("forward failed: {e}"))),
+    };
+    prop_assert_eq!(got.len(), reference.len());
     for (a, b) in got.iter().zip(&reference) {
         prop_assert_eq!(max_abs(&(a - b).unwrap()), 0.0, "forward values differ");
     }
-    let (g_ref, g) = (
-        loss(&reference).backward().unwrap(),
-        loss(&got).backward().unwrap(),
-    );
+    let (loss_ref, loss_got) = (loss(&reference), loss(&got));
+    if let Some(Misuse::UpdateParam(w)) = misuse {
+        // An optimizer step before the backward, seen by both.
+        ws[*w].set(&(ws[*w].as_tensor() * 1.001).unwrap()).unwrap();
+    }
+    let g_ref = loss_ref.backward().unwrap();
+    let g = match remat_runtime::backward(&loss_got) {
+        Ok(g) => g,
+        Err(e) if misuse.is_some() && names_a_misuse(&e) => return Ok(()),
+        Err(e) => return Err(TestCaseError::fail(format!("backward failed: {e}"))),
+    };
+    if uncaught(p, misuse) {
+        return Ok(());
+    }
     let tracked = vars
         .iter()
         .zip(&p.inputs)
@@ -344,6 +472,13 @@ proptest! {
 
     #[test]
     fn random_blocks_match_plain_candle(p in program()) {
-        check(&p)?;
+        check(&p, None)?;
+    }
+
+    /// The same blocks with one misuse each: a named error, or values and
+    /// gradients equal to plain candle's.
+    #[test]
+    fn random_misused_blocks_are_refused_or_right(p in program(), m in misuse()) {
+        check(&p, Some(&m))?;
     }
 }

@@ -116,7 +116,14 @@ impl Region {
     ///
     /// Tensors that need gradients must reach the block as `inputs` or be
     /// parameters (`Var`s); a tracked tensor captured any other way is an
-    /// error ([`crate::RematError::ForeignTrackedInput`]).
+    /// error ([`crate::RematError::ForeignTrackedInput`]). Every output must
+    /// be a statement's output, a region input or a `Var`: a tensor op in
+    /// the body outside any statement is an error
+    /// ([`crate::RematError::OutputOutsideStatement`]), since nothing in the
+    /// replay would produce it. Statements must declare every value they
+    /// read that needs gradients ([`crate::RematError::UndeclaredInput`]),
+    /// and compute the same values in the replay as in the forward
+    /// ([`crate::RematError::ReplayDiverged`]).
     ///
     /// When no input needs gradients and the block uses no parameter, the
     /// region is inert: no tape is kept and the outputs are plain tensors.
@@ -169,8 +176,6 @@ impl Region {
         let Mode::Record(recorder) = ctx.mode else {
             unreachable!("the context was built in record mode")
         };
-        // A `Var` returned as it is keeps its gradient path: it is anchored
-        // like every parameter, and the sweep hands it its output's gradient.
         let known: Vec<bool> = outputs.iter().map(|t| recorder.knows(t)).collect();
         let Recorded {
             records,
@@ -178,6 +183,8 @@ impl Region {
             inputs: kept_inputs,
             fingerprints: output_fingerprints,
         } = recorder.finish(&detached);
+        // A `Var` returned as it is keeps its gradient path: it is anchored
+        // like every parameter, and the sweep hands it its output's gradient.
         for t in &outputs {
             if t.is_variable() && !params.iter().any(|p| p.id() == t.id()) {
                 params.push(t.clone());

@@ -294,3 +294,27 @@ fn a_capture_that_makes_a_constant_need_gradients_is_refused() {
         "{e:?}"
     );
 }
+
+#[test]
+fn fingerprints_take_integer_and_empty_outputs() {
+    // A mask (u8), an empty tensor and a value, recomputed: the replay check
+    // passes and the gradient is right.
+    let x = x();
+    let y = Region::new("blk")
+        .run(&[x.as_tensor()], |ctx, ins| {
+            let (mask, empty, v) = ctx.recompute("parts", &[&ins[0]], |t| {
+                let mask = t[0].ge(0.0)?;
+                let empty = t[0].narrow(1, 0, 0)?;
+                Ok((mask, empty, t[0].exp()?))
+            })?;
+            ctx.recompute("use", &[&mask, &empty, &v], |t| {
+                Ok((t[0].to_dtype(DType::F64)? * &t[2])?.sum_all()?)
+            })
+        })
+        .unwrap();
+    let g = backward(&y).unwrap();
+    let expected = (x.as_tensor().ge(0.0).unwrap().to_dtype(DType::F64).unwrap()
+        * x.as_tensor().exp().unwrap())
+    .unwrap();
+    assert!(max_diff(g.get(&x).unwrap(), &expected) < 1e-12);
+}

@@ -1,4 +1,10 @@
 //! Statements during the replay that starts a region's backward.
+//!
+//! Longer than the other files (about 480 lines) for a reason: the replay's
+//! two statement paths, `recompute` and `skip_saved`, and the checks of
+//! each (against the record, undeclared reads, fingerprints to collect)
+//! share one state (values, units, open leaves); split into files, every
+//! piece would take that whole state as an argument.
 
 use std::collections::{HashMap, HashSet};
 
@@ -7,7 +13,7 @@ use candle_core::{Tensor, TensorId};
 use super::sweep::Unit;
 use crate::graph::{check_input, make_leaf};
 use crate::inspect::trace::{self, Phase, TraceEvent};
-use crate::tape::fingerprint;
+use crate::tape::fingerprint::{self, Checks, Subject};
 use crate::tape::{Meta, Record};
 use crate::{Outputs, Policy, RematError, Result};
 
@@ -49,28 +55,6 @@ pub(crate) struct Replay {
     /// Fingerprints to compare when the replay ends (`None` when the
     /// forward took none).
     checks: Option<Checks>,
-}
-
-/// What a fingerprint is of.
-enum Subject {
-    Output {
-        statement: String,
-        output: usize,
-        tolerance: f32,
-    },
-    Parameter {
-        index: usize,
-        shape: Vec<usize>,
-    },
-}
-
-/// The replay's fingerprints, to compare with the forward's when the replay
-/// ends.
-struct Checks {
-    /// The forward's, one after the other.
-    forward: Tensor,
-    /// The replay's, in the same order, each with what it is of.
-    replay: Vec<(Subject, Tensor)>,
 }
 
 /// `save`, `recompute` or `(plan)`, for side-by-side traces.
@@ -485,7 +469,7 @@ impl Replay {
             });
         }
         if let Some(checks) = self.checks.take() {
-            compare(region, checks)?;
+            checks.compare(region)?;
         }
         self.needed.extend(outputs.iter().map(|t| t.id()));
         for id in self.order {
@@ -503,60 +487,4 @@ impl Replay {
         }
         Ok(self.units)
     }
-}
-
-/// Compares the forward's fingerprints with the replay's, in one transfer
-/// to the host for the whole region (no wait on the device per statement).
-fn compare(region: &str, checks: Checks) -> Result<()> {
-    let replay: Vec<&Tensor> = checks.replay.iter().map(|(_, t)| t).collect();
-    if replay.is_empty() {
-        return Ok(());
-    }
-    let replay = Tensor::cat(&replay, 0)?;
-    if replay.elem_count() != checks.forward.elem_count() {
-        // The replay ran other statements: an error said so already, unless
-        // the tape was taken under another plan.
-        return Err(RematError::desync(
-            region,
-            format!("{} fingerprinted numbers", checks.forward.elem_count()),
-            format!("{}", replay.elem_count()),
-        ));
-    }
-    let both = Tensor::stack(&[&checks.forward, &replay], 0)?.to_vec2::<f32>()?;
-    let (forward, replay) = (&both[0], &both[1]);
-    let mut start = 0;
-    for (subject, t) in checks.replay {
-        let end = start + t.elem_count();
-        let (f, r) = (&forward[start..end], &replay[start..end]);
-        start = end;
-        match subject {
-            Subject::Output {
-                statement,
-                output,
-                tolerance,
-            } => {
-                if !fingerprint::values_match([f[0], f[1]], [r[0], r[1]], tolerance) {
-                    return Err(RematError::ReplayDiverged {
-                        region: region.to_string(),
-                        statement,
-                        output,
-                        forward: [f[0], f[1]],
-                        replay: [r[0], r[1]],
-                    });
-                }
-            }
-            Subject::Parameter { index, shape } => {
-                if !fingerprint::values_match([f[0], f[1]], [r[0], r[1]], 0.0) {
-                    return Err(RematError::ParameterChanged {
-                        region: region.to_string(),
-                        index,
-                        shape,
-                        forward: [f[0], f[1]],
-                        replay: [r[0], r[1]],
-                    });
-                }
-            }
-        }
-    }
-    Ok(())
 }

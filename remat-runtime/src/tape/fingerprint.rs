@@ -21,13 +21,16 @@
 //!   parameter, and the same kernel summing the same data gives the same
 //!   bits, while an update changes every element.
 //!
+//! The replay collects its own in [`Checks`] and compares them with the
+//! forward's when it ends ([`Checks::compare`]).
+//!
 //! A region's fingerprints are kept in one tensor on its tape (8 bytes per
 //! parameter and per recomputed output), not one per statement.
 
 use candle_core::{DType, Tensor};
 
 use crate::ambient::{scoped, FINGERPRINTS_OFF};
-use crate::Result;
+use crate::{RematError, Result};
 
 /// Elements of a recomputed output summed into its fingerprint.
 pub(crate) const VALUE_SAMPLE: usize = 256;
@@ -110,6 +113,91 @@ pub(crate) fn values_match(forward: [f32; 2], replay: [f32; 2], tol: f32) -> boo
     let scale = tol * forward[1].abs().max(replay[1].abs());
     let close = |a: f32, b: f32| a == b || (a.is_nan() && b.is_nan()) || (a - b).abs() <= scale;
     close(forward[0], replay[0]) && close(forward[1], replay[1])
+}
+
+/// What a fingerprint is of, for the error that names it.
+pub(crate) enum Subject {
+    Output {
+        statement: String,
+        output: usize,
+        tolerance: f32,
+    },
+    Parameter {
+        index: usize,
+        shape: Vec<usize>,
+    },
+}
+
+/// The replay's fingerprints, to compare with the forward's when the replay
+/// ends.
+pub(crate) struct Checks {
+    /// The forward's, one after the other.
+    pub forward: Tensor,
+    /// The replay's, in the same order, each with what it is of.
+    pub replay: Vec<(Subject, Tensor)>,
+}
+
+impl Checks {
+    /// Compares the forward's fingerprints with the replay's, in one
+    /// transfer to the host for the whole region (no wait on the device
+    /// per statement).
+    pub fn compare(self, region: &str) -> Result<()> {
+        let Checks {
+            forward,
+            replay: parts,
+        } = self;
+        let replay: Vec<&Tensor> = parts.iter().map(|(_, t)| t).collect();
+        if replay.is_empty() {
+            return Ok(());
+        }
+        let replay = Tensor::cat(&replay, 0)?;
+        if replay.elem_count() != forward.elem_count() {
+            // The replay ran other statements: an error said so already, unless
+            // the tape was taken under another plan.
+            return Err(RematError::desync(
+                region,
+                format!("{} fingerprinted numbers", forward.elem_count()),
+                format!("{}", replay.elem_count()),
+            ));
+        }
+        let both = Tensor::stack(&[&forward, &replay], 0)?.to_vec2::<f32>()?;
+        let (forward, replay) = (&both[0], &both[1]);
+        let mut start = 0;
+        for (subject, t) in parts {
+            let end = start + t.elem_count();
+            let (f, r) = (&forward[start..end], &replay[start..end]);
+            start = end;
+            match subject {
+                Subject::Output {
+                    statement,
+                    output,
+                    tolerance,
+                } => {
+                    if !values_match([f[0], f[1]], [r[0], r[1]], tolerance) {
+                        return Err(RematError::ReplayDiverged {
+                            region: region.to_string(),
+                            statement,
+                            output,
+                            forward: [f[0], f[1]],
+                            replay: [r[0], r[1]],
+                        });
+                    }
+                }
+                Subject::Parameter { index, shape } => {
+                    if !values_match([f[0], f[1]], [r[0], r[1]], 0.0) {
+                        return Err(RematError::ParameterChanged {
+                            region: region.to_string(),
+                            index,
+                            shape,
+                            forward: [f[0], f[1]],
+                            replay: [r[0], r[1]],
+                        });
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

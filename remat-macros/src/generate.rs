@@ -171,7 +171,7 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
             #copies
             // Statement bodies are wrapped as `Ok(body)`, and bodies end in `?`.
             #[allow(clippy::needless_question_mark)]
-            let __remat_out = ::remat_runtime::Region::new(#region).run(
+            let __remat_out = ::remat_runtime::__private::region(#region).run(
                 __remat_inputs,
                 move |__remat_ctx, __remat_args| {
                     ::remat_runtime::__remat_rebind!(__remat_args; #(#rebinds),*);

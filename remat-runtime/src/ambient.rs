@@ -17,9 +17,11 @@
 //! | [`TRACES`] | the stack of traces being recorded | [`Trace::record`](crate::inspect::Trace::record) | [`scoped`] pops |
 //! | [`RANDOM_BASE`], [`RANDOM_OUTSIDE`] | the seed and counter of draws outside statements | [`random::seed`](crate::random::seed) | reseeded only |
 //! | [`RANDOM_STREAMS`] | the stack of statements drawing random numbers | every statement | [`scoped`] pops |
+//! | [`CAPTURES_CHECKED`] | the regions whose first forward looked for undeclared reads | every region call | only grows (one name per region) |
 //! | [`LIVE_CALLS`] | the region calls [`MemoryReport::capture`](crate::MemoryReport::capture) sees | every region call | pruned when calls end |
 
 use std::cell::{Cell, RefCell};
+use std::collections::HashSet;
 use std::sync::Weak;
 
 use crate::backward::Call;
@@ -47,6 +49,9 @@ thread_local! {
     pub(crate) static RANDOM_OUTSIDE: Cell<u64> = const { Cell::new(0) };
     /// The random stream of each statement running; draws use the last.
     pub(crate) static RANDOM_STREAMS: RefCell<Vec<Stream>> = const { RefCell::new(Vec::new()) };
+    /// The regions whose first forward on this thread looked for
+    /// undeclared reads.
+    pub(crate) static CAPTURES_CHECKED: RefCell<HashSet<String>> = RefCell::new(HashSet::new());
     /// Every region call made on this thread that may still hold a tape.
     pub(crate) static LIVE_CALLS: RefCell<Vec<Weak<Call>>> = const { RefCell::new(Vec::new()) };
 }

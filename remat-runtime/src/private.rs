@@ -53,6 +53,12 @@ impl<T: Clone> ViaPlain<T> for Probe<'_, T> {
 /// Drops a binding after its last reader (a no-op for `Copy` values).
 pub fn release<T>(_: T) {}
 
+/// The region of a `remat!` block: its statements declare every binding
+/// they mention, so the first forward need not look for undeclared reads.
+pub fn region(name: &str) -> crate::Region {
+    crate::Region::new(name).declaring_all_reads()
+}
+
 /// Converts the error of a block's tail expression.
 pub fn tail<T, E: Into<RematError>>(r: std::result::Result<T, E>) -> Result<T> {
     r.map_err(Into::into)

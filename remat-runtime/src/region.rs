@@ -6,9 +6,10 @@ use candle_core::Tensor;
 
 use crate::backward::Call;
 use crate::ctx::{Ctx, Mode};
+use crate::graph::make_leaf;
 use crate::graph::{anchor_chain, Tap};
 use crate::inspect::{memory, trace};
-use crate::tape::recorder::{Recorded, Recorder};
+use crate::tape::recorder::{checks_captures, Recorded, Recorder};
 use crate::tape::{fingerprint, Body, Meta, Tape, TapeState};
 use crate::{lock, offload, plan, random, Inputs, Outputs, Plan, RematError, Result};
 
@@ -43,6 +44,10 @@ pub struct Region {
     name: String,
     enabled: bool,
     plan: Option<Plan>,
+    /// Its statements declare every value they read by construction (the
+    /// code `remat!` and `checkpoint_sequential` write): the first forward
+    /// need not look for undeclared reads.
+    declares_all_reads: bool,
 }
 
 impl Region {
@@ -57,6 +62,7 @@ impl Region {
             name: name.into(),
             enabled: true,
             plan: None,
+            declares_all_reads: false,
         }
     }
 
@@ -84,6 +90,14 @@ impl Region {
     /// ```
     pub fn enabled(mut self, enabled: bool) -> Self {
         self.enabled = enabled;
+        self
+    }
+
+    /// A region whose statements declare every value they read by
+    /// construction (generated code): its first forward skips the search
+    /// for undeclared reads and the leaf copies it takes.
+    pub(crate) fn declaring_all_reads(mut self) -> Self {
+        self.declares_all_reads = true;
         self
     }
 
@@ -156,13 +170,26 @@ impl Region {
         // The first call of the region under a budget plan measures it.
         let profile = plan.wants_profile(&self.name);
         let fingerprints = fingerprint::enabled();
+        // The first forward of a region looks for undeclared reads: the
+        // block sees leaf copies of the inputs that need gradients.
+        let captures = !self.declares_all_reads && checks_captures(&self.name);
+        let visible: Vec<Tensor> = if captures {
+            detached
+                .iter()
+                .zip(&requires_grad)
+                .map(|(t, &grad)| if grad { make_leaf(t) } else { Ok(t.clone()) })
+                .collect::<Result<_>>()?
+        } else {
+            detached.clone()
+        };
         let mut ctx = Ctx::new(
             &self.name,
             Mode::Record(Recorder::new(
-                &detached,
+                &visible,
                 &requires_grad,
                 profile,
                 fingerprints,
+                captures,
                 trace_label.clone(),
             )),
             plan.clone(),
@@ -170,7 +197,7 @@ impl Region {
         );
         // Regions nested in the block inherit its plan, in the forward as in
         // the replay.
-        let out = plan.scope(|| body(&mut ctx, &detached))?;
+        let out = plan.scope(|| body(&mut ctx, &visible))?;
         let mut outputs = Vec::new();
         let skeleton = out.split_into(&mut outputs);
         let Mode::Record(recorder) = ctx.mode else {
@@ -180,9 +207,15 @@ impl Region {
         let Recorded {
             records,
             mut params,
-            inputs: kept_inputs,
+            inputs_read,
             fingerprints: output_fingerprints,
-        } = recorder.finish(&detached);
+        } = recorder.finish(&visible);
+        drop(visible);
+        let kept_inputs: Vec<Option<Tensor>> = detached
+            .iter()
+            .zip(inputs_read)
+            .map(|(t, read)| read.then(|| t.clone()))
+            .collect();
         // A `Var` returned as it is keeps its gradient path: it is anchored
         // like every parameter, and the sweep hands it its output's gradient.
         for t in &outputs {

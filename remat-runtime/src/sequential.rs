@@ -64,7 +64,9 @@ where
         let len = n / segments + usize::from(s < n % segments);
         let end = start + len;
         let seg: Vec<(usize, Block)> = (start..end).map(|i| (i, blocks[i].clone())).collect();
-        h = Region::new(format!("{name}[{start}..{end}]")).run(&[&h], move |ctx, ins| {
+        // Each block reads only its statement's declared input.
+        let region = Region::new(format!("{name}[{start}..{end}]")).declaring_all_reads();
+        h = region.run(&[&h], move |ctx, ins| {
             let mut h = ins[0].clone();
             for (i, f) in &seg {
                 h = ctx.open(&format!("block.{i}"), &[&h], |t| Ok(f(&t[0])?))?;

@@ -14,9 +14,16 @@ use candle_core::{Tensor, TensorId};
 use super::bytes::{Counter, Seen};
 use super::fingerprint;
 use super::{Meta, Profile, Record, Saved, Source};
+use crate::ambient::CAPTURES_CHECKED;
 use crate::graph::{check_input, make_leaf};
 use crate::inspect::trace::{self, Phase, TraceEvent};
-use crate::{Outputs, Policy, Result};
+use crate::{Outputs, Policy, RematError, Result};
+
+/// Whether this forward of `region` looks for undeclared reads: the first
+/// on this thread does (a block's reads are a property of its code).
+pub(crate) fn checks_captures(region: &str) -> bool {
+    CAPTURES_CHECKED.with(|c| c.borrow_mut().insert(region.to_string()))
+}
 
 /// A statement about to be recorded, as the context decided it.
 pub(crate) struct Statement<'a> {
@@ -48,8 +55,8 @@ pub(crate) struct Recorded {
     pub records: Vec<Record>,
     /// The parameters the block used, in order of first use.
     pub params: Vec<Tensor>,
-    /// The region inputs the replay reads (`None` for the others).
-    pub inputs: Vec<Option<Tensor>>,
+    /// Per region input: does the replay read it?
+    pub inputs_read: Vec<bool>,
     /// The fingerprints of the recomputed outputs, in order, when taken.
     pub fingerprints: Option<Vec<Tensor>>,
 }
@@ -78,6 +85,12 @@ pub(crate) struct Recorder {
     /// Fingerprints of recomputed outputs for the replay check, in order;
     /// `None` when this forward takes none.
     fingerprints: Option<Vec<Tensor>>,
+    /// This forward looks for undeclared reads: every value the block sees
+    /// that needs gradients is a leaf of its own (a copy), so a statement
+    /// that reads one without declaring it shows it in its graph.
+    captures: bool,
+    /// Those leaves.
+    value_leaves: HashSet<TensorId>,
     /// The call's label in the trace being recorded, if any.
     trace: Option<String>,
     /// Storages already counted in the trace's bytes.
@@ -93,6 +106,7 @@ impl Recorder {
         requires_grad: &[bool],
         profile: bool,
         fingerprints: bool,
+        captures: bool,
         trace: Option<String>,
     ) -> Self {
         let mut trace_seen = Seen::default();
@@ -101,6 +115,13 @@ impl Recorder {
                 trace_seen.exclude(t);
             }
         }
+        // Region inputs that need gradients are leaves already when the
+        // forward looks for captures (the region made them).
+        let value_leaves: HashSet<TensorId> = inputs
+            .iter()
+            .filter(|t| captures && t.is_variable())
+            .map(|t| t.id())
+            .collect();
         Recorder {
             requires_grad: inputs
                 .iter()
@@ -112,12 +133,14 @@ impl Recorder {
             ferried: HashSet::new(),
             replay_reads: HashSet::new(),
             records: Vec::new(),
-            leaf_ids: HashSet::new(),
+            leaf_ids: value_leaves.clone(),
             params: Vec::new(),
             param_ids: HashSet::new(),
             chain: None,
             profile,
             fingerprints: fingerprints.then(Vec::new),
+            captures,
+            value_leaves,
             trace,
             trace_seen,
         }
@@ -151,7 +174,7 @@ impl Recorder {
             })
         };
         let (outputs, saved, ran) = match s.policy {
-            Policy::Recompute => self.recompute(inputs, &needs, run)?,
+            Policy::Recompute => self.recompute(&s, inputs, &needs, run)?,
             Policy::Save | Policy::Offload => self.save(&s, inputs, &needs, run)?,
         };
         if let (Policy::Recompute, Some(fingerprints)) = (s.policy, &mut self.fingerprints) {
@@ -190,6 +213,7 @@ impl Recorder {
     /// are detached, and nothing of its graph is kept.
     fn recompute<S>(
         &mut self,
+        s: &Statement,
         inputs: &[&Tensor],
         needs: &[bool],
         run: impl FnOnce(&[Tensor]) -> Result<Ran<S>>,
@@ -202,12 +226,13 @@ impl Recorder {
         }
         let args: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
         let mut ran = run(&args)?;
+        self.check_captures(s, &args, &ran.tensors)?;
         let any_input = needs.iter().any(|&n| n);
         let tracked = std::mem::take(&mut ran.tensors);
         let outputs = tracked
             .iter()
-            .map(|t| self.detach_output(t, any_input || t.track_op()))
-            .collect();
+            .map(|t| Ok(self.detach_output(t, any_input || t.track_op())?.0))
+            .collect::<Result<_>>()?;
         self.chain = None;
         Ok((outputs, None, ran))
     }
@@ -247,17 +272,17 @@ impl Recorder {
             }
         }
         let mut ran = run(&args)?;
+        self.check_captures(s, &args, &ran.tensors)?;
         drop(args);
         let tracked = std::mem::take(&mut ran.tensors);
-        let outputs: Vec<Tensor> = tracked
-            .iter()
-            .enumerate()
-            .map(|(j, t)| {
-                let d = self.detach_output(t, t.track_op());
-                self.saved_outputs.insert(d.id(), (index, j));
-                d
-            })
-            .collect();
+        let mut outputs = Vec::with_capacity(tracked.len());
+        let mut detached = Vec::with_capacity(tracked.len());
+        for (j, t) in tracked.iter().enumerate() {
+            let (visible, d) = self.detach_output(t, t.track_op())?;
+            self.saved_outputs.insert(visible.id(), (index, j));
+            outputs.push(visible);
+            detached.push(d);
+        }
         if s.ferry {
             self.ferried.extend((0..outputs.len()).map(|j| (index, j)));
         }
@@ -269,7 +294,7 @@ impl Recorder {
                 vec![None; inputs.len()]
             },
             outs: if any_tracked { tracked } else { Vec::new() },
-            ferried: outputs.iter().cloned().map(Some).collect(),
+            ferried: detached.into_iter().map(Some).collect(),
             skeleton: Arc::new(ran.skeleton.clone()),
             chained: chained && any_tracked,
             offloaded: None,
@@ -282,16 +307,49 @@ impl Recorder {
         Ok((outputs, Some(Box::new(saved)), ran))
     }
 
-    /// The detached output the block sees in place of `t`, an output of the
-    /// statement being recorded.
-    fn detach_output(&mut self, t: &Tensor, requires_grad: bool) -> Tensor {
+    /// The value the block sees in place of `t`, an output of the statement
+    /// being recorded, and `t` detached. They are the same tensor, unless
+    /// this forward looks for captures and the output needs gradients: the
+    /// block then sees a leaf copy.
+    fn detach_output(&mut self, t: &Tensor, requires_grad: bool) -> Result<(Tensor, Tensor)> {
         self.discover_params(t);
         let d = t.detach();
-        self.requires_grad.insert(d.id(), requires_grad);
+        let visible = if self.captures && requires_grad {
+            let leaf = make_leaf(&d)?;
+            self.value_leaves.insert(leaf.id());
+            self.leaf_ids.insert(leaf.id());
+            leaf
+        } else {
+            d.clone()
+        };
+        self.requires_grad.insert(visible.id(), requires_grad);
         if self.profile {
-            self.producers.insert(d.id(), self.records.len());
+            self.producers.insert(visible.id(), self.records.len());
         }
-        d
+        Ok((visible, d))
+    }
+
+    /// When this forward looks for captures: the graph of the statement's
+    /// `outputs` may reach no value leaf but the `args` it was handed (a
+    /// saved statement is handed copies: the block's own value in its graph
+    /// was read some other way).
+    fn check_captures(&self, s: &Statement, args: &[Tensor], outputs: &[Tensor]) -> Result<()> {
+        if !self.captures {
+            return Ok(());
+        }
+        let declared: HashSet<TensorId> = args.iter().map(|t| t.id()).collect();
+        for t in outputs.iter().filter(|t| t.track_op()) {
+            for node in t.sorted_nodes() {
+                let id = node.id();
+                if self.value_leaves.contains(&id) && !declared.contains(&id) {
+                    return Err(RematError::UndeclaredInput {
+                        region: s.region.to_string(),
+                        statement: s.name.to_string(),
+                    });
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Where each input came from, for the budget planner (measured calls
@@ -374,6 +432,10 @@ impl Recorder {
     /// dropped from the tape (replay gives placeholders for them), and so
     /// are the region `inputs` no recomputed statement reads.
     pub fn finish(mut self, inputs: &[Tensor]) -> Recorded {
+        let inputs_read = inputs
+            .iter()
+            .map(|t| self.replay_reads.contains(&t.id()))
+            .collect();
         for (k, record) in self.records.iter_mut().enumerate() {
             if let Some(saved) = record.saved.as_mut() {
                 for (j, ferried) in saved.ferried.iter_mut().enumerate() {
@@ -383,16 +445,13 @@ impl Recorder {
                 }
             }
         }
-        let needed = inputs
-            .iter()
-            .map(|t| self.replay_reads.contains(&t.id()).then(|| t.clone()))
-            .collect();
+
         // The tape keeps the records as long as it lives: no spare capacity.
         self.records.shrink_to_fit();
         Recorded {
             records: self.records,
             params: self.params,
-            inputs: needed,
+            inputs_read,
             fingerprints: self.fingerprints,
         }
     }

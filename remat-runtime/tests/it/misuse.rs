@@ -4,7 +4,7 @@
 //! order, hence 1e-12).
 
 use candle_core::{DType, Tensor, Var};
-use remat_runtime::{backward, MemoryReport, Region, RematError};
+use remat_runtime::{backward, Ctx, MemoryReport, Region, RematError};
 
 use crate::common::*;
 
@@ -53,44 +53,6 @@ fn a_tensor_op_outside_any_statement_is_refused() {
         // Nothing half made: no tape is left behind.
         assert!(MemoryReport::capture().entries.is_empty());
     }
-}
-
-#[test]
-fn a_captured_output_of_another_unit_is_refused() {
-    // `a` is recomputed in the first unit; `c`, in the unit after the saved
-    // `b`, reads `a` through its closure instead of declaring it.
-    let x = x();
-    let y = Region::new("blk")
-        .run(&[x.as_tensor()], |ctx, ins| {
-            let a = ctx.recompute("a", &[&ins[0]], |t| Ok((&t[0] * 2.0)?.sin()?))?;
-            let b = ctx.save("b", &[&ins[0]], |t| Ok((&t[0] * 2.0)?.exp()?))?;
-            ctx.recompute("c", &[&b], |t| Ok((&t[0] + &a)?.sum_all()?))
-        })
-        .unwrap();
-    let e = backward(&y).unwrap_err();
-    assert!(
-        matches!(&e, RematError::UndeclaredInput { region, statement }
-            if region == "blk" && statement == "c"),
-        "{e:?}"
-    );
-    assert!(e.to_string().contains("declare it as an input"), "{e}");
-}
-
-#[test]
-fn a_captured_output_of_the_same_unit_is_right() {
-    // Within one unit the capture is harmless: one candle backward sees it.
-    let x = x();
-    let y = Region::new("blk")
-        .run(&[x.as_tensor()], |ctx, ins| {
-            let a = ctx.recompute("a", &[&ins[0]], |t| Ok((&t[0] * 2.0)?.sin()?))?;
-            let b = ctx.recompute("b", &[&ins[0]], |t| Ok((&t[0] * 2.0)?.exp()?))?;
-            ctx.recompute("c", &[&b], |t| Ok((&t[0] + &a)?.sum_all()?))
-        })
-        .unwrap();
-    let g = y.backward().unwrap();
-    let x2 = (x.as_tensor() * 2.0).unwrap();
-    let expected = ((x2.exp().unwrap() + x2.cos().unwrap()).unwrap() * 2.0).unwrap();
-    assert!(max_diff(g.get(&x).unwrap(), &expected) < 1e-12);
 }
 
 /// Gradients of `loss = sum(x @ w) + 3 * sum(w_out)` where the region
@@ -238,64 +200,6 @@ fn a_parameter_changed_before_the_backward_is_caught() {
 }
 
 #[test]
-fn a_captured_region_input_or_saved_output_is_refused() {
-    // `c` reads, through its closure, the region input or the saved `b`
-    // (both declared by `d`, in another unit: kept for the replay), or the
-    // saved `e` (declared by no recomputed statement: a placeholder in the
-    // replay).
-    for captured in ["input", "ferried", "placeholder"] {
-        let x = x();
-        let y = Region::new("blk").run(&[x.as_tensor()], move |ctx, ins| {
-            let x = ins[0].clone();
-            let b = ctx.save("b", &[&x], |t| Ok((&t[0] * 2.0)?.exp()?))?;
-            let e = ctx.save("e", &[&x], |t| Ok((&t[0] * 3.0)?.sin()?))?;
-            let d = ctx.recompute("d", &[&b, &x], |t| Ok((t[0].cos()? * &t[1])?))?;
-            let f = ctx.save("f", &[&d], |t| Ok((&t[0] * 1.5)?))?;
-            let read = match captured {
-                "input" => x.clone(),
-                "ferried" => b.clone(),
-                _ => e.clone(),
-            };
-            let c = ctx.recompute("c", &[&f], move |t| Ok((&t[0] * &read)?))?;
-            ctx.save("out", &[&c, &e], |t| Ok((&t[0] + &t[1])?.sum_all()?))
-        });
-        let e = backward(&y.unwrap()).unwrap_err();
-        let named = match captured {
-            // A placeholder computes with NaN: the fingerprint shows it.
-            "placeholder" => {
-                matches!(&e, RematError::ReplayDiverged { statement, .. } if statement == "c")
-            }
-            _ => matches!(&e, RematError::UndeclaredInput { statement, .. } if statement == "c"),
-        };
-        assert!(named, "{captured}: {e:?}");
-    }
-}
-
-#[test]
-fn a_capture_that_makes_a_constant_need_gradients_is_refused() {
-    // `x` needs no gradient, so the forward hands `m` on as a constant; only
-    // the captured `h` (from `w`) makes it depend on a parameter. The saved
-    // `out` kept no way back to `m`: the replay refuses.
-    let (x, w) = (x(), w());
-    let wt = w.as_tensor().clone();
-    let x = x.as_tensor().detach();
-    let y = Region::new("blk")
-        .run(&[&x], move |ctx, ins| {
-            let w = wt.clone();
-            let h = ctx.recompute("h", &[&ins[0]], move |t| Ok(t[0].matmul(&w)?))?;
-            let m = ctx.recompute("m", &[&ins[0]], |t| Ok((t[0].tanh()? + &h)?))?;
-            let w = wt.clone();
-            ctx.save("out", &[&m], move |t| Ok(t[0].matmul(&w)?.sum_all()?))
-        })
-        .unwrap();
-    let e = backward(&y).unwrap_err();
-    assert!(
-        matches!(&e, RematError::UndeclaredInput { statement, .. } if statement == "m"),
-        "{e:?}"
-    );
-}
-
-#[test]
 fn fingerprints_take_integer_and_empty_outputs() {
     // A mask (u8), an empty tensor and a value, recomputed: the replay check
     // passes and the gradient is right.
@@ -317,4 +221,127 @@ fn fingerprints_take_integer_and_empty_outputs() {
         * x.as_tensor().exp().unwrap())
     .unwrap();
     assert!(max_diff(g.get(&x).unwrap(), &expected) < 1e-12);
+}
+
+/// Runs `block` as region `name` twice on `x`. The first forward of a
+/// region looks for undeclared reads and must refuse; the second does not
+/// look (a block's reads are a property of its code), and its result is
+/// returned for the replay's own checks.
+fn twice<F>(name: &str, x: &Tensor, block: F) -> remat_runtime::Result<Tensor>
+where
+    F: Fn(&mut Ctx, &[Tensor]) -> remat_runtime::Result<Tensor> + Clone + Send + Sync + 'static,
+{
+    let first = Region::new(name).run(&[x], block.clone()).unwrap_err();
+    assert!(
+        matches!(&first, RematError::UndeclaredInput { region, .. } if region == name),
+        "first forward: {first:?}"
+    );
+    assert!(
+        first.to_string().contains("declare it as an input"),
+        "{first}"
+    );
+    Region::new(name).run(&[x], block)
+}
+
+fn undeclared(e: &RematError, statement: &str) -> bool {
+    matches!(e, RematError::UndeclaredInput { statement: s, .. } if s == statement)
+}
+
+#[test]
+fn a_captured_output_of_another_unit_is_refused() {
+    // `a` is recomputed in the first unit; `c`, in the unit after the saved
+    // `b`, reads `a` through its closure instead of declaring it.
+    let x = x();
+    let y = twice("blk", x.as_tensor(), |ctx, ins| {
+        let a = ctx.recompute("a", &[&ins[0]], |t| Ok((&t[0] * 2.0)?.sin()?))?;
+        let b = ctx.save("b", &[&ins[0]], |t| Ok((&t[0] * 2.0)?.exp()?))?;
+        ctx.recompute("c", &[&b], |t| Ok((&t[0] + &a)?.sum_all()?))
+    });
+    let e = backward(&y.unwrap()).unwrap_err();
+    assert!(undeclared(&e, "c"), "replay: {e:?}");
+}
+
+#[test]
+fn a_captured_output_of_the_same_unit_is_refused_first_and_right_after() {
+    // Within one unit the capture is harmless to the gradient (one candle
+    // backward sees it), but it is still an undeclared read: under another
+    // plan the two statements could be in different units.
+    let x = x();
+    let y = twice("blk", x.as_tensor(), |ctx, ins| {
+        let a = ctx.recompute("a", &[&ins[0]], |t| Ok((&t[0] * 2.0)?.sin()?))?;
+        let b = ctx.recompute("b", &[&ins[0]], |t| Ok((&t[0] * 2.0)?.exp()?))?;
+        ctx.recompute("c", &[&b], |t| Ok((&t[0] + &a)?.sum_all()?))
+    });
+    let g = y.unwrap().backward().unwrap();
+    let x2 = (x.as_tensor() * 2.0).unwrap();
+    let expected = ((x2.exp().unwrap() + x2.cos().unwrap()).unwrap() * 2.0).unwrap();
+    assert!(max_diff(g.get(&x).unwrap(), &expected) < 1e-12);
+}
+
+#[test]
+fn a_captured_region_input_or_saved_output_is_refused() {
+    // `c` reads, through its closure, the region input or the saved `b`
+    // (both declared by `d`, in another unit: kept for the replay), or the
+    // saved `e` (declared by no recomputed statement: a placeholder in the
+    // replay).
+    for captured in ["input", "ferried", "placeholder"] {
+        let x = x();
+        let name = format!("blk-{captured}");
+        let y = twice(&name, x.as_tensor(), move |ctx, ins| {
+            let x = ins[0].clone();
+            let b = ctx.save("b", &[&x], |t| Ok((&t[0] * 2.0)?.exp()?))?;
+            let e = ctx.save("e", &[&x], |t| Ok((&t[0] * 3.0)?.sin()?))?;
+            let d = ctx.recompute("d", &[&b, &x], |t| Ok((t[0].cos()? * &t[1])?))?;
+            let f = ctx.save("f", &[&d], |t| Ok((&t[0] * 1.5)?))?;
+            let read = match captured {
+                "input" => x.clone(),
+                "ferried" => b.clone(),
+                _ => e.clone(),
+            };
+            let c = ctx.recompute("c", &[&f], move |t| Ok((&t[0] * &read)?))?;
+            ctx.save("out", &[&c, &e], |t| Ok((&t[0] + &t[1])?.sum_all()?))
+        });
+        let e = backward(&y.unwrap()).unwrap_err();
+        let named = match captured {
+            // A placeholder computes with NaN: the fingerprint shows it.
+            "placeholder" => {
+                matches!(&e, RematError::ReplayDiverged { statement, .. } if statement == "c")
+            }
+            _ => undeclared(&e, "c"),
+        };
+        assert!(named, "{captured}, replay: {e:?}");
+    }
+}
+
+#[test]
+fn a_capture_that_makes_a_constant_need_gradients_is_refused() {
+    // `x` needs no gradient, so `m` would be handed on as a constant; only
+    // the captured `h` (from `w`) makes it depend on a parameter, and the
+    // saved `out` would keep no way back to `m`.
+    let w = w();
+    let wt = w.as_tensor().clone();
+    let x = x().as_tensor().detach();
+    let y = twice("blk", &x, move |ctx, ins| {
+        let w = wt.clone();
+        let h = ctx.recompute("h", &[&ins[0]], move |t| Ok(t[0].matmul(&w)?))?;
+        let m = ctx.recompute("m", &[&ins[0]], |t| Ok((t[0].tanh()? + &h)?))?;
+        let w = wt.clone();
+        ctx.save("out", &[&m], move |t| Ok(t[0].matmul(&w)?.sum_all()?))
+    });
+    // The replay sees `m` gain a gradient it did not have in the forward.
+    let e = backward(&y.unwrap()).unwrap_err();
+    assert!(undeclared(&e, "m"), "replay: {e:?}");
+}
+
+#[test]
+fn a_saved_statement_capturing_a_value_is_refused_by_the_first_forward() {
+    // The one capture only the first forward sees: a saved statement's graph
+    // holds no trace of a captured value in later forwards (see "What remat
+    // checks for you" in docs/semantics.md).
+    let x = x();
+    let y = twice("blk", x.as_tensor(), |ctx, ins| {
+        let a = ctx.recompute("a", &[&ins[0]], |t| Ok(t[0].sin()?))?;
+        ctx.save("s", &[&ins[0]], |t| Ok((&t[0] * &a)?.sum_all()?))
+    });
+    assert!(y.is_ok());
 }

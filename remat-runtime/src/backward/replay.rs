@@ -11,7 +11,7 @@ use std::collections::{HashMap, HashSet};
 use candle_core::{Tensor, TensorId};
 
 use super::sweep::Unit;
-use crate::graph::{check_input, make_leaf};
+use crate::graph::{check_input, check_reads, make_leaf};
 use crate::inspect::trace::{self, Phase, TraceEvent};
 use crate::tape::fingerprint::{self, Checks, Subject};
 use crate::tape::{Meta, Record};
@@ -342,20 +342,11 @@ impl Replay {
     /// that unit's backward would never see the gradient through it.
     fn check_declared(&self, region: &str, name: &str, u: usize, outputs: &[Tensor]) -> Result<()> {
         let own = &self.units[u].leaves;
-        for t in outputs.iter().filter(|t| t.track_op()) {
-            for node in t.sorted_nodes() {
-                let foreign = node.is_variable()
-                    && !self.params.contains(&node.id())
-                    && !own.iter().any(|(_, leaf)| leaf.id() == node.id());
-                if foreign {
-                    return Err(RematError::UndeclaredInput {
-                        region: region.to_string(),
-                        statement: name.to_string(),
-                    });
-                }
-            }
-        }
-        Ok(())
+        check_reads(region, name, outputs, |node| {
+            node.is_variable()
+                && !self.params.contains(&node.id())
+                && !own.iter().any(|(_, leaf)| leaf.id() == node.id())
+        })
     }
 
     fn skip_saved<O: Outputs>(

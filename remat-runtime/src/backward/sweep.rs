@@ -44,6 +44,15 @@ fn accumulate(grads: &mut HashMap<TensorId, Tensor>, id: TensorId, g: Tensor) ->
     Ok(())
 }
 
+/// Adds `g` to the gradient in `slot`, or puts it there.
+fn add_to(slot: &mut Option<Tensor>, g: Tensor) -> Result<()> {
+    *slot = Some(match slot.take() {
+        None => g,
+        Some(prev) => (prev + g)?,
+    });
+    Ok(())
+}
+
 /// Gradients by position; `None` where nothing flowed.
 pub(crate) type Grads = Vec<Option<Tensor>>;
 
@@ -98,11 +107,7 @@ pub(crate) fn sweep(
         }
         for (slot, p) in param_grads.iter_mut().zip(params) {
             if let Some(g) = store.get(p) {
-                let g = g.detach();
-                *slot = Some(match slot.take() {
-                    None => g,
-                    Some(prev) => (prev + g)?,
-                });
+                add_to(slot, g.detach())?;
             }
         }
     }
@@ -110,10 +115,7 @@ pub(crate) fn sweep(
     // gradient directly.
     for (slot, p) in param_grads.iter_mut().zip(params) {
         if let Some(g) = grads.remove(&p.id()) {
-            *slot = Some(match slot.take() {
-                None => g,
-                Some(prev) => (prev + g)?,
-            });
+            add_to(slot, g)?;
         }
     }
     let input_grads = inputs.iter().map(|t| grads.remove(&t.id())).collect();

@@ -25,3 +25,23 @@ pub(crate) fn check_input(region: &str, statement: &str, index: usize, t: &Tenso
     }
     Ok(())
 }
+
+/// Checks that the graph of `statement`'s `outputs` reaches no node
+/// `foreign` picks: a leaf of a value the statement read without declaring
+/// it. The forward's check and the replay's both walk with this.
+pub(crate) fn check_reads(
+    region: &str,
+    statement: &str,
+    outputs: &[Tensor],
+    foreign: impl Fn(&Tensor) -> bool,
+) -> Result<()> {
+    for t in outputs.iter().filter(|t| t.track_op()) {
+        if t.sorted_nodes().into_iter().any(&foreign) {
+            return Err(RematError::UndeclaredInput {
+                region: region.to_string(),
+                statement: statement.to_string(),
+            });
+        }
+    }
+    Ok(())
+}

@@ -20,9 +20,9 @@ use super::bytes::{Counter, Seen};
 use super::fingerprint;
 use super::{Meta, Profile, Record, Saved, Source};
 use crate::ambient::CAPTURES_CHECKED;
-use crate::graph::{check_input, make_leaf};
+use crate::graph::{check_input, check_reads, make_leaf};
 use crate::inspect::trace::{self, Phase, TraceEvent};
-use crate::{Outputs, Policy, RematError, Result};
+use crate::{Outputs, Policy, Result};
 
 /// Whether this forward of `region` looks for undeclared reads: the first
 /// on this thread does (a block's reads are a property of its code).
@@ -343,18 +343,9 @@ impl Recorder {
             return Ok(());
         }
         let declared: HashSet<TensorId> = args.iter().map(|t| t.id()).collect();
-        for t in outputs.iter().filter(|t| t.track_op()) {
-            for node in t.sorted_nodes() {
-                let id = node.id();
-                if self.value_leaves.contains(&id) && !declared.contains(&id) {
-                    return Err(RematError::UndeclaredInput {
-                        region: s.region.to_string(),
-                        statement: s.name.to_string(),
-                    });
-                }
-            }
-        }
-        Ok(())
+        check_reads(s.region, s.name, outputs, |node| {
+            self.value_leaves.contains(&node.id()) && !declared.contains(&node.id())
+        })
     }
 
     /// Where each input came from, for the budget planner (measured calls

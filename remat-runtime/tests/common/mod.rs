@@ -36,6 +36,18 @@ pub fn var(dims: &[usize], seed: u64, scale: f64, dtype: DType) -> Var {
 }
 
 /// Largest absolute difference divided by the largest absolute reference value.
+/// Largest absolute element.
+pub fn max_abs(t: &Tensor) -> f64 {
+    t.abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar()
+        .unwrap()
+}
+
 pub fn rel_diff(a: &Tensor, reference: &Tensor) -> f64 {
     assert_eq!(a.dims(), reference.dims());
     let a = a.to_dtype(DType::F64).unwrap().flatten_all().unwrap();

@@ -18,16 +18,7 @@ fn w() -> Var {
 
 /// Largest absolute difference between two gradients.
 fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap()
+    max_abs(&(a - b).unwrap())
 }
 
 #[test]

@@ -19,6 +19,8 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor, Var};
 use proptest::prelude::*;
+
+use crate::common::max_abs;
 use remat_runtime::{Plan, Policy, Region, RematError, StatementInfo};
 
 const N: usize = 4;
@@ -330,18 +332,6 @@ fn run_plain(
         _ => {}
     }
     outs
-}
-
-/// Largest absolute element.
-fn max_abs(t: &Tensor) -> f64 {
-    t.abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar()
-        .unwrap()
 }
 
 /// Whether `e` is one of the errors that name a misuse.

@@ -1,24 +1,24 @@
 //! Names, static dataflow and the semantic checks of a parsed block.
 //!
-//! About 400 lines: the `Analyser` and the token helpers it alone uses
-//! (`mentions`, `format_args`, `bound`, `single`) form one pass.
-
 use std::collections::{HashMap, HashSet};
 
-use proc_macro2::{Span, TokenStream, TokenTree};
-use quote::ToTokens;
-use syn::visit::Visit;
-use syn::{Expr, Ident, Pat};
+use proc_macro2::Span;
+use syn::{Expr, Ident};
 
 use crate::errors::Errors;
 use crate::model::{AnnotationKind, Block, StmtKind};
+use crate::usage::{assigned, bound, locals, mentions, moved, single};
 
 /// A binding a statement reads.
 #[derive(Debug, Clone)]
 pub(crate) struct Read {
+    /// The name, spanned at its first mention in the statement.
     pub ident: Ident,
-    /// A `&T` parameter: the statement sees a reference to its own copy.
-    pub by_ref: bool,
+    /// The parameter it is, if it is a borrowed one (`&T`, `Option<&T>`):
+    /// the statement reads the region's own copy and sees a reference.
+    pub borrowed_param: Option<usize>,
+    /// Declared `mut`: the statement may change it, and gives it back.
+    pub mutable: bool,
 }
 
 /// What the analysis found for one statement.
@@ -31,8 +31,12 @@ pub(crate) struct StatementAnalysis {
     pub kind: Option<AnnotationKind>,
     /// The bindings it reads, in order of first use.
     pub reads: Vec<Read>,
-    /// Owned bindings whose last reader this statement is: dropped after it.
+    /// Owned bindings whose last reader this statement is, or that it
+    /// moves: dropped after it (a later read of a moved binding is then
+    /// rustc's "use of moved value", as without the macro).
     pub releases: Vec<Ident>,
+    /// The `mut` bindings it reads, given back as outputs after its value.
+    pub inouts: Vec<Ident>,
 }
 
 /// What the analysis found for a block: per statement, and for the tail.
@@ -66,100 +70,14 @@ fn passthrough(tail: &Expr, reads: &[usize], bindings: &[Binding]) -> Option<Ide
 
 struct Binding {
     ident: Ident,
-    by_ref: bool,
+    /// For a parameter passed by reference, its index.
+    borrowed_param: Option<usize>,
+    mutable: bool,
     /// The statement that bound it; `None` for parameters.
     producer: Option<usize>,
     last_reader: Option<usize>,
-}
-
-/// Identifiers an expression mentions, in order, with the span of their first
-/// use: paths of one segment, identifiers inside macro invocations, and
-/// inline arguments of format strings (`"{x}"`).
-fn mentions(expr: &Expr) -> Vec<(String, Span)> {
-    struct Collect(Vec<(String, Span)>);
-    impl Collect {
-        fn add(&mut self, name: String, span: Span) {
-            if !self.0.iter().any(|(n, _)| *n == name) {
-                self.0.push((name, span));
-            }
-        }
-        fn tokens(&mut self, ts: TokenStream) {
-            for tt in ts {
-                match tt {
-                    TokenTree::Ident(i) => self.add(i.to_string(), i.span()),
-                    TokenTree::Group(g) => self.tokens(g.stream()),
-                    TokenTree::Literal(l) => {
-                        if let Ok(s) = syn::parse2::<syn::LitStr>(l.to_token_stream()) {
-                            for name in format_args(&s.value()) {
-                                self.add(name, l.span());
-                            }
-                        }
-                    }
-                    TokenTree::Punct(_) => {}
-                }
-            }
-        }
-    }
-    impl<'ast> Visit<'ast> for Collect {
-        fn visit_expr_path(&mut self, p: &'ast syn::ExprPath) {
-            if p.qself.is_none() && p.path.segments.len() == 1 {
-                let seg = &p.path.segments[0];
-                self.add(seg.ident.to_string(), seg.ident.span());
-            }
-            syn::visit::visit_expr_path(self, p);
-        }
-        fn visit_macro(&mut self, m: &'ast syn::Macro) {
-            self.tokens(m.tokens.clone());
-        }
-    }
-    let mut c = Collect(Vec::new());
-    c.visit_expr(expr);
-    c.0
-}
-
-/// Inline arguments of a format string: `{x}`, `{x:?}`, `{x:>8}`.
-fn format_args(s: &str) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut rest = s;
-    while let Some(open) = rest.find('{') {
-        rest = &rest[open + 1..];
-        if rest.starts_with('{') {
-            rest = &rest[1..];
-            continue;
-        }
-        let end = rest.find(['}', ':']).unwrap_or(rest.len());
-        let name = &rest[..end];
-        if !name.is_empty()
-            && name.chars().all(|c| c.is_alphanumeric() || c == '_')
-            && !name.chars().next().is_some_and(|c| c.is_ascii_digit())
-        {
-            out.push(name.to_string());
-        }
-    }
-    out
-}
-
-/// The identifiers a pattern binds.
-pub(crate) fn bound(pat: &Pat) -> Vec<Ident> {
-    struct Collect(Vec<Ident>);
-    impl<'ast> Visit<'ast> for Collect {
-        fn visit_pat_ident(&mut self, p: &'ast syn::PatIdent) {
-            self.0.push(p.ident.clone());
-            syn::visit::visit_pat_ident(self, p);
-        }
-    }
-    let mut c = Collect(Vec::new());
-    c.visit_pat(pat);
-    c.0
-}
-
-/// The single identifier a pattern binds (`x`, `mut x`, `x: T`), if it is one.
-fn single(pat: &Pat) -> Option<&Ident> {
-    match pat {
-        Pat::Ident(p) if p.subpat.is_none() => Some(&p.ident),
-        Pat::Type(t) => single(&t.pat),
-        _ => None,
-    }
+    /// The statement that moved it, if any, and where.
+    moved_by: Option<(usize, Span)>,
 }
 
 /// Analyses `block`: dataflow, names and releases, with the semantic errors
@@ -167,7 +85,7 @@ fn single(pat: &Pat) -> Option<&Ident> {
 pub(crate) fn analyse(block: &Block, errors: &mut Errors) -> Analysis {
     let mut a = Analyser::new(block, errors);
     let reads = a.dataflow();
-    let names = a.names();
+    let names = a.names(&reads);
     a.finish(reads, names)
 }
 
@@ -183,10 +101,13 @@ struct Analyser<'a> {
     kinds: Vec<Option<AnnotationKind>>,
 }
 
-/// Which bindings each statement reads, and which the tail reads.
+/// Which bindings each statement reads (with the span of the first
+/// mention), and which the tail reads.
 struct Reads {
-    statements: Vec<Vec<usize>>,
-    tail: Vec<usize>,
+    statements: Vec<Vec<(usize, Span)>>,
+    /// Per statement, the `mut` bindings it gives back.
+    inouts: Vec<Vec<usize>>,
+    tail: Vec<(usize, Span)>,
 }
 
 impl<'a> Analyser<'a> {
@@ -194,11 +115,14 @@ impl<'a> Analyser<'a> {
         let bindings: Vec<Binding> = block
             .params
             .iter()
-            .map(|p| Binding {
+            .enumerate()
+            .map(|(i, p)| Binding {
                 ident: p.ident.clone(),
-                by_ref: p.by_ref,
+                borrowed_param: p.borrowed().then_some(i),
+                mutable: p.mutable,
                 producer: None,
                 last_reader: None,
+                moved_by: None,
             })
             .collect();
         let current = bindings
@@ -221,41 +145,113 @@ impl<'a> Analyser<'a> {
     }
 
     /// Dataflow: who reads which binding, statement by statement, and the
-    /// tail.
+    /// tail; which bindings each statement moves and gives back.
     fn dataflow(&mut self) -> Reads {
         let block = self.block;
         let mut statements = Vec::new();
+        let mut inouts = Vec::new();
         for (i, stmt) in block.statements.iter().enumerate() {
             let forward_only = self.kinds[i] == Some(AnnotationKind::ForwardOnly);
-            match &stmt.kind {
-                StmtKind::Let { pat, init } => {
-                    statements.push(self.resolve(init, i, forward_only));
-                    for ident in bound(pat) {
-                        self.current.insert(ident.to_string(), self.bindings.len());
-                        self.bindings.push(Binding {
-                            ident,
-                            by_ref: false,
-                            producer: Some(i),
-                            last_reader: None,
-                        });
+            let (expr, pat) = match &stmt.kind {
+                StmtKind::Let { pat, init } => (init, Some(pat)),
+                StmtKind::Expr(e) => (e, None),
+                StmtKind::Item(_) => {
+                    statements.push(Vec::new());
+                    inouts.push(Vec::new());
+                    continue;
+                }
+            };
+            let reads = self.resolve(expr, i, forward_only);
+            let mut given = Vec::new();
+            if !forward_only {
+                let moved = self.moves(expr, i);
+                let assigned: Vec<String> = assigned(expr).into_iter().map(|(n, _)| n).collect();
+                let rebound: Vec<String> = pat
+                    .map(|p| bound(p).iter().map(|(i, _)| i.to_string()).collect())
+                    .unwrap_or_default();
+                // A `mut` binding it reads is given back as a new binding,
+                // unless the statement moved it away (and did not assign it
+                // again) or binds the name anew.
+                for &(b, _) in &reads {
+                    let name = self.bindings[b].ident.to_string();
+                    if self.bindings[b].mutable
+                        && (!moved.contains(&b) || assigned.contains(&name))
+                        && !rebound.contains(&name)
+                    {
+                        given.push(b);
+                        let ident = self.bindings[b].ident.clone();
+                        self.bind(ident, true, i);
                     }
                 }
-                StmtKind::Expr(e) => statements.push(self.resolve(e, i, forward_only)),
-                StmtKind::Item(_) => statements.push(Vec::new()),
             }
+            if let Some(pat) = pat {
+                for (ident, mutable) in bound(pat) {
+                    self.bind(ident, mutable, i);
+                }
+            }
+            statements.push(reads);
+            inouts.push(given);
         }
         let n = block.statements.len();
         let tail = match &block.tail {
             Some(t) => self.resolve(t, n, false),
             None => Vec::new(),
         };
-        Reads { statements, tail }
+        Reads {
+            statements,
+            inouts,
+            tail,
+        }
+    }
+
+    /// A new binding of `ident` by statement `producer`.
+    fn bind(&mut self, ident: Ident, mutable: bool, producer: usize) {
+        self.current.insert(ident.to_string(), self.bindings.len());
+        self.bindings.push(Binding {
+            ident,
+            borrowed_param: None,
+            mutable,
+            producer: Some(producer),
+            last_reader: None,
+            moved_by: None,
+        });
+    }
+
+    /// Records the owned bindings statement `i` moves, and returns them.
+    fn moves(&mut self, expr: &Expr, i: usize) -> Vec<usize> {
+        let mut out = Vec::new();
+        for (name, span) in moved(expr) {
+            if let Some(&b) = self.current.get(&name) {
+                let binding = &mut self.bindings[b];
+                if binding.borrowed_param.is_none() && binding.moved_by.is_none() {
+                    binding.moved_by = Some((i, span));
+                    out.push(b);
+                }
+            }
+        }
+        out
     }
 
     /// The bindings `expr`, read by statement `reader` (the tail's index is
     /// the number of statements), mentions; refuses reads of forward-only
-    /// bindings from statements that replay.
-    fn resolve(&mut self, expr: &Expr, reader: usize, forward_only: bool) -> Vec<usize> {
+    /// bindings from statements that replay, and assignments to bindings
+    /// not declared `mut`.
+    fn resolve(&mut self, expr: &Expr, reader: usize, forward_only: bool) -> Vec<(usize, Span)> {
+        let local = locals(expr);
+        for (name, span) in assigned(expr) {
+            let Some(&b) = self.current.get(&name) else {
+                continue;
+            };
+            if !self.bindings[b].mutable && !local.contains(&name) {
+                self.errors.push(
+                    span,
+                    format!(
+                        "cannot assign to `{name}`, which is not declared `mut`: write \
+                         `let mut {name} = ...` where it is bound"
+                    ),
+                );
+            }
+        }
         let mut out = Vec::new();
         for (name, span) in mentions(expr) {
             let Some(&b) = self.current.get(&name) else {
@@ -275,14 +271,14 @@ impl<'a> Analyser<'a> {
                 }
             }
             self.bindings[b].last_reader = Some(reader);
-            out.push(b);
+            out.push((b, span));
         }
         out
     }
 
     /// Names: explicit ones first (checked for duplicates), then the rest
     /// from their bindings, made unique.
-    fn names(&mut self) -> Vec<String> {
+    fn names(&mut self, reads: &Reads) -> Vec<String> {
         let block = self.block;
         let n = block.statements.len();
         let mut names = vec![String::new(); n];
@@ -325,11 +321,22 @@ impl<'a> Analyser<'a> {
                     Some(ident) => ident.to_string(),
                     None => {
                         let idents: Vec<String> =
-                            bound(pat).iter().map(|i| i.to_string()).collect();
+                            bound(pat).iter().map(|(i, _)| i.to_string()).collect();
                         format!("({})", idents.join(", "))
                     }
                 }),
-                StmtKind::Expr(_) => fresh(format!("(statement {})", i + 1)),
+                // Named after the `mut` bindings it gives back, if any.
+                StmtKind::Expr(_) => {
+                    let given: Vec<String> = reads.inouts[i]
+                        .iter()
+                        .map(|&b| self.bindings[b].ident.to_string())
+                        .collect();
+                    fresh(match given.len() {
+                        0 => format!("(statement {})", i + 1),
+                        1 => given[0].clone(),
+                        _ => format!("({})", given.join(", ")),
+                    })
+                }
                 StmtKind::Item(_) => String::new(),
             };
         }
@@ -374,28 +381,42 @@ impl<'a> Analyser<'a> {
         let n = block.statements.len();
         let mut releases: Vec<Vec<Ident>> = vec![Vec::new(); n];
         for b in &self.bindings {
-            if let Some(r) = b.last_reader {
-                if r < n && !b.by_ref {
-                    releases[r].push(b.ident.clone());
-                }
+            if b.borrowed_param.is_some() {
+                continue;
+            }
+            let release = match (b.moved_by, b.last_reader) {
+                (Some((m, span)), _) => Some((m, Ident::new(&b.ident.to_string(), span))),
+                (None, r) => r.map(|r| (r, b.ident.clone())),
+            };
+            if let Some((r, ident)) = release.filter(|&(r, _)| r < n) {
+                releases[r].push(ident);
             }
         }
-        let to_reads = |ids: &[usize]| -> Vec<Read> {
+        let to_reads = |ids: &[(usize, Span)]| -> Vec<Read> {
             ids.iter()
-                .map(|&b| Read {
-                    ident: self.bindings[b].ident.clone(),
-                    by_ref: self.bindings[b].by_ref,
+                .map(|&(b, span)| {
+                    let binding = &self.bindings[b];
+                    Read {
+                        ident: Ident::new(&binding.ident.to_string(), span),
+                        borrowed_param: binding.borrowed_param,
+                        mutable: binding.mutable,
+                    }
                 })
                 .collect()
         };
+        let tail_reads: Vec<usize> = reads.tail.iter().map(|&(b, _)| b).collect();
         let tail_passthrough = block
             .tail
             .as_ref()
-            .and_then(|t| passthrough(t, &reads.tail, &self.bindings));
+            .and_then(|t| passthrough(t, &tail_reads, &self.bindings));
         let statements = (0..n)
             .map(|i| StatementAnalysis {
                 name: std::mem::take(&mut names[i]),
                 kind: self.kinds[i],
+                inouts: reads.inouts[i]
+                    .iter()
+                    .map(|&b| self.bindings[b].ident.clone())
+                    .collect(),
                 reads: to_reads(&reads.statements[i]),
                 releases: std::mem::take(&mut releases[i]),
             })

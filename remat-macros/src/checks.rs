@@ -1,8 +1,7 @@
 //! What the replay cannot run faithfully, refused at the statement it is
-//! written in: assignments, `return` in the middle, annotations below the
-//! top level, annotations on expressions.
+//! written in: `return` in the middle, annotations below the top level,
+//! annotations on expressions and on the block's result.
 
-use syn::spanned::Spanned;
 use syn::visit::Visit;
 use syn::{Attribute, Expr};
 
@@ -28,37 +27,8 @@ pub(crate) fn check_statement_expr(
             );
         }
     }
-    let assigned = match expr {
-        Expr::Assign(a) => Some(a.left.span()),
-        Expr::Binary(b) if is_compound_assign(&b.op) => Some(b.left.span()),
-        _ => None,
-    };
-    if let Some(span) = assigned {
-        errors.push(
-            span,
-            "assignment in a remat! block: statements run again in the replay, so the assignment \
-             would happen twice; bind a new value with `let` instead",
-        );
-    }
     check_nested(expr, errors);
     check_return(expr, errors, false);
-}
-
-fn is_compound_assign(op: &syn::BinOp) -> bool {
-    use syn::BinOp::*;
-    matches!(
-        op,
-        AddAssign(_)
-            | SubAssign(_)
-            | MulAssign(_)
-            | DivAssign(_)
-            | RemAssign(_)
-            | BitXorAssign(_)
-            | BitAndAssign(_)
-            | BitOrAssign(_)
-            | ShlAssign(_)
-            | ShrAssign(_)
-    )
 }
 
 /// Annotations anywhere below the top level.
@@ -128,4 +98,18 @@ pub(crate) fn check_return(expr: &Expr, errors: &mut Errors, in_tail: bool) {
         fn visit_item(&mut self, _: &'ast syn::Item) {}
     }
     Returns { errors, in_tail }.visit_expr(expr);
+}
+
+/// An annotation on the block's result (its tail expression).
+pub(crate) fn check_tail_annotation(annotation: Option<&Annotation>, errors: &mut Errors) {
+    if let Some(a) = annotation {
+        let attr = a.kind.attr();
+        errors.push_spanned(
+            &a.tokens,
+            format!(
+                "{attr} on the block's result: the result is not a statement of its own; bind \
+                 it first, `{attr} let y = ...;`, and end the block with `Ok(y)`"
+            ),
+        );
+    }
 }

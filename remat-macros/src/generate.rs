@@ -1,5 +1,9 @@
 //! The code of a checkpointed block: a function that runs its body as a
 //! `remat_runtime::Region`, every top-level statement a runtime statement.
+//!
+//! Everything rustc type-checks is written out here (no helper macros), and
+//! every check that can fail on the user's code is spanned at the user's
+//! tokens: see `remat_runtime::__private` for the dispatch and the checks.
 
 use proc_macro2::Span;
 use proc_macro2::TokenStream;
@@ -8,36 +12,118 @@ use syn::spanned::Spanned;
 use syn::Ident;
 
 use crate::analyse::{Analysis, Read, StatementAnalysis};
-use crate::model::{AnnotationKind, Block, StmtKind};
+use crate::model::{AnnotationKind, Block, Param, Passing, StmtKind};
 
-/// A call of a runtime statement method computing `body` from `reads`,
-/// spanned at the user's statement so that type errors point there.
+const PRIVATE: &str = "::remat_runtime::__private";
+
+fn private() -> TokenStream {
+    PRIVATE.parse().expect("a path")
+}
+
+/// The region's own copy of a borrowed parameter (hidden from the body).
+fn owned(ident: &Ident) -> Ident {
+    format_ident!("__remat_owned_{}", ident, span = Span::mixed_site())
+}
+
+/// `let #ident = <the view of the region's own copy>;` for a borrowed
+/// parameter: `&T` or `Option<&T>` again.
+fn view(param: &Param, ident: &Ident, copy: &Ident) -> TokenStream {
+    match &param.passing {
+        Passing::Ref(ty) => quote! {
+            #[allow(unused_variables)]
+            let #ident: &#ty = ::core::borrow::Borrow::borrow(&#copy);
+        },
+        Passing::OptionRef(ty) => quote! {
+            #[allow(unused_variables)]
+            let #ident: ::core::option::Option<&#ty> =
+                ::core::option::Option::as_ref(&#copy).map(::core::borrow::Borrow::borrow);
+        },
+        Passing::Value => quote! {},
+    }
+}
+
+/// The statement inputs of `reads` (their tensors, in order), with the
+/// check that each can be read, spanned at its mention.
+fn inputs(reads: &[Read]) -> TokenStream {
+    let p = private();
+    let mut out = TokenStream::new();
+    for r in reads {
+        let ident = &r.ident;
+        let span = ident.span();
+        match r.borrowed_param {
+            Some(_) => {
+                let copy = owned(ident);
+                out.extend(quote_spanned! {span=>
+                    (&&&&#p::Probe(&#copy)).tensors(&mut __remat_inputs);
+                });
+            }
+            None => out.extend(quote_spanned! {span=>
+                let _: &dyn ::remat_runtime::rules::Readable = (&&&&#p::Probe(&#ident)).tensors(&mut __remat_inputs);
+            }),
+        }
+    }
+    quote! {{
+        #[allow(unused_mut)]
+        let mut __remat_inputs = ::std::vec::Vec::new();
+        #out
+        __remat_inputs
+    }}
+}
+
+/// Inside a statement: each name it reads rebound to the value rebuilt from
+/// the tensors the runtime handed the statement.
+fn rebinds(reads: &[Read], params: &[Param]) -> TokenStream {
+    let p = private();
+    let mut out = quote! {
+        #[allow(unused_mut, unused_variables)]
+        let mut __remat_it = __remat_args.iter().cloned();
+    };
+    for r in reads {
+        let ident = &r.ident;
+        match r.borrowed_param {
+            Some(i) => {
+                let copy = owned(ident);
+                let view = view(&params[i], ident, &copy);
+                out.extend(quote! {
+                    let #copy = (&&&&#p::Probe(&#copy)).rebuild(&mut __remat_it)?;
+                    #view
+                });
+            }
+            None => {
+                let mutability = r.mutable.then(|| quote!(mut));
+                out.extend(quote! {
+                    #[allow(unused_mut, unused_variables)]
+                    let #mutability #ident = (&&&&#p::Probe(&#ident)).rebuild(&mut __remat_it)?;
+                });
+            }
+        }
+    }
+    out
+}
+
+/// A statement computing `body` (which ends by giving `__remat_value`) from
+/// `reads`, through the statement method `method`; the closure's result is
+/// `__remat_value` and the `mut` bindings it gives back.
 fn statement_call(
     span: Span,
     method: &str,
     name: &str,
     reads: &[Read],
+    params: &[Param],
     body: TokenStream,
 ) -> TokenStream {
-    let method = Ident::new(method, span);
-    let reads: Vec<TokenStream> = reads
-        .iter()
-        .map(|Read { ident, by_ref }| match by_ref {
-            true => quote!(ref #ident),
-            false => quote!(own #ident),
-        })
-        .collect();
-    if reads.is_empty() {
-        return quote_spanned! {span=>
-            __remat_ctx.#method(#name, ::std::vec::Vec::new(), |_| { #body })?
-        };
-    }
+    let p = private();
+    let method = Ident::new(method, Span::call_site());
+    let inputs = inputs(reads);
+    let rebinds = rebinds(reads, params);
     quote_spanned! {span=>
-        __remat_ctx.#method(
+        <_ as ::remat_runtime::rules::StatementValue>::run(
+            __remat_ctx,
+            #p::Method::#method,
             #name,
-            ::remat_runtime::__remat_inputs![#(#reads),*],
+            #inputs,
             |__remat_args| {
-                ::remat_runtime::__remat_rebind!(__remat_args; #(#reads),*);
+                #rebinds
                 #body
             },
         )?
@@ -46,55 +132,107 @@ fn statement_call(
 
 fn method(statement: &StatementAnalysis) -> &'static str {
     match statement.kind {
-        Some(AnnotationKind::Save) => "save",
-        Some(AnnotationKind::Offload) => "offload",
-        Some(AnnotationKind::Recompute) => "recompute",
-        _ => "open",
+        Some(AnnotationKind::Save) => "Save",
+        Some(AnnotationKind::Offload) => "Offload",
+        Some(AnnotationKind::Recompute) => "Recompute",
+        _ => "Open",
     }
 }
 
+/// Drops bindings after their last reader, or where the statement moved
+/// them (the ident is spanned there: a later read is rustc's "use of moved
+/// value", pointing at the move).
 fn releases(idents: &[Ident]) -> TokenStream {
-    quote! { #(::remat_runtime::__private::release(#idents);)* }
+    quote! { #(let _ = { #idents };)* }
+}
+
+/// `Ok(value)` or `Ok((value, given back...))`.
+fn give(value: TokenStream, inouts: &[Ident]) -> TokenStream {
+    if inouts.is_empty() {
+        quote! { ::core::result::Result::Ok(#value) }
+    } else {
+        quote! { ::core::result::Result::Ok((#value, #(#inouts),*)) }
+    }
+}
+
+/// The statement's value checks, spanned at its code: not a `Result`, and
+/// (for `#[save]`/`#[offload]`) holding a tensor.
+fn value_checks(span: Span, statement: &StatementAnalysis) -> TokenStream {
+    let p = private();
+    let mut out = quote_spanned! {span=>
+        let _: &dyn ::remat_runtime::rules::Unwrapped = (&&#p::Probe(&__remat_value)).unwrapped();
+    };
+    if matches!(
+        statement.kind,
+        Some(AnnotationKind::Save | AnnotationKind::Offload)
+    ) {
+        out.extend(quote_spanned! {span=>
+            let _: &dyn ::remat_runtime::rules::HoldsTensors = (&&#p::Probe(&__remat_value)).saveable();
+        });
+    }
+    out
 }
 
 pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
+    let p = private();
     let func = &block.func;
     let (attrs, vis, sig) = (&func.attrs, &func.vis, &func.sig);
     let region = sig.ident.to_string();
+    let params = &block.params;
 
-    // The region's inputs are the tensors of the parameters; the body owns
-    // copies of the `&T` parameters (it runs again in the backward) and sees
-    // them as references again.
-    let mut inputs = Vec::new();
+    // The region keeps its own copy of every parameter (the body runs again
+    // in the backward, after this call returned): owned ones are moved in,
+    // borrowed ones copied with `ToOwned`. Its inputs are their tensors.
     let mut copies = TokenStream::new();
-    let mut rebinds = Vec::new();
-    for p in &block.params {
-        let ident = &p.ident;
-        if p.by_ref {
-            inputs.push(quote!(ref #ident));
-            copies.extend(quote! { let #ident = ::core::clone::Clone::clone(#ident); });
-            rebinds.push(quote!(as_ref #ident));
-        } else {
-            inputs.push(quote!(own #ident));
-            rebinds.push(match p.mutable {
-                true => quote!(own_mut #ident),
-                false => quote!(own #ident),
-            });
+    let mut region_inputs = TokenStream::new();
+    let mut region_rebinds = TokenStream::new();
+    for param in params {
+        let ident = &param.ident;
+        let copy = match param.passing {
+            Passing::Value => ident.clone(),
+            _ => owned(ident),
+        };
+        match &param.passing {
+            Passing::Value => {}
+            Passing::Ref(ty) => copies.extend(quote_spanned! {ty.span()=>
+                let #copy = <#ty as ::std::borrow::ToOwned>::to_owned(#ident);
+            }),
+            Passing::OptionRef(ty) => copies.extend(quote_spanned! {ty.span()=>
+                let #copy = #ident.map(<#ty as ::std::borrow::ToOwned>::to_owned);
+            }),
         }
+        // A borrowed parameter's copy is `Clone` (`ToOwned` said so, or
+        // reported it); an owned one is checked here.
+        region_inputs.extend(match param.passing {
+            Passing::Value => quote_spanned! {ident.span()=>
+                let _: &dyn ::remat_runtime::rules::Readable =
+                    (&&&&#p::Probe(&#copy)).tensors(&mut __remat_inputs);
+            },
+            _ => quote! { (&&&&#p::Probe(&#copy)).tensors(&mut __remat_inputs); },
+        });
+        let mutability = param.mutable.then(|| quote!(mut));
+        let view = view(param, ident, &copy);
+        region_rebinds.extend(quote! {
+            #[allow(unused_mut, unused_variables)]
+            let #mutability #copy = (&&&&#p::Probe(&#copy)).rebuild(&mut __remat_it)?;
+            #view
+        });
     }
 
     let mut body = TokenStream::new();
-    for (i, (stmt, sp)) in block
+    for (i, (stmt, sa)) in block
         .statements
         .iter()
         .zip(&analysis.statements)
         .enumerate()
     {
         let attrs = &stmt.attrs;
-        let name = sp.name.as_str();
-        let release = releases(&sp.releases);
+        let name = sa.name.as_str();
+        let release = releases(&sa.releases);
         let value = format_ident!("__remat_s{}", i + 1);
-        match (&stmt.kind, sp.kind) {
+        let inouts = &sa.inouts;
+        let allow_mut = (!inouts.is_empty()).then(|| quote!(#[allow(unused_mut)]));
+        match (&stmt.kind, sa.kind) {
             (StmtKind::Item(item), _) => body.extend(quote! { #item }),
             (StmtKind::Let { pat, init }, Some(AnnotationKind::ForwardOnly)) => {
                 body.extend(quote! {
@@ -111,34 +249,73 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
                 #release
             }),
             (StmtKind::Let { pat, init }, _) => {
+                let span = init.span();
+                let checks = value_checks(span, sa);
+                // `let x: T = ...`: the value is a `T` (it may be what
+                // decides an `.into()`).
+                let annotation = match pat {
+                    syn::Pat::Type(t) => {
+                        let ty = &t.ty;
+                        quote!(: #ty)
+                    }
+                    _ => quote!(),
+                };
+                let give = give(quote!(__remat_value), inouts);
                 let call = statement_call(
-                    init.span(),
-                    method(sp),
+                    span,
+                    method(sa),
                     name,
-                    &sp.reads,
-                    quote_spanned! {init.span()=> ::core::result::Result::Ok(#init) },
+                    &sa.reads,
+                    params,
+                    quote_spanned! {span=>
+                        let __remat_value #annotation = #init;
+                        #checks
+                        #give
+                    },
                 );
-                body.extend(if sp.releases.is_empty() {
-                    quote! { #(#attrs)* let #pat = #call; }
+                let allow_pat_mut =
+                    crate::usage::binds_mut(pat).then(|| quote!(#[allow(unused_mut)]));
+                body.extend(if inouts.is_empty() && sa.releases.is_empty() {
+                    quote! {
+                        #allow_pat_mut
+                        #(#attrs)* let #pat = #call;
+                    }
+                } else if inouts.is_empty() {
+                    quote! {
+                        let #value = #call;
+                        #release
+                        #allow_pat_mut
+                        #(#attrs)* let #pat = #value;
+                    }
                 } else {
                     quote! {
                         let #value = #call;
                         #release
-                        #(#attrs)* let #pat = #value;
+                        #allow_mut
+                        let (__remat_value, #(mut #inouts),*) = #value;
+                        #allow_pat_mut
+                        #(#attrs)* let #pat = __remat_value;
                     }
                 });
             }
             (StmtKind::Expr(e), _) => {
+                let given = match inouts.len() {
+                    0 => quote! { ::core::result::Result::Ok(()) },
+                    1 => quote! { ::core::result::Result::Ok(#(#inouts)*) },
+                    _ => quote! { ::core::result::Result::Ok((#(#inouts),*)) },
+                };
                 let call = statement_call(
                     e.span(),
-                    method(sp),
+                    method(sa),
                     name,
-                    &sp.reads,
-                    quote! { #(#attrs)* #e; ::core::result::Result::Ok(()) },
+                    &sa.reads,
+                    params,
+                    quote! { #(#attrs)* #e; #given },
                 );
-                body.extend(quote! {
-                    let () = #call;
-                    #release
+                body.extend(match inouts.len() {
+                    0 => quote! { let () = #call; #release },
+                    1 => quote! { let #value = #call; #release #allow_mut let #(mut #inouts)* = #value; },
+                    _ => quote! { let #value = #call; #release #allow_mut let (#(mut #inouts),*) = #value; },
                 });
             }
         }
@@ -150,12 +327,13 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
             None => {
                 let call = statement_call(
                     tail.span(),
-                    "open",
+                    "Open",
                     "(return)",
                     &analysis.tail_reads,
+                    params,
                     quote! {
-                        let __remat_v: #ret = #tail;
-                        ::remat_runtime::__private::tail(__remat_v)
+                        let __remat_value: #ret = #tail;
+                        #p::tail(__remat_value)
                     },
                 );
                 quote! { ::core::result::Result::Ok(#call) }
@@ -164,24 +342,48 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
         None => quote! { ::core::unreachable!() },
     };
 
-    quote! {
-        #(#attrs)*
-        #vis #sig {
-            let __remat_inputs = ::remat_runtime::__remat_inputs![#(#inputs),*];
+    let body = braces(
+        block,
+        quote! {
+            #[allow(unused_imports)]
+            use #p::{
+                CheckPlain as _, CheckTensors as _, CheckUnwrapped as _, CheckValue as _,
+                Unreadable as _, ViaClone as _, ViaResult as _, ViaTensor as _,
+            };
             #copies
+            let __remat_inputs = {
+                #[allow(unused_mut)]
+                let mut __remat_inputs = ::std::vec::Vec::new();
+                #region_inputs
+                __remat_inputs
+            };
             // Statement bodies are wrapped as `Ok(body)`, and bodies end in `?`.
             #[allow(clippy::needless_question_mark)]
-            let __remat_out = ::remat_runtime::__private::region(#region).run(
+            let __remat_out = #p::region(#region).run(
                 __remat_inputs,
                 move |__remat_ctx, __remat_args| {
-                    ::remat_runtime::__remat_rebind!(__remat_args; #(#rebinds),*);
+                    #[allow(unused_mut, unused_variables)]
+                    let mut __remat_it = __remat_args.iter().cloned();
+                    #region_rebinds
                     #body
                     #result
                 },
             )?;
             ::core::result::Result::Ok(__remat_out)
-        }
+        },
+    );
+    quote! {
+        #(#attrs)*
+        #vis #sig #body
     }
+}
+
+/// `{ inner }` with the span of the user's braces: the function is then the
+/// user's item to rustc's lints (an unused block is dead code, as any fn).
+fn braces(block: &Block, inner: TokenStream) -> proc_macro2::Group {
+    let mut g = proc_macro2::Group::new(proc_macro2::Delimiter::Brace, inner);
+    g.set_span(block.func.block.brace_token.span.join());
+    g
 }
 
 /// What a block with errors expands to: its signature with a body that never
@@ -189,11 +391,13 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
 pub(crate) fn stub(block: &Block) -> TokenStream {
     let func = &block.func;
     let (attrs, vis, sig) = (&func.attrs, &func.vis, &func.sig);
+    let body = braces(
+        block,
+        quote! { ::core::unreachable!("remat! reported errors for this block") },
+    );
     quote! {
         #(#attrs)*
         #[allow(unused_variables, unreachable_code)]
-        #vis #sig {
-            ::core::unreachable!("remat! reported errors for this block")
-        }
+        #vis #sig #body
     }
 }

@@ -23,6 +23,7 @@ mod errors;
 mod generate;
 mod model;
 mod parse;
+mod usage;
 
 use proc_macro2::TokenStream;
 

@@ -43,12 +43,32 @@ pub(crate) struct Annotation {
     pub tokens: TokenStream,
 }
 
+/// How a parameter is passed, which decides how the region keeps its own
+/// copy of it (the body runs again in the backward, after the call
+/// returned).
+pub(crate) enum Passing {
+    /// `x: T`: moved into the region.
+    Value,
+    /// `x: &T` (also `&[T]`, `&str`): the region keeps `T::to_owned()`;
+    /// the body sees `&T` borrowed from it. Holds `T`, lifetime elided.
+    Ref(Type),
+    /// `x: Option<&T>`: the region keeps `Option<T::Owned>`; the body sees
+    /// `Option<&T>`. Holds `T`, lifetime elided.
+    OptionRef(Type),
+}
+
 /// A function parameter of the block.
 pub(crate) struct Param {
     pub ident: syn::Ident,
     pub mutable: bool,
-    /// `x: &T`: the body sees a reference to its own copy.
-    pub by_ref: bool,
+    pub passing: Passing,
+}
+
+impl Param {
+    /// The body sees a reference into the region's own copy.
+    pub fn borrowed(&self) -> bool {
+        !matches!(self.passing, Passing::Value)
+    }
 }
 
 pub(crate) enum StmtKind {

@@ -7,9 +7,9 @@ use syn::spanned::Spanned;
 use syn::{Expr, FnArg, ItemFn, Pat, Stmt, Type};
 
 use crate::attributes::{annotations, expr_attrs, strip_attrs};
-use crate::checks::{check_nested, check_return, check_statement_expr};
+use crate::checks::{check_nested, check_return, check_statement_expr, check_tail_annotation};
 use crate::errors::Errors;
-use crate::model::{Block, Param, Statement, StmtKind};
+use crate::model::{Block, Param, Passing, Statement, StmtKind};
 
 struct Items(Vec<ItemFn>);
 
@@ -65,28 +65,34 @@ fn parse_fn(func: ItemFn, errors: &mut Errors) -> Block {
                         continue;
                     }
                 };
-                let by_ref = match &*t.ty {
+                let passing = match &*t.ty {
                     Type::Reference(r) if r.mutability.is_some() => {
                         errors.push_spanned(
                             r,
                             "a remat! block cannot take `&mut` parameters: it runs twice (forward \
                              and replay), so mutation would happen twice",
                         );
-                        true
+                        Passing::Value
                     }
-                    Type::Reference(_) => true,
-                    _ => false,
+                    Type::Reference(r) => Passing::Ref((*r.elem).clone()),
+                    ty => match option_ref(ty) {
+                        Some(elem) => Passing::OptionRef(elem),
+                        None => Passing::Value,
+                    },
                 };
                 params.push(Param {
                     ident,
                     mutable,
-                    by_ref,
+                    passing,
                 });
             }
         }
     }
     let ret = match &sig.output {
-        syn::ReturnType::Type(_, ty) => (**ty).clone(),
+        syn::ReturnType::Type(_, ty) => {
+            check_result_type(ty, errors);
+            (**ty).clone()
+        }
         syn::ReturnType::Default => {
             errors.push(
                 sig.ident.span(),
@@ -102,6 +108,11 @@ fn parse_fn(func: ItemFn, errors: &mut Errors) -> Block {
         let last = i + 1 == n;
         match stmt {
             Stmt::Expr(e, None) if last => {
+                let (annotation, _) = annotations(expr_attrs(e), errors);
+                check_tail_annotation(annotation.as_ref(), errors);
+                let mut e = e.clone();
+                strip_attrs(&mut e);
+                let e = &e;
                 check_nested(e, errors);
                 check_return(e, errors, true);
                 tail = Some(e.clone());
@@ -190,5 +201,49 @@ fn parse_statement(stmt: &Stmt, errors: &mut Errors) -> Option<Statement> {
             annotation: None,
             attrs: Vec::new(),
         }),
+    }
+}
+
+/// `T` of `Option<&T>` (any path ending in `Option`), lifetime elided.
+fn option_ref(ty: &Type) -> Option<Type> {
+    let Type::Path(p) = ty else { return None };
+    let last = p.path.segments.last()?;
+    if last.ident != "Option" {
+        return None;
+    }
+    let syn::PathArguments::AngleBracketed(args) = &last.arguments else {
+        return None;
+    };
+    match args.args.first()? {
+        syn::GenericArgument::Type(Type::Reference(r)) if r.mutability.is_none() => {
+            Some((*r.elem).clone())
+        }
+        _ => None,
+    }
+}
+
+/// The return type is a `Result` (a path whose last segment ends in
+/// `Result`: `Result<T>`, `candle_core::Result<T>`, an alias like
+/// `CandleResult<T>`).
+fn check_result_type(ty: &Type, errors: &mut Errors) {
+    let is_result = match ty {
+        Type::Path(p) => p
+            .path
+            .segments
+            .last()
+            .is_some_and(|s| s.ident.to_string().ends_with("Result")),
+        // `&T` is refused with its own message, by the tail's type check.
+        Type::Reference(_) => true,
+        _ => false,
+    };
+    if !is_result {
+        errors.push_spanned(
+            ty,
+            format!(
+                "a remat! function must return a `Result`: its statements use `?`, and its \
+                 replay in the backward can fail; write `-> Result<{}>` (candle_core::Result)",
+                quote::ToTokens::to_token_stream(ty)
+            ),
+        );
     }
 }

@@ -117,3 +117,24 @@ fn expand_speed() {
         bytes / runs as usize
     );
 }
+
+#[test]
+fn borrowed_parameters_and_mut_bindings() {
+    // A slice and an optional mask are kept as owned copies (`to_owned`)
+    // and seen as `&[Linear]` and `Option<&Tensor>` again; the loop updates
+    // the `mut` binding `h` and gives it back as its statement's output;
+    // `None => h` moves `h`, dropped there.
+    insta::assert_snapshot!(pretty(quote! {
+        pub fn layers(x: &Tensor, layers: &[Linear], mask: Option<&Tensor>) -> Result<Tensor> {
+            let mut h = x.clone();
+            for l in layers {
+                h = h.matmul(&l.w)?;
+            }
+            let h = match mask {
+                Some(m) => h.broadcast_mul(m)?,
+                None => h,
+            };
+            Ok(h.tanh()?)
+        }
+    }));
+}

@@ -42,8 +42,8 @@ pub(crate) enum Mode {
 /// let x = Var::ones((2, 3), candle_core::DType::F32, &Device::Cpu)?;
 /// let wt = w.as_tensor().clone();
 /// let y = Region::new("mlp").run(&[x.as_tensor()], move |ctx, ins| {
-///     let h = ctx.save("h", &[&ins[0]], |t| Ok(t[0].matmul(&wt)?))?;
-///     let y = ctx.recompute("y", &[&h], |t| Ok(t[0].relu()?.sum_all()?))?;
+///     let h = ctx.save("h", &[&ins[0]], |t| t[0].matmul(&wt))?;
+///     let y = ctx.recompute("y", &[&h], |t| t[0].relu()?.sum_all())?;
 ///     Ok(y)
 /// })?;
 /// let grads = y.backward()?;
@@ -122,18 +122,18 @@ impl Ctx {
     /// use remat_runtime::{Policy, Region};
     /// let x = Var::ones(4, candle_core::DType::F32, &Device::Cpu)?;
     /// let y = Region::new("r").run(&[x.as_tensor()], |ctx, ins| {
-    ///     ctx.statement("sq", Policy::Save, &[&ins[0]], |t| Ok(t[0].sqr()?.sum_all()?))
+    ///     ctx.statement("sq", Policy::Save, &[&ins[0]], |t| t[0].sqr()?.sum_all())
     /// })?;
     /// let g = y.backward()?;
     /// assert_eq!(g.get(&x).unwrap().to_vec1::<f32>()?, vec![2.0; 4]);
     /// # Ok::<(), remat_runtime::RematError>(())
     /// ```
-    pub fn statement<O: Outputs>(
+    pub fn statement<O: Outputs, E: Into<RematError>>(
         &mut self,
         name: &str,
         policy: Policy,
         inputs: impl Inputs,
-        f: impl FnOnce(&[Tensor]) -> Result<O>,
+        f: impl FnOnce(&[Tensor]) -> std::result::Result<O, E>,
     ) -> Result<O> {
         self.run(name, Some(policy), false, inputs, f)
     }
@@ -147,17 +147,17 @@ impl Ctx {
     /// use remat_runtime::{MemoryReport, Plan, Policy, Region};
     /// let x = Var::ones(4, candle_core::DType::F32, &Device::Cpu)?;
     /// let y = Region::new("r").plan(Plan::save_all()).run(&[x.as_tensor()], |ctx, ins| {
-    ///     ctx.open("sq", &[&ins[0]], |t| Ok(t[0].sqr()?.sum_all()?))
+    ///     ctx.open("sq", &[&ins[0]], |t| t[0].sqr()?.sum_all())
     /// })?;
     /// assert_eq!(MemoryReport::capture().entries[1].policy, Some(Policy::Save));
     /// assert_eq!(y.backward()?.get(&x).unwrap().to_vec1::<f32>()?, vec![2.0; 4]);
     /// # Ok::<(), remat_runtime::RematError>(())
     /// ```
-    pub fn open<O: Outputs>(
+    pub fn open<O: Outputs, E: Into<RematError>>(
         &mut self,
         name: &str,
         inputs: impl Inputs,
-        f: impl FnOnce(&[Tensor]) -> Result<O>,
+        f: impl FnOnce(&[Tensor]) -> std::result::Result<O, E>,
     ) -> Result<O> {
         self.run(name, None, false, inputs, f)
     }
@@ -165,19 +165,20 @@ impl Ctx {
     /// Every statement method ends here. `declared`: the policy written in
     /// the code, if any; `ferry`: the outputs of a saved statement are
     /// ferried to the replay.
-    fn run<O: Outputs>(
+    fn run<O: Outputs, E: Into<RematError>>(
         &mut self,
         name: &str,
         declared: Option<Policy>,
         ferry: bool,
         inputs: impl Inputs,
-        f: impl FnOnce(&[Tensor]) -> Result<O>,
+        f: impl FnOnce(&[Tensor]) -> std::result::Result<O, E>,
     ) -> Result<O> {
         let owned = inputs.into_tensors();
         // Draws in the statement come from its own stream: the same in the
         // forward, the replay and a plain run.
         let seed = self.seed;
-        let f = move |args: &[Tensor]| random::in_statement(seed, name, || f(args));
+        let f =
+            move |args: &[Tensor]| random::in_statement(seed, name, || f(args).map_err(Into::into));
         let inputs: Vec<&Tensor> = owned.iter().collect();
         let inputs = inputs.as_slice();
         if !matches!(self.mode, Mode::Replay(_)) && !self.names.insert(name.to_string()) {
@@ -215,16 +216,16 @@ impl Ctx {
     /// # use remat_runtime::Region;
     /// let x = Tensor::ones(2, candle_core::DType::F32, &Device::Cpu)?;
     /// let y = Region::new("r").run(&[&x], |ctx, ins| {
-    ///     ctx.save("double", &[&ins[0]], |t| Ok((&t[0] * 2.0)?))
+    ///     ctx.save("double", &[&ins[0]], |t| &t[0] * 2.0)
     /// })?;
     /// assert_eq!(y.to_vec1::<f32>()?, vec![2.0, 2.0]);
     /// # Ok::<(), remat_runtime::RematError>(())
     /// ```
-    pub fn save<O: Outputs>(
+    pub fn save<O: Outputs, E: Into<RematError>>(
         &mut self,
         name: &str,
         inputs: impl Inputs,
-        f: impl FnOnce(&[Tensor]) -> Result<O>,
+        f: impl FnOnce(&[Tensor]) -> std::result::Result<O, E>,
     ) -> Result<O> {
         self.statement(name, Policy::Save, inputs, f)
     }
@@ -241,17 +242,17 @@ impl Ctx {
     /// # use remat_runtime::Region;
     /// let x = Var::ones(2, candle_core::DType::F32, &Device::Cpu)?;
     /// let y = Region::new("r").run(&[x.as_tensor()], |ctx, ins| {
-    ///     let e = ctx.save_ferried("e", &[&ins[0]], |t| Ok(t[0].exp()?))?;
-    ///     ctx.recompute("s", &[&e], |t| Ok(t[0].sum_all()?))
+    ///     let e = ctx.save_ferried("e", &[&ins[0]], |t| t[0].exp())?;
+    ///     ctx.recompute("s", &[&e], |t| t[0].sum_all())
     /// })?;
     /// assert_eq!(y.backward()?.get(&x).unwrap().to_vec1::<f32>()?, vec![1f32.exp(); 2]);
     /// # Ok::<(), remat_runtime::RematError>(())
     /// ```
-    pub fn save_ferried<O: Outputs>(
+    pub fn save_ferried<O: Outputs, E: Into<RematError>>(
         &mut self,
         name: &str,
         inputs: impl Inputs,
-        f: impl FnOnce(&[Tensor]) -> Result<O>,
+        f: impl FnOnce(&[Tensor]) -> std::result::Result<O, E>,
     ) -> Result<O> {
         self.run(name, Some(Policy::Save), true, inputs, f)
     }
@@ -265,18 +266,18 @@ impl Ctx {
     /// use remat_runtime::{MemoryReport, Policy, Region};
     /// let x = Var::ones(2, candle_core::DType::F32, &Device::Cpu)?;
     /// let y = Region::new("r").run(&[x.as_tensor()], |ctx, ins| {
-    ///     let e = ctx.offload("e", &[&ins[0]], |t| Ok(t[0].exp()?))?;
-    ///     ctx.recompute("s", &[&e], |t| Ok(t[0].sum_all()?))
+    ///     let e = ctx.offload("e", &[&ins[0]], |t| t[0].exp())?;
+    ///     ctx.recompute("s", &[&e], |t| t[0].sum_all())
     /// })?;
     /// assert_eq!(MemoryReport::capture().entries[1].policy, Some(Policy::Offload));
     /// assert_eq!(y.backward()?.get(&x).unwrap().to_vec1::<f32>()?, vec![1f32.exp(); 2]);
     /// # Ok::<(), remat_runtime::RematError>(())
     /// ```
-    pub fn offload<O: Outputs>(
+    pub fn offload<O: Outputs, E: Into<RematError>>(
         &mut self,
         name: &str,
         inputs: impl Inputs,
-        f: impl FnOnce(&[Tensor]) -> Result<O>,
+        f: impl FnOnce(&[Tensor]) -> std::result::Result<O, E>,
     ) -> Result<O> {
         self.statement(name, Policy::Offload, inputs, f)
     }
@@ -289,16 +290,16 @@ impl Ctx {
     /// # use remat_runtime::Region;
     /// let x = Tensor::ones(2, candle_core::DType::F32, &Device::Cpu)?;
     /// let y = Region::new("r").run(&[&x], |ctx, ins| {
-    ///     ctx.recompute("exp", &[&ins[0]], |t| Ok(t[0].exp()?))
+    ///     ctx.recompute("exp", &[&ins[0]], |t| t[0].exp())
     /// })?;
     /// assert_eq!(y.dims(), &[2]);
     /// # Ok::<(), remat_runtime::RematError>(())
     /// ```
-    pub fn recompute<O: Outputs>(
+    pub fn recompute<O: Outputs, E: Into<RematError>>(
         &mut self,
         name: &str,
         inputs: impl Inputs,
-        f: impl FnOnce(&[Tensor]) -> Result<O>,
+        f: impl FnOnce(&[Tensor]) -> std::result::Result<O, E>,
     ) -> Result<O> {
         self.statement(name, Policy::Recompute, inputs, f)
     }

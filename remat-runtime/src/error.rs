@@ -364,7 +364,7 @@ fn trace_suffix(trace: &str) -> String {
 /// let y = Region::new("r").run(&[x.as_tensor()], move |ctx, ins| {
 ///     // wider in the replay than in the forward: not the same computation
 ///     let n = 2 + calls.fetch_add(1, Ordering::SeqCst);
-///     ctx.recompute("widen", &[&ins[0]], move |t| Ok(t[0].repeat(n)?))
+///     ctx.recompute("widen", &[&ins[0]], move |t| t[0].repeat(n))
 /// })?;
 /// let e = remat_runtime::backward(&y.sum_all()?).unwrap_err();
 /// let RematError::ReplayMismatch { mismatch, .. } = e else { panic!("{e}") };

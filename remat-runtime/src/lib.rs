@@ -20,10 +20,10 @@
 //! let wt = w.as_tensor().clone();
 //! let y = Region::new("block").run(&[x.as_tensor()], move |ctx, ins| {
 //!     // kept from the forward: the matmul does not run again in backward
-//!     let h = ctx.save("proj", &[&ins[0]], |t| Ok(t[0].matmul(&wt)?))?;
+//!     let h = ctx.save("proj", &[&ins[0]], |t| t[0].matmul(&wt))?;
 //!     // recomputed in backward
-//!     let a = ctx.recompute("act", &[&h], |t| Ok(t[0].gelu_erf()?))?;
-//!     ctx.recompute("res", &[&ins[0], &a], |t| Ok((&t[0] + &t[1])?))
+//!     let a = ctx.recompute("act", &[&h], |t| t[0].gelu_erf())?;
+//!     ctx.recompute("res", &[&ins[0], &a], |t| &t[0] + &t[1])
 //! })?;
 //! let grads = y.sqr()?.mean_all()?.backward()?;
 //! assert!(grads.get(&w).is_some());
@@ -73,6 +73,7 @@ mod policy;
 mod private;
 pub mod random;
 mod region;
+pub mod rules;
 mod sequential;
 mod tape;
 mod values;

@@ -31,9 +31,9 @@ use crate::{lock, offload, plan, random, Inputs, Outputs, Plan, RematError, Resu
 /// let x = Var::randn(0f32, 1.0, (8, 16), &dev)?;
 /// let (a, b) = (w1.as_tensor().clone(), w2.as_tensor().clone());
 /// let y = Region::new("mlp").run(&[x.as_tensor()], move |ctx, ins| {
-///     let h = ctx.save("fc1", &[&ins[0]], |t| Ok(t[0].matmul(&a)?))?;
-///     let g = ctx.recompute("gelu", &[&h], |t| Ok(t[0].gelu_erf()?))?;
-///     ctx.save("fc2", &[&g], |t| Ok(t[0].matmul(&b)?))
+///     let h = ctx.save("fc1", &[&ins[0]], |t| t[0].matmul(&a))?;
+///     let g = ctx.recompute("gelu", &[&h], |t| t[0].gelu_erf())?;
+///     ctx.save("fc2", &[&g], |t| t[0].matmul(&b))
 /// })?;
 /// let grads = y.sqr()?.sum_all()?.backward()?;
 /// assert!(grads.get(&w1).is_some() && grads.get(&w2).is_some() && grads.get(&x).is_some());
@@ -84,7 +84,7 @@ impl Region {
     /// let x = Tensor::ones(2, candle_core::DType::F32, &Device::Cpu)?;
     /// let y = remat_runtime::Region::new("r")
     ///     .enabled(false)
-    ///     .run(&[&x], |ctx, ins| ctx.recompute("e", &[&ins[0]], |t| Ok(t[0].exp()?)))?;
+    ///     .run(&[&x], |ctx, ins| ctx.recompute("e", &[&ins[0]], |t| t[0].exp()))?;
     /// assert_eq!(y.dims(), &[2]);
     /// # Ok::<(), remat_runtime::RematError>(())
     /// ```
@@ -109,7 +109,7 @@ impl Region {
     /// let x = Var::ones(8, candle_core::DType::F32, &Device::Cpu)?;
     /// let region = Region::new("r").plan(Plan::recompute_all());
     /// let y = region.run(&[x.as_tensor()], |ctx, ins| {
-    ///     ctx.save("e", &[&ins[0]], |t| Ok(t[0].exp()?.sum_all()?))
+    ///     ctx.save("e", &[&ins[0]], |t| t[0].exp()?.sum_all())
     /// })?;
     /// // `recompute_all` overrides the `save`: the tape holds nothing for `e`
     /// assert_eq!(MemoryReport::capture().entries[1].policy, Some(Policy::Recompute));
@@ -146,7 +146,7 @@ impl Region {
     /// # use candle_core::{Device, Tensor};
     /// let x = Tensor::arange(0f32, 4.0, &Device::Cpu)?;
     /// let y = remat_runtime::Region::new("r")
-    ///     .run(&[&x], |ctx, ins| ctx.recompute("sq", &[&ins[0]], |t| Ok(t[0].sqr()?)))?;
+    ///     .run(&[&x], |ctx, ins| ctx.recompute("sq", &[&ins[0]], |t| t[0].sqr()))?;
     /// assert_eq!(y.to_vec1::<f32>()?, vec![0.0, 1.0, 4.0, 9.0]);
     /// # Ok::<(), remat_runtime::RematError>(())
     /// ```
@@ -308,7 +308,7 @@ impl Region {
 /// # use candle_core::{Device, Tensor, Var};
 /// let x = Var::ones(3, candle_core::DType::F32, &Device::Cpu)?;
 /// let y: Tensor = remat_runtime::checkpoint("r", &[x.as_tensor()], |ctx, ins| {
-///     ctx.recompute("cube", &[&ins[0]], |t| Ok(t[0].powf(3.0)?.sum_all()?))
+///     ctx.recompute("cube", &[&ins[0]], |t| t[0].powf(3.0)?.sum_all())
 /// })?;
 /// assert_eq!(y.backward()?.get(&x).unwrap().to_vec1::<f32>()?, vec![3.0; 3]);
 /// # Ok::<(), remat_runtime::RematError>(())

@@ -2,11 +2,11 @@
 
 use std::sync::Arc;
 
-use candle_core::Tensor;
+use candle_core::{Module, Tensor};
 
 use crate::{Region, Result};
 
-type Block = Arc<dyn Fn(&Tensor) -> candle_core::Result<Tensor> + Send + Sync>;
+type Block = Arc<dyn Module + Send + Sync>;
 
 /// Runs `blocks` one after the other on `x`, split into `segments`
 /// checkpointed regions of consecutive blocks: PyTorch's
@@ -15,6 +15,10 @@ type Block = Arc<dyn Fn(&Tensor) -> candle_core::Result<Tensor> + Send + Sync>;
 /// time. With `N` blocks, `segments` near `sqrt(N)` balances what is kept
 /// (one input per segment) against what one replay holds (one segment's
 /// activations).
+///
+/// A block is any candle [`Module`]: a closure
+/// `Fn(&Tensor) -> candle_core::Result<Tensor>` (candle implements `Module`
+/// for those), a `candle_nn::Linear`, a layer type of your own.
 ///
 /// Segment `s` is the region `name[a..b]` (blocks `a` to `b - 1`); each block
 /// in it is an open statement named `block.i`, so a [`Plan`](crate::Plan)
@@ -40,16 +44,16 @@ type Block = Arc<dyn Fn(&Tensor) -> candle_core::Result<Tensor> + Send + Sync>;
 /// assert!(ws.iter().all(|w| grads.get(w).is_some()));
 /// # Ok::<(), remat_runtime::RematError>(())
 /// ```
-pub fn checkpoint_sequential<F>(
+pub fn checkpoint_sequential<M>(
     name: &str,
     segments: usize,
     x: &Tensor,
-    blocks: impl IntoIterator<Item = F>,
+    blocks: impl IntoIterator<Item = M>,
 ) -> Result<Tensor>
 where
-    F: Fn(&Tensor) -> candle_core::Result<Tensor> + Send + Sync + 'static,
+    M: Module + Send + Sync + 'static,
 {
-    let blocks: Vec<Block> = blocks.into_iter().map(|f| Arc::new(f) as Block).collect();
+    let blocks: Vec<Block> = blocks.into_iter().map(|m| Arc::new(m) as Block).collect();
     let n = blocks.len();
     if segments == 0 || segments > n.max(1) {
         let msg = format!(
@@ -69,7 +73,7 @@ where
         h = region.run(&[&h], move |ctx, ins| {
             let mut h = ins[0].clone();
             for (i, f) in &seg {
-                h = ctx.open(&format!("block.{i}"), &[&h], |t| Ok(f(&t[0])?))?;
+                h = ctx.open(&format!("block.{i}"), &[&h], |t| f.forward(&t[0]))?;
             }
             Ok(h)
         })?;

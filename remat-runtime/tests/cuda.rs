@@ -86,8 +86,7 @@ fn full_recompute_holds_less_device_memory() {
             .run(&[x.as_tensor()], move |ctx, ins| {
                 let mut h = ins[0].clone();
                 for i in 0..8 {
-                    h = ctx
-                        .recompute(&format!("l{i}"), &[&h], |t| Ok(t[0].matmul(&wt)?.tanh()?))?;
+                    h = ctx.recompute(&format!("l{i}"), &[&h], |t| t[0].matmul(&wt)?.tanh())?;
                 }
                 Ok(h)
             })

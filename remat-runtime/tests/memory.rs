@@ -148,7 +148,7 @@ fn exact_memory_of_an_eight_block_stack() {
             let r = Region::new(format!("mlp.{i}")).run(&[&h], move |ctx, ins| {
                 let y = me.body(ctx, &ins[0], &all(Policy::Save))?;
                 if i == k {
-                    ctx.recompute("boom", &[&y], |t| Ok(t[0].matmul(&t[0])?))?;
+                    ctx.recompute("boom", &[&y], |t| t[0].matmul(&t[0]))?;
                 }
                 Ok(y)
             });
@@ -181,7 +181,7 @@ fn exact_memory_of_an_eight_block_stack() {
                     ctx.recompute("fault", &[&y], |t| {
                         let n = runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                         if inject && i == 3 && n >= BLOCKS {
-                            return Err(candle_core::Error::Msg("injected".into()).into());
+                            return Err(candle_core::Error::Msg("injected".into()));
                         }
                         Ok(t[0].clone())
                     })
@@ -230,7 +230,9 @@ fn exact_memory_of_an_eight_block_stack() {
                         } else {
                             Policy::Recompute
                         };
-                        ctx.statement("tail", p, &[&y], |t| Ok(t[0].clone()))
+                        ctx.statement("tail", p, &[&y], |t| {
+                            Ok::<_, remat_runtime::RematError>(t[0].clone())
+                        })
                     })
                     .unwrap();
             }

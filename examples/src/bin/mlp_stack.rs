@@ -55,13 +55,13 @@ impl Block {
             Policy::Recompute
         };
         let h = ctx.statement("fc1", mm, &[x], |t| {
-            Ok(t[0].matmul(&self.w1)?.broadcast_add(&self.b1)?)
+            t[0].matmul(&self.w1)?.broadcast_add(&self.b1)
         })?;
-        let g = ctx.recompute("gelu", &[&h], |t| Ok(t[0].gelu_erf()?))?;
+        let g = ctx.recompute("gelu", &[&h], |t| t[0].gelu_erf())?;
         let o = ctx.statement("fc2", mm, &[&g], |t| {
-            Ok(t[0].matmul(&self.w2)?.broadcast_add(&self.b2)?)
+            t[0].matmul(&self.w2)?.broadcast_add(&self.b2)
         })?;
-        ctx.recompute("residual", &[x, &o], |t| Ok((&t[0] + &t[1])?))
+        ctx.recompute("residual", &[x, &o], |t| &t[0] + &t[1])
     }
 }
 

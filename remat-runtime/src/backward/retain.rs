@@ -19,7 +19,7 @@ use crate::{RematError, Result};
 /// use remat_runtime::{checkpoint, retain_tape};
 /// let x = Var::ones(2, candle_core::DType::F32, &Device::Cpu)?;
 /// let y = checkpoint("r", &[x.as_tensor()], |ctx, ins| {
-///     ctx.recompute("s", &[&ins[0]], |t| Ok(t[0].sqr()?.sum_all()?))
+///     ctx.recompute("s", &[&ins[0]], |t| t[0].sqr()?.sum_all())
 /// })?;
 /// let first = retain_tape(|| y.backward())?;
 /// let second = y.backward()?;
@@ -62,7 +62,7 @@ pub(crate) fn remember_error(e: &RematError) {
 /// use remat_runtime::{backward, checkpoint, RematError};
 /// let x = Var::ones(2, candle_core::DType::F32, &Device::Cpu)?;
 /// let y = checkpoint("r", &[x.as_tensor()], |ctx, ins| {
-///     ctx.recompute("s", &[&ins[0]], |t| Ok(t[0].sum_all()?))
+///     ctx.recompute("s", &[&ins[0]], |t| t[0].sum_all())
 /// })?;
 /// backward(&y)?;
 /// let again = backward(&y).unwrap_err();

@@ -60,8 +60,8 @@ pub struct MemoryEntry {
 /// use remat_runtime::{MemoryReport, Region};
 /// let x = Var::ones((4, 8), DType::F32, &Device::Cpu)?;
 /// let y = Region::new("r").run(&[x.as_tensor()], |ctx, ins| {
-///     let e = ctx.save("e", &[&ins[0]], |t| Ok(t[0].exp()?))?;
-///     ctx.recompute("s", &[&e], |t| Ok(t[0].sum_all()?))
+///     let e = ctx.save("e", &[&ins[0]], |t| t[0].exp())?;
+///     ctx.recompute("s", &[&e], |t| t[0].sum_all())
 /// })?;
 /// let report = MemoryReport::capture();
 /// let e = report.entries.iter().find(|e| e.statement == "e").unwrap();

@@ -34,7 +34,7 @@ pub enum Phase {
 /// use remat_runtime::{Policy, Region};
 /// let x = Var::ones(4, DType::F32, &Device::Cpu)?;
 /// let (y, trace) = Trace::record(|| {
-///     Region::new("r").run(&[x.as_tensor()], |ctx, ins| ctx.save("e", &[&ins[0]], |t| Ok(t[0].exp()?)))
+///     Region::new("r").run(&[x.as_tensor()], |ctx, ins| ctx.save("e", &[&ins[0]], |t| t[0].exp()))
 /// });
 /// let e = &trace.events[0];
 /// assert_eq!((e.phase, e.region.as_str(), e.statement.as_str()), (Phase::Forward, "r#0", "e"));
@@ -77,8 +77,8 @@ pub struct TraceEvent {
 /// let x = Var::ones((2, 4), DType::F32, &Device::Cpu)?;
 /// let (grads, trace) = Trace::record(|| {
 ///     let y = Region::new("r").run(&[x.as_tensor()], |ctx, ins| {
-///         let e = ctx.save("e", &[&ins[0]], |t| Ok(t[0].exp()?))?;
-///         ctx.recompute("s", &[&e], |t| Ok(t[0].sum_all()?))
+///         let e = ctx.save("e", &[&ins[0]], |t| t[0].exp())?;
+///         ctx.recompute("s", &[&e], |t| t[0].sum_all())
 ///     })?;
 ///     y.backward()
 /// });

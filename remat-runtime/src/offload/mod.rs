@@ -62,8 +62,8 @@ mod pinned;
 /// let x = Var::ones((4, 8), DType::F32, &Device::Cpu)?;
 /// let y = offload::swap_on_cpu(|| {
 ///     Region::new("r").run(&[x.as_tensor()], |ctx, ins| {
-///         let e = ctx.offload("e", &[&ins[0]], |t| Ok(t[0].exp()?))?;
-///         ctx.recompute("s", &[&e], |t| Ok(t[0].sum_all()?))
+///         let e = ctx.offload("e", &[&ins[0]], |t| t[0].exp())?;
+///         ctx.recompute("s", &[&e], |t| t[0].sum_all())
 ///     })
 /// })?;
 /// let e = MemoryReport::capture().entries.into_iter().find(|e| e.statement == "e").unwrap();

@@ -111,8 +111,8 @@ impl Budget {
 /// let plan = Plan::budget(1.0);
 /// for _ in 0..2 {
 ///     let y = Region::new("r").plan(plan.clone()).run(&[x.as_tensor()], |ctx, ins| {
-///         let e = ctx.open("e", &[&ins[0]], |t| Ok(t[0].exp()?))?;
-///         ctx.open("s", &[&e], |t| Ok(t[0].sum_all()?))
+///         let e = ctx.open("e", &[&ins[0]], |t| t[0].exp())?;
+///         ctx.open("s", &[&e], |t| t[0].sum_all())
 ///     })?;
 ///     y.backward()?;
 /// }
@@ -152,7 +152,7 @@ pub struct Solution {
 /// let x = Var::ones(8, DType::F32, &Device::Cpu)?;
 /// let plan = Plan::budget(0.0);
 /// Region::new("r").plan(plan.clone()).run(&[x.as_tensor()], |ctx, ins| {
-///     ctx.open("e", &[&ins[0]], |t| Ok(t[0].exp()?.sum_all()?))
+///     ctx.open("e", &[&ins[0]], |t| t[0].exp()?.sum_all())
 /// })?;
 /// let e = &plan.solutions()[0].statements[0];
 /// // A zero budget recomputes every open statement.

@@ -70,8 +70,8 @@ enum Rule {
 ///
 /// let x = Var::ones((4, 8), DType::F32, &Device::Cpu)?;
 /// let block = |ctx: &mut remat_runtime::Ctx, ins: &[candle_core::Tensor]| {
-///     let e = ctx.open("e", &[&ins[0]], |t| Ok(t[0].exp()?))?;
-///     ctx.open("s", &[&e], |t| Ok(t[0].sum_all()?))
+///     let e = ctx.open("e", &[&ins[0]], |t| t[0].exp())?;
+///     ctx.open("s", &[&e], |t| t[0].sum_all())
 /// };
 /// // By default, statements left to the plan are recomputed: nothing is held.
 /// let y = Region::new("r").run(&[x.as_tensor()], block)?;
@@ -244,9 +244,9 @@ impl Plan {
     /// let x = Var::ones((64, 64), DType::F32, &Device::Cpu)?;
     /// let plan = Plan::budget(0.5);
     /// let block = |ctx: &mut remat_runtime::Ctx, ins: &[candle_core::Tensor]| {
-    ///     let a = ctx.open("a", &[&ins[0]], |t| Ok(t[0].exp()?))?;
-    ///     let b = ctx.open("b", &[&a], |t| Ok(t[0].matmul(&t[0])?))?;
-    ///     ctx.open("c", &[&b], |t| Ok(t[0].sum_all()?))
+    ///     let a = ctx.open("a", &[&ins[0]], |t| t[0].exp())?;
+    ///     let b = ctx.open("b", &[&a], |t| t[0].matmul(&t[0]))?;
+    ///     ctx.open("c", &[&b], |t| t[0].sum_all())
     /// };
     /// for _ in 0..2 {
     ///     let y = Region::new("r").plan(plan.clone()).run(&[x.as_tensor()], block)?;

@@ -130,15 +130,13 @@ impl Mlp {
     pub fn body(&self, ctx: &mut Ctx, x: &Tensor, pol: &PolicyFn) -> Result<Tensor> {
         let p = self.clone();
         let h = ctx.statement("fc1", pol("fc1"), &[x], |t| {
-            Ok(t[0].matmul(&p.w1)?.broadcast_add(&p.b1)?)
+            t[0].matmul(&p.w1)?.broadcast_add(&p.b1)
         })?;
-        let g = ctx.statement("act", pol("act"), &[&h], |t| Ok(t[0].gelu_erf()?))?;
+        let g = ctx.statement("act", pol("act"), &[&h], |t| t[0].gelu_erf())?;
         let o = ctx.statement("fc2", pol("fc2"), &[&g], |t| {
-            Ok(t[0].matmul(&p.w2)?.broadcast_add(&p.b2)?)
+            t[0].matmul(&p.w2)?.broadcast_add(&p.b2)
         })?;
-        ctx.statement("residual", pol("residual"), &[x, &o], |t| {
-            Ok((&t[0] + &t[1])?)
-        })
+        ctx.statement("residual", pol("residual"), &[x, &o], |t| &t[0] + &t[1])
     }
 
     pub fn region(&self, name: &str, x: &Tensor, pol: PolicyFn, enabled: bool) -> Result<Tensor> {
@@ -226,12 +224,10 @@ impl Gpt {
         let nh = self.n_head;
         let hd = c / nh;
         let h = ctx.statement("ln1", pol("ln1"), &[x], |a| {
-            Ok(candle_nn::ops::layer_norm_slow(
-                &a[0], &p.ln1_g, &p.ln1_b, 1e-5,
-            )?)
+            candle_nn::ops::layer_norm_slow(&a[0], &p.ln1_g, &p.ln1_b, 1e-5)
         })?;
         let qkv = ctx.statement("attn.qkv", pol("attn.qkv"), &[&h], |a| {
-            Ok(a[0].broadcast_matmul(&p.w_qkv)?.broadcast_add(&p.b_qkv)?)
+            a[0].broadcast_matmul(&p.w_qkv)?.broadcast_add(&p.b_qkv)
         })?;
         let (q, k, v) = ctx.statement("heads", pol("heads"), &[&qkv], |a| {
             let split = |i: usize| -> candle_core::Result<Tensor> {
@@ -240,38 +236,33 @@ impl Gpt {
                     .transpose(1, 2)?
                     .contiguous()
             };
-            Ok((split(0)?, split(1)?, split(2)?))
+            Ok::<_, remat_runtime::RematError>((split(0)?, split(1)?, split(2)?))
         })?;
         let y = ctx.statement("attn.core", pol("attn.core"), &[&q, &k, &v, mask], |a| {
             let att = (a[0].matmul(&a[1].t()?)? * (1.0 / (hd as f64).sqrt()))?;
             let att = att.broadcast_add(&a[3])?;
             let att = candle_nn::ops::softmax(&att, D::Minus1)?;
-            Ok(att.matmul(&a[2])?)
+            att.matmul(&a[2])
         })?;
         let y = ctx.statement("merge", pol("merge"), &[&y], |a| {
-            Ok(a[0].transpose(1, 2)?.reshape((b, t, c))?)
+            a[0].transpose(1, 2)?.reshape((b, t, c))
         })?;
         let x = ctx.statement("attn.res", pol("attn.res"), &[x, &y], |a| {
             let proj = a[1].broadcast_matmul(&p.w_proj)?.broadcast_add(&p.b_proj)?;
-            Ok((&a[0] + proj)?)
+            &a[0] + proj
         })?;
         let h = ctx.statement("ln2", pol("ln2"), &[&x], |a| {
-            Ok(candle_nn::ops::layer_norm_slow(
-                &a[0], &p.ln2_g, &p.ln2_b, 1e-5,
-            )?)
+            candle_nn::ops::layer_norm_slow(&a[0], &p.ln2_g, &p.ln2_b, 1e-5)
         })?;
         let f = ctx.statement("mlp.fc", pol("mlp.fc"), &[&h], |a| {
-            Ok(a[0]
-                .broadcast_matmul(&p.w_fc)?
+            a[0].broadcast_matmul(&p.w_fc)?
                 .broadcast_add(&p.b_fc)?
-                .gelu()?)
+                .gelu()
         })?;
         let o = ctx.statement("mlp.proj", pol("mlp.proj"), &[&f], |a| {
-            Ok(a[0].broadcast_matmul(&p.w_out)?.broadcast_add(&p.b_out)?)
+            a[0].broadcast_matmul(&p.w_out)?.broadcast_add(&p.b_out)
         })?;
-        ctx.statement("mlp.res", pol("mlp.res"), &[&x, &o], |a| {
-            Ok((&a[0] + &a[1])?)
-        })
+        ctx.statement("mlp.res", pol("mlp.res"), &[&x, &o], |a| &a[0] + &a[1])
     }
 
     /// The same parameters, copied to `dev`.

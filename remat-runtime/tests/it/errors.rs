@@ -19,11 +19,11 @@ fn placeholder_read_names_the_reader_and_the_producer() {
     let x = x();
     let y = Region::new("blk")
         .run(&[x.as_tensor()], |ctx, ins| {
-            let h = ctx.save("h", &[&ins[0]], |t| Ok(t[0].exp()?))?;
+            let h = ctx.save("h", &[&ins[0]], |t| t[0].exp())?;
             let other = Tensor::ones(h.dims(), DType::F32, h.device())?;
             let read = if ctx.is_replay() { &h } else { &other };
-            let s = ctx.recompute("s", &[read], |t| Ok(t[0].sin()?))?;
-            ctx.save("out", &[&h, &s], |t| Ok((&t[0] * &t[1])?.sum_all()?))
+            let s = ctx.recompute("s", &[read], |t| t[0].sin())?;
+            ctx.save("out", &[&h, &s], |t| (&t[0] * &t[1])?.sum_all())
         })
         .unwrap();
     let e = backward(&y).unwrap_err();
@@ -52,9 +52,9 @@ fn replay_shape_mismatch_from_a_changing_global() {
             let w = ctx.recompute("widen", &[&ins[0]], |t| {
                 // reads mutable global state: not replayable
                 let n = WIDTH.load(Ordering::SeqCst);
-                Ok(t[0].sum_keepdim(1)?.broadcast_as((2, n))?.contiguous()?)
+                t[0].sum_keepdim(1)?.broadcast_as((2, n))?.contiguous()
             })?;
-            ctx.recompute("sum", &[&w], |t| Ok(t[0].sum_all()?))
+            ctx.recompute("sum", &[&w], |t| t[0].sum_all())
         })
         .unwrap();
     WIDTH.store(5, Ordering::SeqCst);
@@ -76,7 +76,7 @@ fn second_backward_without_retain() {
     let x = x();
     let y = Region::new("blk")
         .run(&[x.as_tensor()], |ctx, ins| {
-            ctx.save("sq", &[&ins[0]], |t| Ok(t[0].sqr()?.sum_all()?))
+            ctx.save("sq", &[&ins[0]], |t| t[0].sqr()?.sum_all())
         })
         .unwrap();
     backward(&y).unwrap();
@@ -101,12 +101,12 @@ fn unconsumed_record() {
     let x = x();
     let y = Region::new("blk")
         .run(&[x.as_tensor()], |ctx, ins| {
-            let a = ctx.recompute("a", &[&ins[0]], |t| Ok(t[0].exp()?))?;
+            let a = ctx.recompute("a", &[&ins[0]], |t| t[0].exp())?;
             if EARLY.load(Ordering::SeqCst) {
                 return Ok(a.sum_all()?);
             }
-            let b = ctx.save("b", &[&a], |t| Ok(t[0].sin()?))?;
-            ctx.recompute("c", &[&b, &a], |t| Ok((&t[0] + &t[1])?.sum_all()?))
+            let b = ctx.save("b", &[&a], |t| t[0].sin())?;
+            ctx.recompute("c", &[&b, &a], |t| (&t[0] + &t[1])?.sum_all())
         })
         .unwrap();
     EARLY.store(true, Ordering::SeqCst);
@@ -134,7 +134,7 @@ fn replay_running_another_statement_is_a_desync() {
             } else {
                 "first"
             };
-            ctx.recompute(name, &[&ins[0]], |t| Ok(t[0].sum_all()?))
+            ctx.recompute(name, &[&ins[0]], |t| t[0].sum_all())
         })
         .unwrap();
     FLIP.store(true, Ordering::SeqCst);
@@ -149,8 +149,8 @@ fn duplicate_statement_name() {
     let x = x();
     let e = Region::new("blk")
         .run(&[x.as_tensor()], |ctx, ins| {
-            let a = ctx.recompute("a", &[&ins[0]], |t| Ok(t[0].exp()?))?;
-            ctx.save("a", &[&a], |t| Ok(t[0].sum_all()?))
+            let a = ctx.recompute("a", &[&ins[0]], |t| t[0].exp())?;
+            ctx.save("a", &[&a], |t| t[0].sum_all())
         })
         .unwrap_err();
     assert!(
@@ -164,7 +164,7 @@ fn tracked_tensor_captured_from_outside_is_refused() {
     let outside = (x.as_tensor() * 2.0).unwrap(); // tracked, not a Var
     let e = Region::new("blk")
         .run(&[], move |ctx, _| {
-            ctx.recompute("use", &[&outside], |t| Ok(t[0].exp()?))
+            ctx.recompute("use", &[&outside], |t| t[0].exp())
         })
         .unwrap_err();
     assert!(
@@ -182,7 +182,7 @@ fn failing_statement_names_itself_and_the_next_step_works() {
         .run(&[x.as_tensor()], move |ctx, ins| {
             let h = me.body(ctx, &ins[0], &all(Policy::Save))?;
             // wrong shapes: (2, 3) x (2, 3)
-            ctx.recompute("bad", &[&h, &ins[0]], |t| Ok(t[0].matmul(&t[1])?))
+            ctx.recompute("bad", &[&h, &ins[0]], |t| t[0].matmul(&t[1]))
         })
         .unwrap_err();
     assert!(
@@ -202,8 +202,8 @@ fn replay_returning_another_number_of_outputs() {
     let x = x();
     let y: Vec<Tensor> = Region::new("blk")
         .run(&[x.as_tensor()], |ctx, ins| {
-            let a = ctx.recompute("a", &[&ins[0]], |t| Ok(t[0].exp()?))?;
-            let s = ctx.recompute("s", &[&a], |t| Ok(t[0].sum_all()?))?;
+            let a = ctx.recompute("a", &[&ins[0]], |t| t[0].exp())?;
+            let s = ctx.recompute("s", &[&a], |t| t[0].sum_all())?;
             let mut outs = vec![s];
             if MORE.load(Ordering::SeqCst) {
                 outs.push(a);

@@ -36,14 +36,14 @@ fn tied_weights_shared_between_regions_and_outside() {
         let e = Region::new("embed")
             .enabled(enabled)
             .run(&[wte.as_tensor()], move |ctx, ins| {
-                ctx.recompute("proj", &[&ins[0]], |t| Ok(t[0].matmul(&wt)?.tanh()?))
+                ctx.recompute("proj", &[&ins[0]], |t| t[0].matmul(&wt)?.tanh())
             })
             .unwrap();
         let tied = wte.as_tensor().clone();
         let logits = Region::new("head")
             .enabled(enabled)
             .run(&[&e], move |ctx, ins| {
-                ctx.save("logits", &[&ins[0]], |t| Ok(t[0].matmul(&tied.t()?)?))
+                ctx.save("logits", &[&ins[0]], |t| t[0].matmul(&tied.t()?))
             })
             .unwrap();
         let outside = wte.as_tensor().sqr().unwrap().sum_all().unwrap();
@@ -72,12 +72,12 @@ fn nested_regions_under_both_outer_policies() {
             let y = Region::new("outer")
                 .enabled(enabled)
                 .run(&[x.as_tensor()], move |ctx, ins| {
-                    let h = ctx.recompute("pre", &[&ins[0]], |t| Ok(t[0].matmul(&wt)?))?;
+                    let h = ctx.recompute("pre", &[&ins[0]], |t| t[0].matmul(&wt))?;
                     let inner = inner.clone();
                     let m = ctx.statement("inner", outer_policy, &[&h], move |t| {
                         inner.region("inner", &t[0], saving(&["fc1"]), enabled)
                     })?;
-                    ctx.recompute("post", &[&m, &ins[0]], |t| Ok((t[0].sin()? + &t[1])?))
+                    ctx.recompute("post", &[&m, &ins[0]], |t| t[0].sin()? + &t[1])
                 })
                 .unwrap();
             weighted(&y)
@@ -99,9 +99,9 @@ fn unused_and_pass_through_outputs() {
         let (a, unused, pass, saved): (Tensor, Tensor, Tensor, Tensor) = Region::new("r")
             .enabled(enabled)
             .run(&[x.as_tensor(), y.as_tensor()], |ctx, ins| {
-                let a = ctx.recompute("a", &[&ins[0], &ins[1]], |t| Ok((&t[0] * &t[1])?))?;
-                let unused = ctx.recompute("unused", &[&a], |t| Ok(t[0].exp()?))?;
-                let saved = ctx.save("s", &[&a], |t| Ok(t[0].cos()?))?;
+                let a = ctx.recompute("a", &[&ins[0], &ins[1]], |t| &t[0] * &t[1])?;
+                let unused = ctx.recompute("unused", &[&a], |t| t[0].exp())?;
+                let saved = ctx.save("s", &[&a], |t| t[0].cos())?;
                 Ok((a, unused, ins[1].clone(), saved))
             })
             .unwrap();
@@ -127,9 +127,9 @@ fn non_tensor_values_and_arguments() {
             .run(&[x.as_tensor()], move |ctx, ins| {
                 // a statement returning a tensor and a plain value, kept or recomputed
                 let (h, n) = ctx.statement("h", pol, &[&ins[0]], |t| {
-                    Ok(((&t[0] * cfg.scale)?.exp()?, t[0].dim(1)?))
+                    Ok::<_, remat_runtime::RematError>(((&t[0] * cfg.scale)?.exp()?, t[0].dim(1)?))
                 })?;
-                let h = ctx.recompute("norm", &[&h], |t| Ok((&t[0] / n as f64)?))?;
+                let h = ctx.recompute("norm", &[&h], |t| &t[0] / n as f64)?;
                 Ok(h)
             })
             .unwrap();
@@ -147,7 +147,7 @@ fn inert_region_keeps_no_tape() {
     let w = tensor(&[4, 4], 10, 1.0, DType::F32);
     let y = Region::new("inference")
         .run(&[&x], move |ctx, ins| {
-            ctx.save("mm", &[&ins[0]], |t| Ok(t[0].matmul(&w)?))
+            ctx.save("mm", &[&ins[0]], |t| t[0].matmul(&w))
         })
         .unwrap();
     assert!(!y.track_op(), "an inert region returns untracked tensors");
@@ -212,9 +212,9 @@ fn parameter_used_by_several_units_sums_its_gradients() {
         let y = Region::new("r")
             .enabled(enabled)
             .run(&[x.as_tensor()], move |ctx, ins| {
-                let a = ctx.save("a", &[&ins[0]], |t| Ok(t[0].matmul(&wt)?.tanh()?))?;
-                let b = ctx.recompute("b", &[&a], |t| Ok(t[0].matmul(&wt)?.sin()?))?;
-                ctx.save("c", &[&b], |t| Ok(t[0].matmul(&wt)?))
+                let a = ctx.save("a", &[&ins[0]], |t| t[0].matmul(&wt)?.tanh())?;
+                let b = ctx.recompute("b", &[&a], |t| t[0].matmul(&wt)?.sin())?;
+                ctx.save("c", &[&b], |t| t[0].matmul(&wt))
             })
             .unwrap();
         grads_of(&weighted(&y), &[&x, &w])
@@ -266,11 +266,11 @@ fn saved_statements_chained_and_read_across_the_chain() {
         let y = Region::new("chain")
             .enabled(enabled)
             .run(&[x.as_tensor()], move |ctx, ins| {
-                let a = ctx.save("a", &[&ins[0]], |t| Ok(t[0].matmul(&wt)?.tanh()?))?;
-                let b = ctx.save("b", &[&a], |t| Ok(t[0].exp()?))?;
-                let c = ctx.save("c", &[&a, &b], |t| Ok((&t[0] * &t[1])?))?;
-                let d = ctx.recompute("d", &[&a, &c], |t| Ok((&t[0] + t[1].sin()?)?))?;
-                ctx.save("e", &[&d, &ins[0]], |t| Ok((&t[0] * &t[1])?))
+                let a = ctx.save("a", &[&ins[0]], |t| t[0].matmul(&wt)?.tanh())?;
+                let b = ctx.save("b", &[&a], |t| t[0].exp())?;
+                let c = ctx.save("c", &[&a, &b], |t| &t[0] * &t[1])?;
+                let d = ctx.recompute("d", &[&a, &c], |t| &t[0] + t[1].sin()?)?;
+                ctx.save("e", &[&d, &ins[0]], |t| &t[0] * &t[1])
             })
             .unwrap();
         grads_of(&weighted(&y), &[&x, &w])

@@ -185,16 +185,17 @@ fn five_in_two_out(enabled: bool, pol: PolicyFn) -> (Vec<Tensor>, Vec<Var>) {
     let (a, b): (Tensor, Tensor) = Region::new("five")
         .enabled(enabled)
         .run(&refs, move |ctx, t| {
-            let s = ctx.statement("sum01", pol("sum01"), &[&t[0], &t[1]], |a| {
-                Ok((&a[0] * &a[1])?)
-            })?;
+            let s = ctx.statement("sum01", pol("sum01"), &[&t[0], &t[1]], |a| &a[0] * &a[1])?;
             let m = ctx.statement("mm", pol("mm"), &[&s, &t[2]], |a| {
-                Ok((a[0].matmul(&wt)? + a[1].tanh()?)?)
+                a[0].matmul(&wt)? + a[1].tanh()?
             })?;
             let (p, q) = ctx.statement("pair", pol("pair"), &[&m, &t[3], &t[4]], |a| {
-                Ok(((&a[0] * &a[1])?.exp()?, (a[0].sqr()? - &a[2])?))
+                Ok::<_, remat_runtime::RematError>((
+                    (&a[0] * &a[1])?.exp()?,
+                    (a[0].sqr()? - &a[2])?,
+                ))
             })?;
-            let q2 = ctx.statement("q2", pol("q2"), &[&q, &t[0]], |a| Ok((&a[0] + &a[1])?))?;
+            let q2 = ctx.statement("q2", pol("q2"), &[&q, &t[0]], |a| &a[0] + &a[1])?;
             Ok((p, q2))
         })
         .unwrap();

@@ -30,18 +30,16 @@ fn report_by_region_and_record_with_exact_bytes() {
     let (wt, bt) = (w.as_tensor().clone(), b.as_tensor().clone());
     let body = move |ctx: &mut remat_runtime::Ctx, ins: &[Tensor]| {
         // Saved linear: leaf copy of x (8x16), matmul (8x32), bias add (8x32).
-        let h = ctx.save("lin", &[&ins[0]], |t| {
-            Ok(t[0].matmul(&wt)?.broadcast_add(&bt)?)
-        })?;
+        let h = ctx.save("lin", &[&ins[0]], |t| t[0].matmul(&wt)?.broadcast_add(&bt))?;
         // Saved right after: chained, no leaf copy. Its outputs are a view
         // of h (reshape of a contiguous tensor: same storage, counted in
         // `lin` already) and tanh (8x32).
         let (v, a) = ctx.save("view+tanh", &[&h], |t| {
-            Ok((t[0].reshape((4, 64))?, t[0].tanh()?))
+            Ok::<_, remat_runtime::RematError>((t[0].reshape((4, 64))?, t[0].tanh()?))
         })?;
         // Recomputed: holds nothing.
         ctx.recompute("out", &[&v, &a], |t| {
-            Ok((t[0].reshape((8, 32))? + &t[1])?.sum_all()?)
+            (t[0].reshape((8, 32))? + &t[1])?.sum_all()
         })
     };
     let y0 = Region::new("blk")

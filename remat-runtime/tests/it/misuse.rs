@@ -28,9 +28,9 @@ fn a_tensor_op_outside_any_statement_is_refused() {
         let e = Region::new("blk")
             .run(&[x.as_tensor()], move |ctx, ins| {
                 let a = if save {
-                    ctx.save("a", &[&ins[0]], |t| Ok(t[0].exp()?))?
+                    ctx.save("a", &[&ins[0]], |t| t[0].exp())?
                 } else {
-                    ctx.recompute("a", &[&ins[0]], |t| Ok(t[0].exp()?))?
+                    ctx.recompute("a", &[&ins[0]], |t| t[0].exp())?
                 };
                 // Outside any statement: nothing in the replay produces it.
                 Ok((&a * 10.0)?)
@@ -55,9 +55,9 @@ fn returned_var_case(use_in_statement: bool) {
         .run(&[x.as_tensor()], move |ctx, ins| {
             let y = if use_in_statement {
                 let w = wt.as_tensor().clone();
-                ctx.recompute("y", &[&ins[0]], move |t| Ok(t[0].matmul(&w)?))?
+                ctx.recompute("y", &[&ins[0]], move |t| t[0].matmul(&w))?
             } else {
-                ctx.recompute("y", &[&ins[0]], |t| Ok(t[0].sqr()?))?
+                ctx.recompute("y", &[&ins[0]], |t| t[0].sqr())?
             };
             Ok((y, wt.as_tensor().clone()))
         })
@@ -98,11 +98,11 @@ fn a_region_input_no_recomputed_statement_reads_is_not_held() {
         let x = x();
         let y = Region::new("blk")
             .run(&[x.as_tensor()], move |ctx, ins| {
-                let e = ctx.save("e", &[&ins[0]], |t| Ok(t[0].exp()?))?;
+                let e = ctx.save("e", &[&ins[0]], |t| t[0].exp())?;
                 if recomputed_reader {
-                    ctx.recompute("s", &[&e, &ins[0]], |t| Ok((&t[0] * &t[1])?.sum_all()?))
+                    ctx.recompute("s", &[&e, &ins[0]], |t| (&t[0] * &t[1])?.sum_all())
                 } else {
-                    ctx.recompute("s", &[&e], |t| Ok(t[0].sum_all()?))
+                    ctx.recompute("s", &[&e], |t| t[0].sum_all())
                 }
             })
             .unwrap();
@@ -131,10 +131,10 @@ fn candle_randomness_in_a_recomputed_statement_is_caught() {
         let y = Region::new("blk")
             .run(&[x.as_tensor()], move |ctx, ins| {
                 let d = ctx.recompute("drop", &[&ins[0]], move |t| match draw {
-                    "dropout" => Ok(candle_nn::ops::dropout(&t[0], 0.5)?),
+                    "dropout" => candle_nn::ops::dropout(&t[0], 0.5),
                     _ => Ok((&t[0] * t[0].rand_like(0.0, 1.0)?)?),
                 })?;
-                ctx.save("loss", &[&d], |t| Ok(t[0].sqr()?.sum_all()?))
+                ctx.save("loss", &[&d], |t| t[0].sqr()?.sum_all())
             })
             .unwrap();
         let e = backward(&y).unwrap_err();
@@ -154,10 +154,8 @@ fn the_replay_check_can_be_turned_off() {
     let x = var(&[16, 32], 13, 1.0, DType::F32);
     let y = remat_runtime::without_fingerprints(|| {
         Region::new("blk").run(&[x.as_tensor()], |ctx, ins| {
-            let d = ctx.recompute("drop", &[&ins[0]], |t| {
-                Ok(candle_nn::ops::dropout(&t[0], 0.5)?)
-            })?;
-            ctx.save("loss", &[&d], |t| Ok(t[0].sqr()?.sum_all()?))
+            let d = ctx.recompute("drop", &[&ins[0]], |t| candle_nn::ops::dropout(&t[0], 0.5))?;
+            ctx.save("loss", &[&d], |t| t[0].sqr()?.sum_all())
         })
     })
     .unwrap();
@@ -171,8 +169,8 @@ fn a_parameter_changed_before_the_backward_is_caught() {
     let y = Region::new("blk")
         .run(&[x.as_tensor()], move |ctx, ins| {
             let w = wt.clone();
-            let h = ctx.recompute("h", &[&ins[0]], move |t| Ok(t[0].matmul(&w)?.tanh()?))?;
-            ctx.save("loss", &[&h], |t| Ok(t[0].sum_all()?))
+            let h = ctx.recompute("h", &[&ins[0]], move |t| t[0].matmul(&w)?.tanh())?;
+            ctx.save("loss", &[&h], |t| t[0].sum_all())
         })
         .unwrap();
     // An optimizer step before the backward.
@@ -200,10 +198,10 @@ fn fingerprints_take_integer_and_empty_outputs() {
             let (mask, empty, v) = ctx.recompute("parts", &[&ins[0]], |t| {
                 let mask = t[0].ge(0.0)?;
                 let empty = t[0].narrow(1, 0, 0)?;
-                Ok((mask, empty, t[0].exp()?))
+                Ok::<_, remat_runtime::RematError>((mask, empty, t[0].exp()?))
             })?;
             ctx.recompute("use", &[&mask, &empty, &v], |t| {
-                Ok((t[0].to_dtype(DType::F64)? * &t[2])?.sum_all()?)
+                (t[0].to_dtype(DType::F64)? * &t[2])?.sum_all()
             })
         })
         .unwrap();
@@ -244,9 +242,9 @@ fn a_captured_output_of_another_unit_is_refused() {
     // `b`, reads `a` through its closure instead of declaring it.
     let x = x();
     let y = twice("blk", x.as_tensor(), |ctx, ins| {
-        let a = ctx.recompute("a", &[&ins[0]], |t| Ok((&t[0] * 2.0)?.sin()?))?;
-        let b = ctx.save("b", &[&ins[0]], |t| Ok((&t[0] * 2.0)?.exp()?))?;
-        ctx.recompute("c", &[&b], |t| Ok((&t[0] + &a)?.sum_all()?))
+        let a = ctx.recompute("a", &[&ins[0]], |t| (&t[0] * 2.0)?.sin())?;
+        let b = ctx.save("b", &[&ins[0]], |t| (&t[0] * 2.0)?.exp())?;
+        ctx.recompute("c", &[&b], |t| (&t[0] + &a)?.sum_all())
     });
     let e = backward(&y.unwrap()).unwrap_err();
     assert!(undeclared(&e, "c"), "replay: {e:?}");
@@ -259,9 +257,9 @@ fn a_captured_output_of_the_same_unit_is_refused_first_and_right_after() {
     // plan the two statements could be in different units.
     let x = x();
     let y = twice("blk", x.as_tensor(), |ctx, ins| {
-        let a = ctx.recompute("a", &[&ins[0]], |t| Ok((&t[0] * 2.0)?.sin()?))?;
-        let b = ctx.recompute("b", &[&ins[0]], |t| Ok((&t[0] * 2.0)?.exp()?))?;
-        ctx.recompute("c", &[&b], |t| Ok((&t[0] + &a)?.sum_all()?))
+        let a = ctx.recompute("a", &[&ins[0]], |t| (&t[0] * 2.0)?.sin())?;
+        let b = ctx.recompute("b", &[&ins[0]], |t| (&t[0] * 2.0)?.exp())?;
+        ctx.recompute("c", &[&b], |t| (&t[0] + &a)?.sum_all())
     });
     let g = y.unwrap().backward().unwrap();
     let x2 = (x.as_tensor() * 2.0).unwrap();
@@ -280,17 +278,17 @@ fn a_captured_region_input_or_saved_output_is_refused() {
         let name = format!("blk-{captured}");
         let y = twice(&name, x.as_tensor(), move |ctx, ins| {
             let x = ins[0].clone();
-            let b = ctx.save("b", &[&x], |t| Ok((&t[0] * 2.0)?.exp()?))?;
-            let e = ctx.save("e", &[&x], |t| Ok((&t[0] * 3.0)?.sin()?))?;
-            let d = ctx.recompute("d", &[&b, &x], |t| Ok((t[0].cos()? * &t[1])?))?;
-            let f = ctx.save("f", &[&d], |t| Ok((&t[0] * 1.5)?))?;
+            let b = ctx.save("b", &[&x], |t| (&t[0] * 2.0)?.exp())?;
+            let e = ctx.save("e", &[&x], |t| (&t[0] * 3.0)?.sin())?;
+            let d = ctx.recompute("d", &[&b, &x], |t| t[0].cos()? * &t[1])?;
+            let f = ctx.save("f", &[&d], |t| &t[0] * 1.5)?;
             let read = match captured {
                 "input" => x.clone(),
                 "ferried" => b.clone(),
                 _ => e.clone(),
             };
-            let c = ctx.recompute("c", &[&f], move |t| Ok((&t[0] * &read)?))?;
-            ctx.save("out", &[&c, &e], |t| Ok((&t[0] + &t[1])?.sum_all()?))
+            let c = ctx.recompute("c", &[&f], move |t| &t[0] * &read)?;
+            ctx.save("out", &[&c, &e], |t| (&t[0] + &t[1])?.sum_all())
         });
         let e = backward(&y.unwrap()).unwrap_err();
         let named = match captured {
@@ -314,10 +312,10 @@ fn a_capture_that_makes_a_constant_need_gradients_is_refused() {
     let x = x().as_tensor().detach();
     let y = twice("blk", &x, move |ctx, ins| {
         let w = wt.clone();
-        let h = ctx.recompute("h", &[&ins[0]], move |t| Ok(t[0].matmul(&w)?))?;
-        let m = ctx.recompute("m", &[&ins[0]], |t| Ok((t[0].tanh()? + &h)?))?;
+        let h = ctx.recompute("h", &[&ins[0]], move |t| t[0].matmul(&w))?;
+        let m = ctx.recompute("m", &[&ins[0]], |t| t[0].tanh()? + &h)?;
         let w = wt.clone();
-        ctx.save("out", &[&m], move |t| Ok(t[0].matmul(&w)?.sum_all()?))
+        ctx.save("out", &[&m], move |t| t[0].matmul(&w)?.sum_all())
     });
     // The replay sees `m` gain a gradient it did not have in the forward.
     let e = backward(&y.unwrap()).unwrap_err();
@@ -331,8 +329,8 @@ fn a_saved_statement_capturing_a_value_is_refused_by_the_first_forward() {
     // checks for you" in docs/semantics.md).
     let x = x();
     let y = twice("blk", x.as_tensor(), |ctx, ins| {
-        let a = ctx.recompute("a", &[&ins[0]], |t| Ok(t[0].sin()?))?;
-        ctx.save("s", &[&ins[0]], |t| Ok((&t[0] * &a)?.sum_all()?))
+        let a = ctx.recompute("a", &[&ins[0]], |t| t[0].sin())?;
+        ctx.save("s", &[&ins[0]], |t| (&t[0] * &a)?.sum_all())
     });
     assert!(y.is_ok());
 }

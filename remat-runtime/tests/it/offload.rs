@@ -158,8 +158,8 @@ fn offloaded_statements_compute_what_saved_ones_do() {
 fn the_report_shows_a_host_column_only_when_something_is_offloaded() {
     let x = Var::ones((4, 8), DType::F32, &Device::Cpu).unwrap();
     let block = |ctx: &mut remat_runtime::Ctx, ins: &[Tensor]| {
-        let e = ctx.offload("e", &[&ins[0]], |t| Ok(t[0].exp()?))?;
-        ctx.recompute("s", &[&e], |t| Ok(t[0].sum_all()?))
+        let e = ctx.offload("e", &[&ins[0]], |t| t[0].exp())?;
+        ctx.recompute("s", &[&e], |t| t[0].sum_all())
     };
     let y = Region::new("r").run(&[x.as_tensor()], block).unwrap();
     let kept = MemoryReport::capture().to_string();
@@ -191,8 +191,8 @@ fn nothing_moves_when_nothing_in_the_statement_depends_on_its_inputs() {
     let wt = w.as_tensor().clone();
     let y = offload::swap_on_cpu(|| {
         Region::new("r").run(&[&c], move |ctx, ins| {
-            let h = ctx.offload("h", &[&ins[0]], |t| Ok(t[0].matmul(&wt)?.exp()?))?;
-            ctx.recompute("s", &[&h], |t| Ok(t[0].sum_all()?))
+            let h = ctx.offload("h", &[&ins[0]], |t| t[0].matmul(&wt)?.exp())?;
+            ctx.recompute("s", &[&h], |t| t[0].sum_all())
         })
     })
     .unwrap();
@@ -224,11 +224,11 @@ fn a_region_nested_in_an_offloaded_statement_moves_with_it() {
                 let h = ctx.statement("inner", outer, &[&ins[0]], move |t| {
                     let wt = wt.clone();
                     Region::new("inner").run(&[&t[0]], move |ictx, i| {
-                        let a = ictx.save("a", &[&i[0]], |t| Ok(t[0].matmul(&wt)?.tanh()?))?;
-                        ictx.recompute("b", &[&a], |t| Ok(t[0].sqr()?))
+                        let a = ictx.save("a", &[&i[0]], |t| t[0].matmul(&wt)?.tanh())?;
+                        ictx.recompute("b", &[&a], |t| t[0].sqr())
                     })
                 })?;
-                ctx.recompute("sum", &[&h], |t| Ok(t[0].sum_all()?))
+                ctx.recompute("sum", &[&h], |t| t[0].sum_all())
             })
             .unwrap();
         let store = y.backward().unwrap();
@@ -262,10 +262,10 @@ fn plans_override_and_choose_offload() {
     // JAX's save_and_offload_only_these_names, for open statements.
     let xs = x.as_tensor().clone();
     let block = |ctx: &mut remat_runtime::Ctx, ins: &[Tensor]| {
-        let a = ctx.open("a", &[&ins[0]], |t| Ok(t[0].exp()?))?;
-        let b = ctx.open("b", &[&a], |t| Ok(t[0].sin()?))?;
-        let c = ctx.open("c", &[&b], |t| Ok(t[0].sqr()?))?;
-        ctx.offload("d", &[&c], |t| Ok(t[0].sum_all()?))
+        let a = ctx.open("a", &[&ins[0]], |t| t[0].exp())?;
+        let b = ctx.open("b", &[&a], |t| t[0].sin())?;
+        let c = ctx.open("c", &[&b], |t| t[0].sqr())?;
+        ctx.offload("d", &[&c], |t| t[0].sum_all())
     };
     let plan = Plan::save_and_offload_only(["a"], ["b"]);
     let y = offload::swap_on_cpu(|| Region::new("r").plan(plan).run(&[&xs], block)).unwrap();
@@ -316,8 +316,8 @@ fn plans_override_and_choose_offload() {
 fn a_retained_tape_backs_up_twice_and_traces_the_offloaded_statement() {
     let x = var(&[3, 5], 9, 1.0, DType::F32);
     let block = |ctx: &mut remat_runtime::Ctx, ins: &[Tensor]| {
-        let e = ctx.offload("e", &[&ins[0]], |t| Ok(t[0].exp()?.sin()?))?;
-        ctx.recompute("s", &[&e], |t| Ok(t[0].sum_all()?))
+        let e = ctx.offload("e", &[&ins[0]], |t| t[0].exp()?.sin())?;
+        ctx.recompute("s", &[&e], |t| t[0].sum_all())
     };
     let (y, trace) = Trace::record(|| {
         offload::swap_on_cpu(|| Region::new("r").run(&[x.as_tensor()], block)).unwrap()
@@ -346,8 +346,8 @@ fn a_replay_that_saves_what_the_forward_offloaded_is_a_desync() {
             } else {
                 Policy::Offload
             };
-            let h = ctx.statement("h", policy, &[&ins[0]], |t| Ok(t[0].exp()?))?;
-            ctx.recompute("s", &[&h], |t| Ok(t[0].sum_all()?))
+            let h = ctx.statement("h", policy, &[&ins[0]], |t| t[0].exp())?;
+            ctx.recompute("s", &[&h], |t| t[0].sum_all())
         })
     })
     .unwrap();
@@ -369,8 +369,8 @@ fn an_offloaded_statement_cannot_reuse_a_saved_statements_name() {
     let x = var(&[2, 2], 1, 1.0, DType::F32);
     let err = Region::new("blk")
         .run(&[x.as_tensor()], |ctx, ins| {
-            let h = ctx.save("h", &[&ins[0]], |t| Ok(t[0].exp()?))?;
-            ctx.offload("h", &[&h], |t| Ok(t[0].sum_all()?))
+            let h = ctx.save("h", &[&ins[0]], |t| t[0].exp())?;
+            ctx.offload("h", &[&h], |t| t[0].sum_all())
         })
         .unwrap_err();
     assert!(

@@ -134,12 +134,12 @@ fn region_plan_beats_scope_and_nested_regions_inherit_it() {
     let y = Plan::recompute_all()
         .scope(|| {
             outer.run(&[x.as_tensor()], move |ctx, ins| {
-                let h = ctx.open("pre", &[&ins[0]], |t| Ok(t[0].sqr()?))?;
+                let h = ctx.open("pre", &[&ins[0]], |t| t[0].sqr())?;
                 // A region nested in the block: runs in the forward and again
                 // in the outer replay, both times under the outer plan.
                 let pc = pc.clone();
                 seen.lock().unwrap().push(ctx.plan().to_string());
-                ctx.open("inner", &[&h], move |t| Ok(mlp(&t[0], &pc)?))
+                ctx.open("inner", &[&h], move |t| mlp(&t[0], &pc))
             })
         })
         .unwrap();

@@ -48,16 +48,16 @@ fn a_replay_error_shows_both_runs_side_by_side() {
     let c = calls.clone();
     let y = Region::new("blk")
         .run(&[x.as_tensor()], move |ctx, ins| {
-            let a = ctx.save("a", &[&ins[0]], |t| Ok(t[0].exp()?))?;
-            let b = ctx.open("b", &[&a], |t| Ok(t[0].tanh()?))?;
+            let a = ctx.save("a", &[&ins[0]], |t| t[0].exp())?;
+            let b = ctx.open("b", &[&a], |t| t[0].tanh())?;
             // The replay (second call) runs another statement here.
             let name = if c.fetch_add(1, Ordering::SeqCst) == 0 {
                 "c"
             } else {
                 "other"
             };
-            let c = ctx.recompute(name, &[&b], |t| Ok(t[0].sqr()?))?;
-            ctx.recompute("d", &[&c], |t| Ok(t[0].sum_all()?))
+            let c = ctx.recompute(name, &[&b], |t| t[0].sqr())?;
+            ctx.recompute("d", &[&c], |t| t[0].sum_all())
         })
         .unwrap();
     let e = remat_runtime::backward(&y).unwrap_err();

@@ -1,0 +1,330 @@
+//! What a statement's code does with the names it mentions, read from its
+//! syntax: which identifiers it mentions, which it moves, which it assigns,
+//! and which a pattern binds.
+//!
+//! The macro has no types, so "moves" is syntactic: an identifier in a
+//! by-value position (an operand of arithmetic, an argument, a tuple or
+//! struct field, a `let` value, `?`, a `for` loop's iterable). A `Copy`
+//! value in such a position is copied, not moved, and moving it is harmless;
+//! a method receiver (`h.exp()`) is never counted, so a method that takes
+//! `self` is a move the macro does not see.
+
+use proc_macro2::{Span, TokenStream, TokenTree};
+use quote::ToTokens;
+use syn::visit::Visit;
+use syn::{Expr, Ident, Pat};
+
+/// Identifiers an expression mentions, in order, with the span of their first
+/// use: paths of one segment, identifiers inside macro invocations, and
+/// inline arguments of format strings (`"{x}"`).
+pub(crate) fn mentions(expr: &Expr) -> Vec<(String, Span)> {
+    struct Collect(Vec<(String, Span)>);
+    impl Collect {
+        fn add(&mut self, name: String, span: Span) {
+            if !self.0.iter().any(|(n, _)| *n == name) {
+                self.0.push((name, span));
+            }
+        }
+        fn tokens(&mut self, ts: TokenStream) {
+            for tt in ts {
+                match tt {
+                    TokenTree::Ident(i) => self.add(i.to_string(), i.span()),
+                    TokenTree::Group(g) => self.tokens(g.stream()),
+                    TokenTree::Literal(l) => {
+                        if let Ok(s) = syn::parse2::<syn::LitStr>(l.to_token_stream()) {
+                            for name in format_args(&s.value()) {
+                                self.add(name, l.span());
+                            }
+                        }
+                    }
+                    TokenTree::Punct(_) => {}
+                }
+            }
+        }
+    }
+    impl<'ast> Visit<'ast> for Collect {
+        fn visit_expr_path(&mut self, p: &'ast syn::ExprPath) {
+            if p.qself.is_none() && p.path.segments.len() == 1 {
+                let seg = &p.path.segments[0];
+                self.add(seg.ident.to_string(), seg.ident.span());
+            }
+            syn::visit::visit_expr_path(self, p);
+        }
+        fn visit_macro(&mut self, m: &'ast syn::Macro) {
+            self.tokens(m.tokens.clone());
+        }
+    }
+    let mut c = Collect(Vec::new());
+    c.visit_expr(expr);
+    c.0
+}
+
+/// Inline arguments of a format string: `{x}`, `{x:?}`, `{x:>8}`.
+fn format_args(s: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = s;
+    while let Some(open) = rest.find('{') {
+        rest = &rest[open + 1..];
+        if rest.starts_with('{') {
+            rest = &rest[1..];
+            continue;
+        }
+        let end = rest.find(['}', ':']).unwrap_or(rest.len());
+        let name = &rest[..end];
+        if !name.is_empty()
+            && name.chars().all(|c| c.is_alphanumeric() || c == '_')
+            && !name.chars().next().is_some_and(|c| c.is_ascii_digit())
+        {
+            out.push(name.to_string());
+        }
+    }
+    out
+}
+
+/// The identifiers a pattern binds, and whether each is `mut`.
+pub(crate) fn bound(pat: &Pat) -> Vec<(Ident, bool)> {
+    struct Collect(Vec<(Ident, bool)>);
+    impl<'ast> Visit<'ast> for Collect {
+        fn visit_pat_ident(&mut self, p: &'ast syn::PatIdent) {
+            self.0.push((p.ident.clone(), p.mutability.is_some()));
+            syn::visit::visit_pat_ident(self, p);
+        }
+    }
+    let mut c = Collect(Vec::new());
+    c.visit_pat(pat);
+    c.0
+}
+
+/// The single identifier a pattern binds (`x`, `mut x`, `x: T`), if it is one.
+pub(crate) fn single(pat: &Pat) -> Option<&Ident> {
+    match pat {
+        Pat::Ident(p) if p.subpat.is_none() => Some(&p.ident),
+        Pat::Type(t) => single(&t.pat),
+        _ => None,
+    }
+}
+
+/// Identifiers (paths of one segment) in by-value positions of `expr`, with
+/// the span of their first such use.
+pub(crate) fn moved(expr: &Expr) -> Vec<(String, Span)> {
+    let mut m = Moves {
+        by_value: false,
+        out: Vec::new(),
+    };
+    m.visit_expr(expr);
+    m.out
+}
+
+struct Moves {
+    /// Whether the expression being visited is in a by-value position.
+    by_value: bool,
+    out: Vec<(String, Span)>,
+}
+
+impl Moves {
+    fn visit(&mut self, e: &Expr, by_value: bool) {
+        let outer = std::mem::replace(&mut self.by_value, by_value);
+        self.visit_expr(e);
+        self.by_value = outer;
+    }
+}
+
+impl<'ast> Visit<'ast> for Moves {
+    fn visit_expr(&mut self, e: &'ast Expr) {
+        use syn::{BinOp, UnOp};
+        let v = self.by_value;
+        match e {
+            Expr::Path(p) if p.qself.is_none() && p.path.segments.len() == 1 => {
+                let ident = &p.path.segments[0].ident;
+                let name = ident.to_string();
+                if v && !self.out.iter().any(|(n, _)| *n == name) {
+                    self.out.push((name, ident.span()));
+                }
+            }
+            Expr::Binary(b) => {
+                let operands = matches!(
+                    b.op,
+                    BinOp::Add(_)
+                        | BinOp::Sub(_)
+                        | BinOp::Mul(_)
+                        | BinOp::Div(_)
+                        | BinOp::Rem(_)
+                        | BinOp::BitXor(_)
+                        | BinOp::BitAnd(_)
+                        | BinOp::BitOr(_)
+                        | BinOp::Shl(_)
+                        | BinOp::Shr(_)
+                );
+                let assigning = crate::usage::is_compound_assign(&b.op);
+                self.visit(&b.left, operands);
+                self.visit(&b.right, operands || assigning);
+            }
+            Expr::Unary(u) => self.visit(&u.expr, !matches!(u.op, UnOp::Deref(_))),
+            Expr::Reference(r) => self.visit(&r.expr, false),
+            Expr::MethodCall(m) => {
+                self.visit(&m.receiver, false);
+                m.args.iter().for_each(|a| self.visit(a, true));
+            }
+            Expr::Call(c) => {
+                self.visit(&c.func, false);
+                c.args.iter().for_each(|a| self.visit(a, true));
+            }
+            Expr::Tuple(t) => t.elems.iter().for_each(|a| self.visit(a, true)),
+            Expr::Array(a) => a.elems.iter().for_each(|a| self.visit(a, true)),
+            Expr::Struct(s) => {
+                s.fields.iter().for_each(|f| self.visit(&f.expr, true));
+                if let Some(rest) = &s.rest {
+                    self.visit(rest, true);
+                }
+            }
+            Expr::Paren(p) => self.visit(&p.expr, v),
+            Expr::Group(g) => self.visit(&g.expr, v),
+            Expr::Try(t) => self.visit(&t.expr, true),
+            Expr::Cast(c) => self.visit(&c.expr, true),
+            Expr::Assign(a) => {
+                self.visit(&a.left, false);
+                self.visit(&a.right, true);
+            }
+            Expr::ForLoop(f) => {
+                self.visit(&f.expr, true);
+                self.visit_block(&f.body);
+            }
+            Expr::Return(r) => {
+                if let Some(e) = &r.expr {
+                    self.visit(e, true);
+                }
+            }
+            Expr::Break(b) => {
+                if let Some(e) = &b.expr {
+                    self.visit(e, true);
+                }
+            }
+            Expr::Block(b) => self.visit_block_value(&b.block, v),
+            Expr::Unsafe(b) => self.visit_block_value(&b.block, v),
+            Expr::If(i) => {
+                self.visit(&i.cond, false);
+                self.visit_block_value(&i.then_branch, v);
+                if let Some((_, e)) = &i.else_branch {
+                    self.visit(e, v);
+                }
+            }
+            Expr::Match(m) => {
+                self.visit(&m.expr, false);
+                for arm in &m.arms {
+                    if let Some((_, g)) = &arm.guard {
+                        self.visit(g, false);
+                    }
+                    self.visit(&arm.body, v);
+                }
+            }
+            Expr::Macro(_) => {}
+            other => {
+                let outer = std::mem::replace(&mut self.by_value, false);
+                syn::visit::visit_expr(self, other);
+                self.by_value = outer;
+            }
+        }
+    }
+
+    fn visit_local(&mut self, l: &'ast syn::Local) {
+        if let Some(init) = &l.init {
+            self.visit(&init.expr, true);
+            if let Some((_, e)) = &init.diverge {
+                self.visit(e, false);
+            }
+        }
+    }
+
+    fn visit_stmt(&mut self, s: &'ast syn::Stmt) {
+        match s {
+            syn::Stmt::Expr(e, _) => self.visit(e, false),
+            other => syn::visit::visit_stmt(self, other),
+        }
+    }
+}
+
+impl Moves {
+    /// A block whose value is used `by_value` (its tail expression).
+    fn visit_block_value(&mut self, b: &syn::Block, by_value: bool) {
+        let n = b.stmts.len();
+        for (i, s) in b.stmts.iter().enumerate() {
+            match s {
+                syn::Stmt::Expr(e, None) if i + 1 == n => self.visit(e, by_value),
+                other => self.visit_stmt(other),
+            }
+        }
+    }
+}
+
+/// Identifiers assigned in `expr` (`x = ...`, `x += ...`, `x.f = ...`,
+/// `x[i] = ...`: the root of the place), with the span of the assignment's
+/// left side.
+pub(crate) fn assigned(expr: &Expr) -> Vec<(String, Span)> {
+    struct Collect(Vec<(String, Span)>);
+    fn root(e: &Expr) -> Option<&Ident> {
+        match e {
+            Expr::Path(p) if p.qself.is_none() => p.path.get_ident(),
+            Expr::Field(f) => root(&f.base),
+            Expr::Index(i) => root(&i.expr),
+            Expr::Paren(p) => root(&p.expr),
+            _ => None,
+        }
+    }
+    impl<'ast> Visit<'ast> for Collect {
+        fn visit_expr_assign(&mut self, a: &'ast syn::ExprAssign) {
+            if let Some(i) = root(&a.left) {
+                self.0.push((i.to_string(), i.span()));
+            }
+            syn::visit::visit_expr_assign(self, a);
+        }
+        fn visit_expr_binary(&mut self, b: &'ast syn::ExprBinary) {
+            if is_compound_assign(&b.op) {
+                if let Some(i) = root(&b.left) {
+                    self.0.push((i.to_string(), i.span()));
+                }
+            }
+            syn::visit::visit_expr_binary(self, b);
+        }
+    }
+    let mut c = Collect(Vec::new());
+    c.visit_expr(expr);
+    c.0
+}
+
+/// `+=`, `-=`, ...
+pub(crate) fn is_compound_assign(op: &syn::BinOp) -> bool {
+    use syn::BinOp::*;
+    matches!(
+        op,
+        AddAssign(_)
+            | SubAssign(_)
+            | MulAssign(_)
+            | DivAssign(_)
+            | RemAssign(_)
+            | BitXorAssign(_)
+            | BitAndAssign(_)
+            | BitOrAssign(_)
+            | ShlAssign(_)
+            | ShrAssign(_)
+    )
+}
+
+/// Names bound anywhere inside `expr` (`let`, closure parameters, `for`
+/// and `match` patterns): an assignment to one of these is local.
+pub(crate) fn locals(expr: &Expr) -> Vec<String> {
+    struct Collect(Vec<String>);
+    impl<'ast> Visit<'ast> for Collect {
+        fn visit_pat_ident(&mut self, p: &'ast syn::PatIdent) {
+            self.0.push(p.ident.to_string());
+            syn::visit::visit_pat_ident(self, p);
+        }
+    }
+    let mut c = Collect(Vec::new());
+    c.visit_expr(expr);
+    c.0
+}
+
+/// Whether a pattern binds `mut` names.
+pub(crate) fn binds_mut(pat: &Pat) -> bool {
+    bound(pat).iter().any(|(_, mutable)| *mutable)
+}

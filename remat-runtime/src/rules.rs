@@ -1,0 +1,121 @@
+//! The rules a `remat!` block's values follow, as traits. The macro does
+//! not know the types of a block's values; rustc checks these rules for it
+//! and names these traits (with their messages) in compile errors:
+//!
+//! - [`Readable`]: a value a statement reads is `Clone` (each statement runs
+//!   again in the backward with its own copy of what it reads);
+//! - [`Unwrapped`]: a statement's value is not a `Result` (a missing `?`);
+//! - [`StatementValue`]: a statement's value is made of tensors and plain
+//!   values ([`Outputs`]);
+//! - [`HoldsTensors`]: a `#[save]` or `#[offload]` statement's value holds a
+//!   tensor (there is something to save).
+
+use candle_core::Tensor;
+
+use crate::__private::Method;
+use crate::{Ctx, Outputs, RematError, Result};
+
+/// A value a statement of a `remat!` block can read: every `Clone` type.
+///
+/// ```
+/// fn readable<T: remat_runtime::rules::Readable>() {}
+/// readable::<candle_core::Tensor>();
+/// readable::<usize>();
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is read by a statement of a remat! block, so it must be `Clone`",
+    label = "read here",
+    note = "each statement runs again in the backward with its own copy of the values it reads: derive or implement `Clone` for this type"
+)]
+pub trait Readable {}
+
+impl<T: Clone> Readable for T {}
+
+/// A value `#[save]` or `#[offload]` can keep: one that holds a tensor.
+/// The macro checks the plain types of [`Outputs`] (`usize`, `f64`,
+/// `Shape`, ...) against it; nothing implements it for them.
+///
+/// ```
+/// fn saved(_: &dyn remat_runtime::rules::HoldsTensors) {}
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "this saved statement's value is a `{Self}`, which holds no tensor: there is nothing to save",
+    label = "a plain value",
+    note = "remove the annotation: plain values cost nothing to recompute"
+)]
+pub trait HoldsTensors {}
+
+/// A statement's value that is not a `Result`. The macro checks `Result`
+/// values against it; nothing implements it for them.
+///
+/// ```
+/// fn unwrapped(_: &dyn remat_runtime::rules::Unwrapped) {}
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "this statement's value is a `Result`: add `?`",
+    label = "add `?` at the end of this expression",
+    note = "a statement's value is what its expression gives after `?`: tensors, tuples of them, or plain values"
+)]
+pub trait Unwrapped {}
+
+/// A statement's value: every [`Outputs`] type. The macro runs its
+/// statements through this trait, so that a value that is not one is
+/// reported in these words at the statement.
+///
+/// ```
+/// fn value<T: remat_runtime::rules::StatementValue>() {}
+/// value::<(candle_core::Tensor, usize)>();
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "this statement's value is a `{Self}`, which a remat! statement cannot give",
+    label = "this statement's value",
+    note = "a statement gives tensors, `Vec`s, `Option`s and tuples of them, or plain values such as `usize` and `Shape`; clone a borrowed tensor (`x.clone()`)"
+)]
+pub trait StatementValue: Sized {
+    /// [`Ctx::open`], [`Ctx::save`], [`Ctx::offload`] or
+    /// [`Ctx::recompute`], by `method`.
+    #[doc(hidden)]
+    fn run(
+        ctx: &mut Ctx,
+        method: Method,
+        name: &str,
+        inputs: Vec<Tensor>,
+        f: impl FnOnce(&[Tensor]) -> Result<Self>,
+    ) -> Result<Self>;
+}
+
+#[diagnostic::do_not_recommend]
+impl<T: Outputs> StatementValue for T {
+    fn run(
+        ctx: &mut Ctx,
+        method: Method,
+        name: &str,
+        inputs: Vec<Tensor>,
+        f: impl FnOnce(&[Tensor]) -> Result<Self>,
+    ) -> Result<Self> {
+        match method {
+            Method::Open => ctx.open(name, inputs, f),
+            Method::Save => ctx.save(name, inputs, f),
+            Method::Offload => ctx.offload(name, inputs, f),
+            Method::Recompute => ctx.recompute(name, inputs, f),
+        }
+    }
+}
+
+/// A `Result` value: reported by the [`Unwrapped`] check at the same
+/// statement, so that a missing `?` is one error, not two. Never runs.
+impl<T, E> StatementValue for std::result::Result<T, E> {
+    fn run(
+        _: &mut Ctx,
+        _: Method,
+        name: &str,
+        _: Vec<Tensor>,
+        _: impl FnOnce(&[Tensor]) -> Result<Self>,
+    ) -> Result<Self> {
+        Err(RematError::Candle(std::sync::Arc::new(
+            candle_core::Error::Msg(format!(
+                "statement `{name}` of a remat! block gives a `Result`: add `?`"
+            )),
+        )))
+    }
+}

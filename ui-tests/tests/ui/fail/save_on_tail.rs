@@ -1,0 +1,11 @@
+use candle_core::{Result, Tensor, Var};
+use remat_runtime::remat;
+
+remat! {
+    fn block(x: &Tensor, w: &Var) -> Result<Tensor> {
+        let h = x.matmul(w)?;
+        #[save] Ok(h.tanh()?)
+    }
+}
+
+fn main() {}

@@ -1,0 +1,12 @@
+use candle_core::{Result, Tensor, Var};
+use remat_runtime::remat;
+
+remat! {
+    fn block(x: &Tensor, w: &Var) -> Result<Tensor> {
+        #[save] let n = x.dim(0)?;
+        let h = (x.matmul(w)? * n as f64)?;
+        Ok(h)
+    }
+}
+
+fn main() {}

@@ -209,8 +209,10 @@ pub enum RematError {
         "{} parameter(s) received no gradient: {}; the loss does not depend on them through \
          differentiable ops. Common causes: a fused candle op without backward \
          (`candle_nn::LayerNorm`/`RmsNorm` on contiguous input, `ops::layer_norm`, \
-         `ops::rms_norm`, `ops::softmax_last_dim`: use `ops::layer_norm_slow`, \
-         `ops::rms_norm_slow`, `ops::softmax`), a `detach`, or a parameter the model never uses",
+         `ops::rms_norm`, `ops::softmax_last_dim`, `ops::sdpa`, \
+         `rotary_emb::rope`/`rope_i`/`rope_thd`: use `ops::layer_norm_slow`, \
+         `ops::rms_norm_slow`, `ops::softmax`, attention and rotary embeddings written \
+         with tensor ops), a `detach`, or a parameter the model never uses",
         names.len(),
         names.join(", ")
     )]

@@ -10,7 +10,8 @@ use crate::{RematError, Result};
 ///
 /// candle cuts gradients silently at ops without a backward: in candle 0.11
 /// the fused `candle_nn::LayerNorm` (on contiguous inputs), `ops::layer_norm`,
-/// `ops::rms_norm` and `ops::softmax_last_dim` train nothing behind them.
+/// `ops::rms_norm`, `ops::softmax_last_dim`, `ops::sdpa` and
+/// `rotary_emb::rope`/`rope_i`/`rope_thd` train nothing behind them.
 /// Call this once after the first `backward` of a training run.
 ///
 /// ```

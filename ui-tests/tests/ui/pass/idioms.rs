@@ -42,6 +42,16 @@ remat! {
         };
         Ok(h.tanh()?)
     }
+
+    /// Outputs collected into a `mut` vector with `push`.
+    pub fn collect(x: &Tensor, layers: &[Linear]) -> Result<Tensor> {
+        let mut outs: Vec<Tensor> = Vec::new();
+        for l in layers {
+            outs.push(x.matmul(&l.w)?);
+        }
+        let n = outs.len();
+        Ok((Tensor::cat(&outs, 1)? / n as f64)?)
+    }
 }
 
 fn main() -> Result<()> {
@@ -55,6 +65,7 @@ fn main() -> Result<()> {
     let mask = Tensor::ones(3, DType::F32, &dev)?;
     assert_eq!(layers(&x, &ls, Some(&mask))?.dims(), &[2, 3]);
     assert_eq!(layers(&x, &ls, None)?.dims(), &[2, 3]);
+    assert_eq!(collect(&x, &ls)?.dims(), &[2, 3]);
     // A statement closure returns candle's `Result` directly.
     let y = Region::new("r").run(&[&x], |ctx, ins| ctx.open("e", &[&ins[0]], |t| t[0].exp()))?;
     assert_eq!(y.dims(), &[2, 3]);

@@ -67,6 +67,7 @@ mod ctx;
 mod error;
 mod graph;
 pub mod inspect;
+pub mod nn;
 pub mod offload;
 pub mod plan;
 mod policy;

@@ -265,4 +265,111 @@ fn exact_memory_of_an_eight_block_stack() {
         base,
         "a failed backward over offloaded statements leaked"
     );
+
+    nn_residual_bytes();
+}
+
+/// Bytes the graph of each `remat_runtime::nn` op keeps per batch element,
+/// beyond its inputs: measured as `held(batch 2) - held(batch 1)` after the
+/// op (output alive, inputs alive), so fixed costs (the node, a causal mask)
+/// cancel. Exact: the output plus the statistics the backward reads. The
+/// composed candle ops are measured the same way, for docs/performance.md.
+fn nn_residual_bytes() {
+    use candle_core::{Var, D};
+    use remat_runtime::nn;
+    type Build = dyn Fn(usize) -> Vec<Tensor>;
+    type Apply = dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>;
+    let held = |build: &Build, apply: &Apply, b: usize| -> usize {
+        let ins = build(b);
+        let before = live();
+        let y = apply(&ins).unwrap();
+        let after = live();
+        drop((y, ins));
+        after - before
+    };
+    let per_batch = |build: &Build, apply: &Apply| -> usize {
+        // Warm candle's caches and rayon's workers at both sizes.
+        held(build, apply, 1);
+        held(build, apply, 2);
+        held(build, apply, 2) - held(build, apply, 1)
+    };
+    fn v(dims: &[usize], seed: u64) -> Tensor {
+        Var::from_tensor(&tensor(dims, seed, 1.0, DType::F32))
+            .unwrap()
+            .as_tensor()
+            .clone()
+    }
+    // (T, C) = (8, 16) rows per batch element; f32.
+    let rows: &Build = &|b| vec![v(&[b, 8, 16], 1), v(&[32, 16], 2), v(&[32], 3)];
+    let norm: &Build = &|b| vec![v(&[b, 8, 16], 1), v(&[16], 2), v(&[16], 3)];
+    let logits: &Build = &|b| {
+        let t: Vec<u32> = (0..8 * b as u32).map(|i| i % 16).collect();
+        vec![
+            v(&[8 * b, 16], 1),
+            Tensor::new(t, &candle_core::Device::Cpu).unwrap(),
+        ]
+    };
+    let qkv: &Build = &|b| {
+        vec![
+            v(&[b, 2, 8, 4], 1),
+            v(&[b, 2, 8, 4], 2),
+            v(&[b, 2, 8, 4], 3),
+        ]
+    };
+    let mask = causal_mask(8, DType::F32);
+    let attention_composed = move |t: &[Tensor]| {
+        let s = (t[0].matmul(&t[1].t()?)? * 0.5)?.broadcast_add(&mask)?;
+        candle_nn::ops::softmax(&s, D::Minus1)?.matmul(&t[2])
+    };
+    let cases: Vec<(&str, &Build, &Apply, &Apply, usize)> = vec![
+        (
+            "linear",
+            rows,
+            &|t| nn::linear(&t[0], &t[1], Some(&t[2])),
+            &|t| t[0].broadcast_matmul(&t[1].t()?)?.broadcast_add(&t[2]),
+            8 * 32 * 4, // the output
+        ),
+        (
+            "layer_norm",
+            norm,
+            &|t| nn::layer_norm(&t[0], &t[1], &t[2], 1e-5),
+            &|t| candle_nn::ops::layer_norm_slow(&t[0], &t[1], &t[2], 1e-5),
+            8 * 16 * 4 + 8 * 4 * 2, // output, mean and 1/std per row
+        ),
+        (
+            "rms_norm",
+            norm,
+            &|t| nn::rms_norm(&t[0], &t[1], 1e-6),
+            &|t| candle_nn::ops::rms_norm_slow(&t[0], &t[1], 1e-6),
+            8 * 16 * 4 + 8 * 4, // output, 1/rms per row
+        ),
+        (
+            "softmax_last_dim",
+            norm,
+            &|t| nn::softmax_last_dim(&t[0]),
+            &|t| candle_nn::ops::softmax(&t[0], D::Minus1),
+            8 * 16 * 4, // the output
+        ),
+        (
+            "cross_entropy",
+            logits,
+            &|t| nn::cross_entropy(&t[0], &t[1]),
+            &|t| candle_nn::loss::cross_entropy(&t[0], &t[1]),
+            8 * 4, // log-sum-exp per row (the output is one scalar)
+        ),
+        (
+            "attention (causal)",
+            qkv,
+            &|t| nn::attention(&t[0], &t[1], &t[2], true, None),
+            &attention_composed,
+            2 * 8 * 4 * 4 + 2 * 8 * 4, // output, log-sum-exp per query row
+        ),
+    ];
+    for (name, build, op, composed, want) in cases {
+        let ours = per_batch(build, op);
+        let theirs = per_batch(build, composed);
+        println!("nn::{name}: {ours} bytes per batch element; candle composed: {theirs}");
+        assert_eq!(ours, want, "nn::{name}");
+        assert!(ours < theirs, "nn::{name}: {ours} >= composed {theirs}");
+    }
 }

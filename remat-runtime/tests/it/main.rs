@@ -13,6 +13,7 @@ mod grad_equality;
 mod macro_blocks;
 mod memory_report;
 mod misuse;
+mod nn;
 mod offload;
 mod plans;
 mod properties;

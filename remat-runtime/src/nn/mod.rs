@@ -1,0 +1,35 @@
+//! Differentiable fused ops with small residuals, usable inside and outside
+//! `remat!` (a plain candle training loop gets their backward too).
+//!
+//! candle's graph keeps every input of every op until the backward, and its
+//! fused ops (`ops::layer_norm`, `ops::rms_norm`, `softmax_last_dim`,
+//! `rotary_emb::rope*`, `sdpa`) have no backward at all. Each op here is one
+//! node of candle's graph (a `CustomOp`) whose forward runs outside the graph
+//! and whose backward is written out, so the graph keeps only the op's
+//! inputs and what its backward needs:
+//!
+//! | op | kept for the backward (besides its inputs) | candle's composed version keeps |
+//! |---|---|---|
+//! | [`linear`] | nothing | also the product before the bias |
+//! | [`layer_norm`] | mean and 1/std per row | about eight full-size tensors |
+//! | [`rms_norm`] | 1/rms per row | about five full-size tensors |
+//! | [`softmax_last_dim`] | its output | (no backward in candle) |
+//! | [`attention`] | output, log-sum-exp per row | scores and probabilities, `(B, H, T, T)` each |
+//! | [`cross_entropy`] | log-sum-exp per row | log-probabilities and more, `(N, V)` each |
+//!
+//! The forward of each runs candle's tensor ops (candle's fused kernels
+//! where they exist), on any device; the result is copied once into the
+//! node (candle's public API gives no way to hand it over).
+
+mod attach;
+mod attention;
+mod linear;
+mod loss;
+mod norm;
+mod softmax;
+
+pub use attention::attention;
+pub use linear::linear;
+pub use loss::cross_entropy;
+pub use norm::{layer_norm, rms_norm};
+pub use softmax::softmax_last_dim;

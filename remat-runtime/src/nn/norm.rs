@@ -1,0 +1,140 @@
+//! Layer norm and RMS norm over the last dimension.
+
+use candle_core::{CustomOp2, CustomOp3, Result, Tensor, D};
+
+use super::attach::{forward_computed, Computed};
+
+struct LayerNorm {
+    out: Computed,
+    /// Per row, `(.., 1)`.
+    mean: Tensor,
+    /// Per row, `1 / sqrt(var + eps)`, `(.., 1)`.
+    rstd: Tensor,
+}
+
+/// Layer norm over the last dimension: `(x - mean) / sqrt(var + eps) * g + b`,
+/// as `candle_nn::ops::layer_norm_slow` computes it, with a backward. The
+/// graph keeps `x`, `g`, `b` and the mean and `1/std` of each row (PyTorch
+/// keeps the same).
+///
+/// ```
+/// use candle_core::{Device, Tensor, Var};
+/// let dev = Device::Cpu;
+/// let x = Var::new(&[[1f32, 2., 3.], [0., 0., 3.]], &dev)?;
+/// let g = Var::ones(3, candle_core::DType::F32, &dev)?;
+/// let b = Var::zeros(3, candle_core::DType::F32, &dev)?;
+/// let y = remat_runtime::nn::layer_norm(&x, &g, &b, 1e-5)?;
+/// let grads = (&y * &y)?.sum_all()?.backward()?;
+/// assert!(grads.get(&g).is_some() && grads.get(&x).is_some());
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn layer_norm(x: &Tensor, g: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
+    let xd = x.detach();
+    let mean = xd.mean_keepdim(D::Minus1)?;
+    let centered = xd.broadcast_sub(&mean)?;
+    let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
+    let rstd = (var + eps)?.sqrt()?.recip()?;
+    let y = centered
+        .broadcast_mul(&rstd)?
+        .broadcast_mul(&g.detach())?
+        .broadcast_add(&b.detach())?;
+    let op = LayerNorm {
+        out: Computed::new(y),
+        mean,
+        rstd,
+    };
+    x.apply_op3(g, b, op)
+}
+
+/// The gradients of `x` and the gain, for a norm whose normalized input is
+/// `xhat = x * rstd` after centering; `center` says whether the mean was
+/// subtracted (layer norm) or not (RMS norm).
+fn norm_grads(
+    xhat: &Tensor,
+    rstd: &Tensor,
+    g: &Tensor,
+    dy: &Tensor,
+    center: bool,
+) -> Result<(Tensor, Tensor)> {
+    let rank = dy.rank();
+    let dxhat = dy.broadcast_mul(g)?;
+    let proj = (&dxhat * xhat)?.mean_keepdim(D::Minus1)?;
+    let mut dx = (&dxhat - xhat.broadcast_mul(&proj)?)?;
+    if center {
+        dx = dx.broadcast_sub(&dxhat.mean_keepdim(D::Minus1)?)?;
+    }
+    let dx = dx.broadcast_mul(rstd)?;
+    let rows: Vec<usize> = (0..rank - 1).collect();
+    let dg = (dy * xhat)?.sum(rows)?;
+    Ok((dx, dg))
+}
+
+impl CustomOp3 for LayerNorm {
+    forward_computed!("remat-layer-norm", s1 l1, s2 l2, s3 l3);
+    fn bwd(
+        &self,
+        x: &Tensor,
+        g: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let dy = dy.detach();
+        let xhat = x
+            .detach()
+            .broadcast_sub(&self.mean)?
+            .broadcast_mul(&self.rstd)?;
+        let (dx, dg) = norm_grads(&xhat, &self.rstd, &g.detach(), &dy, true)?;
+        let rows: Vec<usize> = (0..dy.rank() - 1).collect();
+        let db = dy.sum(rows)?;
+        Ok((Some(dx), Some(dg), Some(db)))
+    }
+}
+
+struct RmsNorm {
+    out: Computed,
+    /// Per row, `1 / sqrt(mean(x^2) + eps)`, `(.., 1)`.
+    rstd: Tensor,
+}
+
+/// RMS norm over the last dimension: `x / sqrt(mean(x^2) + eps) * g`, as
+/// `candle_nn::ops::rms_norm_slow` computes it, with a backward. The graph
+/// keeps `x`, `g` and `1/rms` of each row.
+///
+/// ```
+/// use candle_core::{Device, Var};
+/// let dev = Device::Cpu;
+/// let x = Var::new(&[[1f32, 2., 3.]], &dev)?;
+/// let g = Var::ones(3, candle_core::DType::F32, &dev)?;
+/// let y = remat_runtime::nn::rms_norm(&x, &g, 1e-6)?;
+/// let grads = y.sum_all()?.backward()?;
+/// assert!(grads.get(&g).is_some());
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn rms_norm(x: &Tensor, g: &Tensor, eps: f64) -> Result<Tensor> {
+    let xd = x.detach();
+    let rstd = (xd.sqr()?.mean_keepdim(D::Minus1)? + eps)?
+        .sqrt()?
+        .recip()?;
+    let y = xd.broadcast_mul(&rstd)?.broadcast_mul(&g.detach())?;
+    let op = RmsNorm {
+        out: Computed::new(y),
+        rstd,
+    };
+    x.apply_op2(g, op)
+}
+
+impl CustomOp2 for RmsNorm {
+    forward_computed!("remat-rms-norm", s1 l1, s2 l2);
+    fn bwd(
+        &self,
+        x: &Tensor,
+        g: &Tensor,
+        _: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let xhat = x.detach().broadcast_mul(&self.rstd)?;
+        let (dx, dg) = norm_grads(&xhat, &self.rstd, &g.detach(), &dy.detach(), false)?;
+        Ok((Some(dx), Some(dg)))
+    }
+}

@@ -1,0 +1,216 @@
+//! `remat_runtime::nn`: each op's gradients against central finite
+//! differences in f64 (independent of any backward), and its forward and
+//! gradients against candle's composed ops in f32.
+//!
+//! Tolerances. f64 central differences with step 1e-5: truncation
+//! ~h^2 |f'''| ~ 1e-10 and rounding ~1e-16 * |L| / h ~ 1e-10, so each element
+//! must agree to 1e-7 of its tensor's largest gradient. f32 against the
+//! composed ops: the same formulas reassociated (blocked softmax, a fused
+//! sum), so 1e-5 relative to the largest element (a few f32 ulps of
+//! accumulated rounding over sums of <= 64 terms).
+
+use crate::common::*;
+use candle_core::{DType, Result, Tensor, Var, D};
+use remat_runtime::nn;
+
+type Op = dyn Fn(&[Tensor]) -> Result<Tensor>;
+
+/// `sum(op(inputs) * W)` for a fixed `W`.
+fn weighted(op: &Op, inputs: &[Tensor]) -> Tensor {
+    let y = op(inputs).unwrap();
+    let w = tensor(y.dims(), 99, 1.0, y.dtype());
+    (&y * &w).unwrap().sum_all().unwrap()
+}
+
+/// The largest error of `op`'s analytic gradients against central
+/// differences, relative to each input's largest gradient. `grad[i]` says
+/// whether input `i` is differentiable (class indices are not).
+fn finite_differences(op: &Op, inputs: &[Tensor], grad: &[bool]) -> f64 {
+    let vars: Vec<Option<Var>> = inputs
+        .iter()
+        .zip(grad)
+        .map(|(t, &g)| g.then(|| Var::from_tensor(t).unwrap()))
+        .collect();
+    let tracked: Vec<Tensor> = inputs
+        .iter()
+        .zip(&vars)
+        .map(|(t, v)| v.as_ref().map_or(t.clone(), |v| v.as_tensor().clone()))
+        .collect();
+    let grads = weighted(op, &tracked).backward().unwrap();
+    let h = 1e-5;
+    let mut worst = 0f64;
+    for (i, v) in vars.iter().enumerate() {
+        let Some(v) = v else { continue };
+        let analytic = grads
+            .get(v)
+            .expect("a gradient")
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap();
+        let scale = analytic.iter().fold(0f64, |a, b| a.max(b.abs())).max(1e-6);
+        let base = inputs[i].flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        for j in 0..base.len() {
+            let at = |d: f64| {
+                let mut moved = base.clone();
+                moved[j] += d;
+                let mut ins = inputs.to_vec();
+                ins[i] = Tensor::from_vec(moved, inputs[i].shape(), inputs[i].device()).unwrap();
+                weighted(op, &ins).to_scalar::<f64>().unwrap()
+            };
+            let numeric = (at(h) - at(-h)) / (2.0 * h);
+            worst = worst.max((numeric - analytic[j]).abs() / scale);
+        }
+    }
+    worst
+}
+
+/// The largest difference of forward and gradients between `op` and
+/// `reference`, in f32.
+fn against(op: &Op, reference: &Op, inputs: &[Tensor], grad: &[bool]) -> f64 {
+    let run = |f: &Op| {
+        let vars: Vec<Option<Var>> = inputs
+            .iter()
+            .zip(grad)
+            .map(|(t, &g)| g.then(|| Var::from_tensor(t).unwrap()))
+            .collect();
+        let ins: Vec<Tensor> = inputs
+            .iter()
+            .zip(&vars)
+            .map(|(t, v)| v.as_ref().map_or(t.clone(), |v| v.as_tensor().clone()))
+            .collect();
+        let y = f(&ins).unwrap();
+        let g = weighted(f, &ins).backward().unwrap();
+        let gs: Vec<Tensor> = vars
+            .iter()
+            .flatten()
+            .map(|v| g.get(v).unwrap().clone())
+            .collect();
+        (y, gs)
+    };
+    let (y, gs) = run(op);
+    let (y_ref, gs_ref) = run(reference);
+    let mut worst = rel_diff(&y, &y_ref);
+    for (g, r) in gs.iter().zip(&gs_ref) {
+        worst = worst.max(rel_diff(g, r));
+    }
+    worst
+}
+
+fn check(
+    op: &Op,
+    reference: &Op,
+    shapes: &[&[usize]],
+    grad: &[bool],
+    extra: &dyn Fn(DType) -> Vec<Tensor>,
+) {
+    for (dtype, tol, what) in [
+        (DType::F64, 1e-7, "finite differences"),
+        (DType::F32, 1e-5, "composed ops"),
+    ] {
+        let mut inputs: Vec<Tensor> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| tensor(s, 70 + i as u64, 1.0, dtype))
+            .collect();
+        inputs.extend(extra(dtype));
+        let err = match dtype {
+            DType::F64 => finite_differences(op, &inputs, grad),
+            _ => against(op, reference, &inputs, grad),
+        };
+        assert!(err <= tol, "{what}: {err:e} > {tol:e}");
+    }
+}
+
+fn none(_: DType) -> Vec<Tensor> {
+    Vec::new()
+}
+
+#[test]
+fn linear() {
+    let op: &Op = &|t| nn::linear(&t[0], &t[1], Some(&t[2]));
+    let composed: &Op = &|t| t[0].broadcast_matmul(&t[1].t()?)?.broadcast_add(&t[2]);
+    check(
+        op,
+        composed,
+        &[&[2, 3, 4], &[5, 4], &[5]],
+        &[true; 3],
+        &none,
+    );
+    let op: &Op = &|t| nn::linear(&t[0], &t[1], None);
+    let composed: &Op = &|t| t[0].broadcast_matmul(&t[1].t()?);
+    check(op, composed, &[&[3, 4], &[2, 4]], &[true; 2], &none);
+}
+
+#[test]
+fn layer_norm() {
+    let op: &Op = &|t| nn::layer_norm(&t[0], &t[1], &t[2], 1e-5);
+    let composed: &Op = &|t| candle_nn::ops::layer_norm_slow(&t[0], &t[1], &t[2], 1e-5);
+    check(op, composed, &[&[2, 3, 6], &[6], &[6]], &[true; 3], &none);
+}
+
+#[test]
+fn rms_norm() {
+    let op: &Op = &|t| nn::rms_norm(&t[0], &t[1], 1e-6);
+    let composed: &Op = &|t| candle_nn::ops::rms_norm_slow(&t[0], &t[1], 1e-6);
+    check(op, composed, &[&[2, 3, 6], &[6]], &[true; 2], &none);
+}
+
+#[test]
+fn softmax_last_dim() {
+    let op: &Op = &|t| nn::softmax_last_dim(&t[0]);
+    let composed: &Op = &|t| candle_nn::ops::softmax(&t[0], D::Minus1);
+    check(op, composed, &[&[2, 3, 5]], &[true], &none);
+}
+
+#[test]
+fn cross_entropy() {
+    let op: &Op = &|t| nn::cross_entropy(&t[0], &t[1]);
+    let composed: &Op = &|t| candle_nn::loss::cross_entropy(&t[0], &t[1]);
+    let targets =
+        |_: DType| vec![Tensor::new(&[3u32, 0, 4, 1], &candle_core::Device::Cpu).unwrap()];
+    check(op, composed, &[&[4, 5]], &[true, false], &targets);
+}
+
+/// `softmax(q k^T / sqrt(d) + mask) v`, composed.
+fn attention_composed(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+    let d = q.dim(D::Minus1)?;
+    let s = (q.matmul(&k.t()?)? * (1.0 / (d as f64).sqrt()))?;
+    let s = match mask {
+        Some(m) => s.broadcast_add(m)?,
+        None => s,
+    };
+    candle_nn::ops::softmax(&s, D::Minus1)?.matmul(v)
+}
+
+#[test]
+fn attention_causal() {
+    // T = 70 spans two blocks of query rows (64 + 6).
+    let op: &Op = &|t| nn::attention(&t[0], &t[1], &t[2], true, None);
+    let composed: &Op = &|t| {
+        let mask = causal_mask(t[0].dim(2)?, t[0].dtype());
+        attention_composed(&t[0], &t[1], &t[2], Some(&mask))
+    };
+    let shape: &[usize] = &[1, 2, 70, 3];
+    for_shapes(op, composed, &[shape, shape, shape]);
+    let shape: &[usize] = &[2, 2, 5, 4];
+    for_shapes(op, composed, &[shape, shape, shape]);
+}
+
+#[test]
+fn attention_with_a_mask_and_no_causality() {
+    let op: &Op = &|t| nn::attention(&t[0], &t[1], &t[2], false, Some(&t[3]));
+    let composed: &Op = &|t| attention_composed(&t[0], &t[1], &t[2], Some(&t[3]));
+    let mask = |dtype: DType| vec![tensor(&[1, 1, 5, 6], 80, 1.0, dtype)];
+    check(
+        op,
+        composed,
+        &[&[1, 2, 5, 3], &[1, 2, 6, 3], &[1, 2, 6, 3]],
+        &[true, true, true, false],
+        &mask,
+    );
+}
+
+fn for_shapes(op: &Op, composed: &Op, shapes: &[&[usize]]) {
+    check(op, composed, shapes, &[true; 3], &none);
+}

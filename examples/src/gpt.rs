@@ -3,18 +3,20 @@
 //! head. The block leaves every statement to the plan, so one model runs
 //! under any checkpointing policy chosen at run time ([`Checkpointing`]).
 //!
-//! Only differentiable candle ops are used: `candle_nn::ops::layer_norm_slow`
-//! and `candle_nn::ops::softmax`. The fused `candle_nn::LayerNorm` (on
-//! contiguous inputs), `ops::layer_norm`, `ops::rms_norm` and
-//! `ops::softmax_last_dim` have no backward in candle 0.11: gradients stop
-//! there silently. [`remat_runtime::check_gradients`] finds the parameters
-//! that got none.
+//! Two versions of the same blocks ([`Ops`]): remat's differentiable fused
+//! ops ([`remat_runtime::nn`]: layer norm, linear, memory-efficient
+//! attention, cross-entropy; the default), or candle's composed ops
+//! (`candle_nn::ops::layer_norm_slow`, `ops::softmax`, matmuls), kept for
+//! comparison. candle's own fused `candle_nn::LayerNorm` (on contiguous
+//! inputs), `ops::layer_norm`, `ops::rms_norm` and `ops::softmax_last_dim`
+//! have no backward in candle 0.11: gradients stop there silently.
+//! [`remat_runtime::check_gradients`] finds the parameters that got none.
 
 use std::fmt;
 use std::str::FromStr;
 
 use candle_core::{DType, Device, Result, Tensor, Var, D};
-use remat_runtime::{remat, Plan};
+use remat_runtime::{nn, remat, Plan};
 
 use crate::rng::Rng;
 
@@ -63,6 +65,12 @@ impl Linear {
         *out.last_mut().expect("rank >= 1") = self.w.dim(1)?;
         y.reshape(out)
     }
+
+    /// The same through [`nn::linear`] (which takes candle-nn's `(out, in)`
+    /// weight: the transpose is a view).
+    pub fn fused(&self, x: &Tensor) -> Result<Tensor> {
+        nn::linear(x, &self.w.t()?, Some(&self.b))
+    }
 }
 
 /// Layer norm parameters.
@@ -83,9 +91,43 @@ impl Norm {
     }
 }
 
-/// Layer norm over the last dimension, through differentiable ops.
+/// Layer norm over the last dimension, through candle's composed ops.
 pub fn layer_norm(x: &Tensor, n: &Norm) -> Result<Tensor> {
     candle_nn::ops::layer_norm_slow(x, &n.g, &n.b, 1e-5)
+}
+
+/// Layer norm over the last dimension, [`nn::layer_norm`].
+pub fn layer_norm_fused(x: &Tensor, n: &Norm) -> Result<Tensor> {
+    nn::layer_norm(x, &n.g, &n.b, 1e-5)
+}
+
+/// Which ops the blocks are written with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ops {
+    /// [`remat_runtime::nn`]'s differentiable fused ops.
+    Fused,
+    /// candle's composed ops (`layer_norm_slow`, `softmax`, matmuls).
+    Composed,
+}
+
+impl fmt::Display for Ops {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Ops::Fused => "fused",
+            Ops::Composed => "composed",
+        })
+    }
+}
+
+impl FromStr for Ops {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "fused" => Ok(Ops::Fused),
+            "composed" => Ok(Ops::Composed),
+            other => Err(format!("unknown ops `{other}`: expected fused or composed")),
+        }
+    }
 }
 
 /// The parameters of one block.
@@ -133,9 +175,9 @@ pub fn scores(q: &Tensor, k: &Tensor, mask: &Tensor) -> Result<Tensor> {
 }
 
 remat! {
-    /// One pre-norm transformer block. No statement is annotated: the plan
-    /// decides, by the names below, what is saved.
-    pub fn block(x: &Tensor, p: &BlockParams, mask: &Tensor) -> Result<Tensor> {
+    /// [`block`] with candle's composed ops (the attention core is three
+    /// statements: `scores`, `probs`, `att`).
+    pub fn block_composed(x: &Tensor, p: &BlockParams, mask: &Tensor) -> Result<Tensor> {
         let ln1 = layer_norm(x, &p.ln1)?;
         let qkv = p.attn.forward(&ln1)?;
         let (q, k, v) = split_heads(&qkv, p.heads)?;
@@ -153,6 +195,25 @@ remat! {
 }
 
 remat! {
+    /// One pre-norm transformer block with [`remat_runtime::nn`]'s ops. No
+    /// statement is annotated: the plan decides, by the names below, what
+    /// is saved.
+    pub fn block(x: &Tensor, p: &BlockParams) -> Result<Tensor> {
+        let ln1 = layer_norm_fused(x, &p.ln1)?;
+        let qkv = p.attn.fused(&ln1)?;
+        let (q, k, v) = split_heads(&qkv, p.heads)?;
+        let att = merge_heads(&nn::attention(&q, &k, &v, true, None)?)?;
+        let proj = p.proj.fused(&att)?;
+        let x = (x + proj)?;
+        let ln2 = layer_norm_fused(&x, &p.ln2)?;
+        let fc = p.fc.fused(&ln2)?;
+        let act = fc.gelu()?;
+        let mlp = p.out.fused(&act)?;
+        Ok((x + mlp)?)
+    }
+}
+
+remat! {
     /// Token plus position embedding.
     pub fn embed(ids: &Tensor, wte: &Var, wpe: &Var) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;
@@ -161,11 +222,20 @@ remat! {
         Ok(x)
     }
 
-    /// Final norm, output head and mean cross-entropy.
-    pub fn head_loss(x: &Tensor, ln_f: &Norm, head: &Linear, targets: &Tensor) -> Result<Tensor> {
+    /// [`head_loss`] with candle's composed ops.
+    pub fn head_loss_composed(x: &Tensor, ln_f: &Norm, head: &Linear, targets: &Tensor) -> Result<Tensor> {
         let h = layer_norm(x, ln_f)?;
         let logits = head.forward(&h)?;
         let loss = candle_nn::loss::cross_entropy(&logits.flatten_to(1)?, &targets.flatten_all()?)?;
+        Ok(loss)
+    }
+
+    /// Final norm, output head and mean cross-entropy, with
+    /// [`remat_runtime::nn`]'s ops.
+    pub fn head_loss(x: &Tensor, ln_f: &Norm, head: &Linear, targets: &Tensor) -> Result<Tensor> {
+        let h = layer_norm_fused(x, ln_f)?;
+        let logits = head.fused(&h)?;
+        let loss = nn::cross_entropy(&logits.flatten_to(1)?, &targets.flatten_all()?)?;
         Ok(loss)
     }
 }
@@ -259,6 +329,8 @@ pub struct Gpt {
     pub ln_f: Norm,
     /// Output head `(C, V)`.
     pub head: Linear,
+    /// Which ops the blocks run ([`Ops::Fused`] unless changed).
+    pub ops: Ops,
 }
 
 /// `(t, t)` additive causal mask: 0 on and below the diagonal, -inf above.
@@ -311,6 +383,7 @@ impl Gpt {
             blocks,
             ln_f: Norm::new(c, dev)?,
             head: Linear::new(c, vocab, std, rng, dev)?,
+            ops: Ops::Fused,
         })
     }
 
@@ -355,9 +428,18 @@ impl Gpt {
     /// The residual stream after the blocks, `(B, T, C)`.
     fn trunk(&self, ids: &Tensor) -> Result<Tensor> {
         let mut x = embed(ids, &self.wte, &self.wpe)?;
-        let mask = causal_mask(ids.dim(1)?, ids.device())?;
-        for p in &self.blocks {
-            x = block(&x, p, &mask)?;
+        match self.ops {
+            Ops::Fused => {
+                for p in &self.blocks {
+                    x = block(&x, p)?;
+                }
+            }
+            Ops::Composed => {
+                let mask = causal_mask(ids.dim(1)?, ids.device())?;
+                for p in &self.blocks {
+                    x = block_composed(&x, p, &mask)?;
+                }
+            }
         }
         Ok(x)
     }
@@ -374,7 +456,11 @@ impl Gpt {
     /// current [`Plan`]: under full recomputation only the regions' inputs
     /// stay alive between forward and backward.
     pub fn loss(&self, ids: &Tensor, targets: &Tensor) -> Result<Tensor> {
-        head_loss(&self.trunk(ids)?, &self.ln_f, &self.head, targets)
+        let x = self.trunk(ids)?;
+        match self.ops {
+            Ops::Fused => head_loss(&x, &self.ln_f, &self.head, targets),
+            Ops::Composed => head_loss_composed(&x, &self.ln_f, &self.head, targets),
+        }
     }
 
     /// Samples `n` tokens after `prompt` (temperature `temp`), without

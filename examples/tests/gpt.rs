@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use candle_core::{Device, Tensor};
 use examples::data::{default_text, Corpus};
-use examples::gpt::{Checkpointing, Config, Gpt};
+use examples::gpt::{Checkpointing, Config, Gpt, Ops};
 use examples::rng::Rng;
 use examples::train::{train, Options};
 
@@ -68,8 +68,6 @@ fn training_smoke_loss_falls_and_every_parameter_trains() {
             "ln1",
             "qkv",
             "(q, k, v)",
-            "scores",
-            "probs",
             "att",
             "proj",
             "x",
@@ -111,43 +109,62 @@ fn every_policy_gives_plain_candle_gradients() {
         heads: 4,
         seq: 16,
     };
-    let model = Gpt::new(config, &mut Rng::new(3), &Device::Cpu).unwrap();
     let (x, y) = Corpus::batch(&corpus.train, 4, 16, &mut Rng::new(4), &Device::Cpu).unwrap();
-    let run = |c: Checkpointing| {
-        let loss = c.plan().scope(|| model.loss(&x, &y)).unwrap();
-        let grads = loss.backward().unwrap();
-        let g: Vec<Tensor> = model
-            .vars()
+    let mut plain = Vec::new();
+    for ops in [Ops::Fused, Ops::Composed] {
+        let mut model = Gpt::new(config, &mut Rng::new(3), &Device::Cpu).unwrap();
+        model.ops = ops;
+        let run = |c: Checkpointing| {
+            let loss = c.plan().scope(|| model.loss(&x, &y)).unwrap();
+            let grads = loss.backward().unwrap();
+            let g: Vec<Tensor> = model
+                .vars()
+                .iter()
+                .map(|v| grads.get(v).unwrap().clone())
+                .collect();
+            (loss.to_scalar::<f32>().unwrap(), g)
+        };
+        let (loss0, g0) = run(Checkpointing::None);
+        let policies = [
+            Checkpointing::Full,
+            Checkpointing::Selective,
+            Checkpointing::Offload,
+            Checkpointing::SaveAll,
+        ];
+        // Offload twice: kept as saved on this CPU, then moved to the tape's
+        // host store and back as on a GPU.
+        let moved = || remat_runtime::offload::swap_on_cpu(|| run(Checkpointing::Offload));
+        for (c, (loss, g)) in policies
             .iter()
-            .map(|v| grads.get(v).unwrap().clone())
-            .collect();
-        (loss.to_scalar::<f32>().unwrap(), g)
-    };
-    let (loss0, g0) = run(Checkpointing::None);
-    let policies = [
-        Checkpointing::Full,
-        Checkpointing::Selective,
-        Checkpointing::Offload,
-        Checkpointing::SaveAll,
-    ];
-    // Offload twice: kept as saved on this CPU, then moved to the tape's
-    // host store and back as on a GPU.
-    let moved = || remat_runtime::offload::swap_on_cpu(|| run(Checkpointing::Offload));
-    for (c, (loss, g)) in policies
-        .iter()
-        .map(|&c| (c, run(c)))
-        .chain([(Checkpointing::Offload, moved())])
-    {
-        assert_eq!(loss, loss0, "{c}: the forward is the same computation");
-        // f32 sums of gradient contributions are reordered across units:
-        // 1e-6 relative, as in remat-runtime's gradient tests.
-        let worst = g
-            .iter()
-            .zip(&g0)
-            .map(|(a, b)| rel(a, b))
-            .fold(0.0, f64::max);
-        assert!(worst <= 1e-6, "{c}: {worst}");
+            .map(|&c| (c, run(c)))
+            .chain([(Checkpointing::Offload, moved())])
+        {
+            assert_eq!(
+                loss, loss0,
+                "{ops}, {c}: the forward is the same computation"
+            );
+            // f32 sums of gradient contributions are reordered across units:
+            // 1e-6 relative, as in remat-runtime's gradient tests.
+            let worst = g
+                .iter()
+                .zip(&g0)
+                .map(|(a, b)| rel(a, b))
+                .fold(0.0, f64::max);
+            assert!(worst <= 1e-6, "{ops}, {c}: {worst}");
+        }
+        plain.push((loss0, g0));
     }
+    // The fused ops compute the composed ops' formulas, reassociated (a
+    // blocked softmax, fused sums): the same loss and gradients to f32
+    // rounding, 1e-5 relative (remat-runtime/tests/it/nn.rs, per op).
+    let ((fused_loss, fused), (composed_loss, composed)) = (&plain[0], &plain[1]);
+    assert!((fused_loss - composed_loss).abs() <= 1e-5 * composed_loss.abs());
+    let worst = fused
+        .iter()
+        .zip(composed)
+        .map(|(a, b)| rel(a, b))
+        .fold(0.0, f64::max);
+    assert!(worst <= 1e-5, "fused against composed: {worst}");
 }
 
 #[test]

@@ -19,7 +19,7 @@ use std::time::Instant;
 use candle_core::Device;
 use examples::cli::{device, Flags};
 use examples::data::{default_text, Corpus};
-use examples::gpt::{Checkpointing, Config, Gpt};
+use examples::gpt::{Checkpointing, Config, Gpt, Ops};
 use examples::rng::Rng;
 use plotters::prelude::*;
 use remat_runtime::inspect::{
@@ -46,6 +46,9 @@ usage: cargo run --release -p examples --bin bench -- [flags]
   --unchecked P,Q  also measure these policies without the replay check by
                fingerprints (`remat_runtime::without_fingerprints`): its cost
   --device cpu|cuda [cpu]
+  --ops O,..   fused (remat_runtime::nn's ops) and/or composed (candle's
+               composed ops): every policy runs with each, the first is the
+               reference (`none` of it is plain candle) [fused]
   --move-on-cpu true  offloaded residuals move out of the graph and back on a
                CPU too (what a GPU does; measures the bookkeeping) [false]
   --out DIR    where results.csv, results.md and tradeoff.svg go [docs/bench]
@@ -53,6 +56,8 @@ usage: cargo run --release -p examples --bin bench -- [flags]
 
 struct Variant {
     name: String,
+    /// The model, with the ops this variant runs.
+    model: Gpt,
     plan: Plan,
     /// The replay is checked by fingerprints (the default).
     checked: bool,
@@ -137,6 +142,11 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let dev = device(&flags.get("device", "cpu".to_string())?)?;
     let out = flags.get("out", PathBuf::from("docs/bench"))?;
     let move_on_cpu = flags.get("move-on-cpu", false)?;
+    let ops: String = flags.get("ops", "fused".to_string())?;
+    let ops = ops
+        .split(',')
+        .map(|o| o.trim().parse::<Ops>())
+        .collect::<Result<Vec<_>, _>>()?;
     flags.finish()?;
 
     let corpus = Corpus::new(&default_text());
@@ -150,24 +160,34 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let model = Gpt::new(config, &mut Rng::new(0), &dev)?;
     let (x, y) = Corpus::batch(&corpus.train, batch, seq, &mut Rng::new(1), &dev)?;
 
-    let mut variants: Vec<Variant> = policies
-        .iter()
-        .map(|c| (c.to_string(), c.plan(), true))
-        .chain(save.map(|s| {
-            let names: Vec<String> = s.split(',').map(|n| n.trim().to_string()).collect();
-            (
-                format!("save {}", names.join("+")),
-                Plan::save_only(names),
-                true,
-            )
-        }))
-        .chain(
-            unchecked
-                .iter()
-                .map(|c| (format!("{c} (unchecked)"), c.plan(), false)),
-        )
-        .map(|(name, plan, checked)| Variant {
-            name,
+    let mut variants: Vec<Variant> = Vec::new();
+    for (k, &o) in ops.iter().enumerate() {
+        let suffix = if k == 0 {
+            String::new()
+        } else {
+            format!(" ({o})")
+        };
+        let mut m = model.clone();
+        m.ops = o;
+        let named = policies
+            .iter()
+            .map(|c| (c.to_string(), c.plan(), true))
+            .chain(save.iter().map(|s| {
+                let names: Vec<String> = s.split(',').map(|n| n.trim().to_string()).collect();
+                (
+                    format!("save {}", names.join("+")),
+                    Plan::save_only(names),
+                    true,
+                )
+            }))
+            .chain(
+                unchecked
+                    .iter()
+                    .map(|c| (format!("{c} (unchecked)"), c.plan(), false)),
+            );
+        variants.extend(named.map(|(name, plan, checked)| Variant {
+            name: format!("{name}{suffix}"),
+            model: m.clone(),
             plan,
             checked,
             times: Vec::new(),
@@ -178,8 +198,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             loss: 0.0,
             grad_diff: None,
             max_rel_diff: 0.0,
-        })
-        .collect();
+        }));
+    }
 
     let malloc: Vec<String> = std::env::vars()
         .filter(|(k, _)| k.starts_with("MALLOC_"))
@@ -214,7 +234,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             let start = Instant::now();
             let checked = v.checked;
             let forward_pass = || {
-                let run = || v.plan.scope(|| model.loss(&x, &y));
+                let run = || v.plan.scope(|| v.model.loss(&x, &y));
                 if checked {
                     run()
                 } else {

@@ -1,0 +1,209 @@
+#!/usr/bin/env python3
+"""PyTorch on the bench's GPT, for docs/performance.md: plain, full activation
+checkpointing and selective checkpointing, measured the way the bench measures
+remat (held after the forward, peak of forward + backward, median step time of
+interleaved steps).
+
+    pip install torch  # the CPU wheel is enough
+    MALLOC_MMAP_THRESHOLD_=65536 python3 scripts/torch_reference.py --out docs/bench/torch
+
+The architecture is examples/src/gpt.rs's: token + position embedding, pre-norm
+blocks (layer norm, qkv linear, explicit causal attention, projection, layer
+norm, 4x MLP with tanh GELU), final layer norm, linear head, mean
+cross-entropy; GPT-2 initialisation. Full AC wraps each block in
+`torch.utils.checkpoint.checkpoint(use_reentrant=False)`; SAC saves the
+matmuls (`mm`, `addmm`, `bmm`) through `create_selective_checkpoint_contexts`
+and recomputes the rest.
+
+Memory on a CPU: held = bytes in use by malloc (`mallinfo2`: `uordblks +
+hblkhd`) after the forward minus before it; peak = the process's peak resident
+set (`VmHWM`, reset through /proc/self/clear_refs before each step) minus the
+resident set before the step. With MALLOC_MMAP_THRESHOLD_=65536 every tensor
+of 64 KiB or more is its own mapping, returned when freed, so the resident set
+follows the live tensors. On CUDA: `torch.cuda.memory_allocated` and
+`max_memory_allocated`.
+"""
+
+import argparse
+import ctypes
+import functools
+import math
+import os
+import statistics
+import time
+
+import torch
+import torch.nn as tnn
+import torch.nn.functional as F
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+
+class Block(tnn.Module):
+    def __init__(self, c, heads, layers):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = tnn.LayerNorm(c)
+        self.attn = tnn.Linear(c, 3 * c)
+        self.proj = tnn.Linear(c, c)
+        self.ln2 = tnn.LayerNorm(c)
+        self.fc = tnn.Linear(c, 4 * c)
+        self.out = tnn.Linear(4 * c, c)
+        for lin, std in [(self.attn, 0.02), (self.proj, 0.02 / math.sqrt(2 * layers)),
+                         (self.fc, 0.02), (self.out, 0.02 / math.sqrt(2 * layers))]:
+            tnn.init.normal_(lin.weight, std=std)
+            tnn.init.zeros_(lin.bias)
+
+    def forward(self, x, mask):
+        b, t, c = x.shape
+        h = self.ln1(x)
+        q, k, v = self.attn(h).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        scores = q @ k.transpose(-2, -1) / math.sqrt(c // self.heads) + mask
+        att = (scores.softmax(dim=-1) @ v).transpose(1, 2).reshape(b, t, c)
+        x = x + self.proj(att)
+        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class Gpt(tnn.Module):
+    def __init__(self, vocab, layers, c, heads, seq):
+        super().__init__()
+        self.wte = tnn.Parameter(torch.randn(vocab, c) * 0.02)
+        self.wpe = tnn.Parameter(torch.randn(seq, c) * 0.02)
+        self.blocks = tnn.ModuleList(Block(c, heads, layers) for _ in range(layers))
+        self.ln_f = tnn.LayerNorm(c)
+        self.head = tnn.Linear(c, vocab)
+        tnn.init.normal_(self.head.weight, std=0.02)
+        tnn.init.zeros_(self.head.bias)
+
+    def forward(self, ids, targets, policy):
+        t = ids.shape[1]
+        mask = torch.full((t, t), float("-inf"), device=ids.device).triu(1)
+        x = self.wte[ids] + self.wpe[:t]
+        for blk in self.blocks:
+            if policy == "full":
+                x = checkpoint(blk, x, mask, use_reentrant=False)
+            elif policy == "selective":
+                x = checkpoint(blk, x, mask, use_reentrant=False,
+                               context_fn=functools.partial(create_selective_checkpoint_contexts, save_matmuls))
+            else:
+                x = blk(x, mask)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+
+def save_matmuls(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in MATMULS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                 "uordblks", "fordblks", "keepcost")]
+
+
+LIBC = ctypes.CDLL("libc.so.6")
+LIBC.mallinfo2.restype = Mallinfo2
+
+
+def malloc_in_use():
+    m = LIBC.mallinfo2()
+    return m.uordblks + m.hblkhd
+
+
+def rss(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def reset_peak_rss():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=89)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="docs/bench/torch")
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(a.threads)
+    dev = torch.device(a.device)
+    cuda = dev.type == "cuda"
+    model = Gpt(a.vocab, a.layers, a.d_model, a.heads, a.seq).to(dev)
+    ids = torch.randint(0, a.vocab, (a.batch, a.seq), device=dev)
+    targets = torch.randint(0, a.vocab, (a.batch, a.seq), device=dev)
+    policies = ["none", "full", "selective"]
+    res = {p: {"times": [], "held": 0, "peak": 0} for p in policies}
+    for step in range(a.warmup + a.steps):
+        for i in range(len(policies)):
+            p = policies[(step + i) % len(policies)]
+            model.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+            else:
+                before = malloc_in_use()
+                rss_before = rss("VmRSS")
+                reset_peak_rss()
+            start = time.perf_counter()
+            loss = model(ids, targets, p)
+            if cuda:
+                torch.cuda.synchronize()
+                held = torch.cuda.memory_allocated() - before
+            else:
+                held = malloc_in_use() - before
+            loss.backward()
+            if cuda:
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            peak = torch.cuda.max_memory_allocated() - before if cuda else rss("VmHWM") - rss_before
+            del loss
+            if step >= a.warmup:
+                res[p]["times"].append(elapsed)
+                res[p]["held"] = held
+                res[p]["peak"] = peak
+    t0 = statistics.median(res["none"]["times"])
+    os.makedirs(a.out, exist_ok=True)
+    header = (f"PyTorch {torch.__version__}, GPT {a.layers} layers, d_model {a.d_model}, {a.heads} heads, "
+              f"T {a.seq}, B {a.batch}, f32, {a.device} ({a.threads} threads); {a.warmup} warm-up + "
+              f"{a.steps} measured steps per policy, interleaved; "
+              f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'default')}")
+    mib = 1 << 20
+    rows = ["| policy | step (ms, median) | time vs plain | held after forward (MiB) | peak fwd+bwd (MiB) |",
+            "|---|---:|---:|---:|---:|"]
+    csv = ["policy,median_step_s,time_ratio,held_bytes,peak_bytes"]
+    for p in policies:
+        t = statistics.median(res[p]["times"])
+        rows.append(f"| {p} | {t * 1e3:.1f} | {t / t0:.2f}x | {res[p]['held'] / mib:.1f} | {res[p]['peak'] / mib:.1f} |")
+        csv.append(f"{p},{t:.6f},{t / t0:.4f},{res[p]['held']},{res[p]['peak']}")
+    with open(os.path.join(a.out, "results.md"), "w") as f:
+        f.write(header + "\n\n" + "\n".join(rows) + "\n")
+    with open(os.path.join(a.out, "results.csv"), "w") as f:
+        f.write("\n".join(csv) + "\n")
+    print(header)
+    print("\n".join(rows))
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

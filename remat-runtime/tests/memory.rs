@@ -316,6 +316,15 @@ fn nn_residual_bytes() {
             v(&[b, 2, 8, 4], 3),
         ]
     };
+    let rotate: &Build = &|b| {
+        let angles = tensor(&[8, 2], 4, 3.0, DType::F32);
+        vec![
+            v(&[b, 2, 8, 4], 1),
+            angles.cos().unwrap(),
+            angles.sin().unwrap(),
+        ]
+    };
+    let gated: &Build = &|b| vec![v(&[b, 8, 32], 1)];
     let mask = causal_mask(8, DType::F32);
     let attention_composed = move |t: &[Tensor]| {
         let s = (t[0].matmul(&t[1].t()?)? * 0.5)?.broadcast_add(&mask)?;
@@ -363,6 +372,20 @@ fn nn_residual_bytes() {
             &|t| nn::attention(&t[0], &t[1], &t[2], true, None),
             &attention_composed,
             2 * 8 * 4 * 4 + 2 * 8 * 4, // output, log-sum-exp per query row
+        ),
+        (
+            "rope",
+            rotate,
+            &|t| nn::rope(&t[0], &t[1], &t[2]),
+            &|t| candle_nn::rotary_emb::rope_slow(&t[0], &t[1], &t[2]),
+            2 * 8 * 4 * 4, // the output
+        ),
+        (
+            "swiglu",
+            gated,
+            &|t| nn::swiglu(&t[0]),
+            &|t| candle_nn::ops::swiglu(&t[0]),
+            8 * 16 * 4, // the output
         ),
     ];
     for (name, build, op, composed, want) in cases {

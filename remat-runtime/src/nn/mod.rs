@@ -16,20 +16,26 @@
 //! | [`softmax_last_dim`] | its output | (no backward in candle) |
 //! | [`attention`] | output, log-sum-exp per row | scores and probabilities, `(B, H, T, T)` each |
 //! | [`cross_entropy`] | log-sum-exp per row | log-probabilities and more, `(N, V)` each |
+//! | [`rope`], [`rope_i`] | nothing (the rotation's tables) | (no backward in candle) |
+//! | [`swiglu`] | nothing | `silu(a)` and the sigmoid |
 //!
 //! The forward of each runs candle's tensor ops (candle's fused kernels
 //! where they exist), on any device; the result is copied once into the
 //! node (candle's public API gives no way to hand it over).
 
+mod activation;
 mod attach;
 mod attention;
 mod linear;
 mod loss;
 mod norm;
+mod rope;
 mod softmax;
 
+pub use activation::swiglu;
 pub use attention::attention;
 pub use linear::linear;
 pub use loss::cross_entropy;
 pub use norm::{layer_norm, rms_norm};
+pub use rope::{rope, rope_i};
 pub use softmax::softmax_last_dim;

@@ -214,3 +214,42 @@ fn attention_with_a_mask_and_no_causality() {
 fn for_shapes(op: &Op, composed: &Op, shapes: &[&[usize]]) {
     check(op, composed, shapes, &[true; 3], &none);
 }
+
+/// `(T, D/2)` rotation tables at arbitrary angles.
+fn tables(t: usize, half: usize, dtype: DType) -> Vec<Tensor> {
+    let angles = tensor(&[t, half], 90, 3.0, dtype);
+    vec![angles.cos().unwrap(), angles.sin().unwrap()]
+}
+
+#[test]
+fn rope() {
+    let op: &Op = &|t| nn::rope(&t[0], &t[1], &t[2]);
+    let composed: &Op = &|t| candle_nn::rotary_emb::rope_slow(&t[0], &t[1], &t[2]);
+    check(
+        op,
+        composed,
+        &[&[1, 2, 3, 6]],
+        &[true, false, false],
+        &|d| tables(3, 3, d),
+    );
+}
+
+#[test]
+fn rope_interleaved() {
+    let op: &Op = &|t| nn::rope_i(&t[0], &t[1], &t[2]);
+    let composed: &Op = &|t| candle_nn::rotary_emb::rope_i_slow(&t[0], &t[1], &t[2]);
+    check(
+        op,
+        composed,
+        &[&[2, 1, 3, 4]],
+        &[true, false, false],
+        &|d| tables(3, 2, d),
+    );
+}
+
+#[test]
+fn swiglu() {
+    let op: &Op = &|t| nn::swiglu(&t[0]);
+    let composed: &Op = &|t| candle_nn::ops::swiglu(&t[0]);
+    check(op, composed, &[&[2, 3, 8]], &[true], &none);
+}

@@ -162,6 +162,19 @@ pub fn split_heads(qkv: &Tensor, heads: usize) -> Result<(Tensor, Tensor, Tensor
     Ok((part(0)?, part(1)?, part(2)?))
 }
 
+/// [`split_heads`] as views of `qkv` (no copies): what
+/// [`remat_runtime::nn::attention`] takes.
+pub fn split_heads_views(qkv: &Tensor, heads: usize) -> Result<(Tensor, Tensor, Tensor)> {
+    let (b, t, c3) = qkv.dims3()?;
+    let c = c3 / 3;
+    let part = |i: usize| {
+        qkv.narrow(2, i * c, c)?
+            .reshape((b, t, heads, c / heads))?
+            .transpose(1, 2)
+    };
+    Ok((part(0)?, part(1)?, part(2)?))
+}
+
 /// `(B, H, T, D)` back to `(B, T, H*D)`.
 pub fn merge_heads(y: &Tensor) -> Result<Tensor> {
     let (b, h, t, d) = y.dims4()?;
@@ -201,13 +214,13 @@ remat! {
     pub fn block(x: &Tensor, p: &BlockParams) -> Result<Tensor> {
         let ln1 = layer_norm_fused(x, &p.ln1)?;
         let qkv = p.attn.fused(&ln1)?;
-        let (q, k, v) = split_heads(&qkv, p.heads)?;
+        let (q, k, v) = split_heads_views(&qkv, p.heads)?;
         let att = merge_heads(&nn::attention(&q, &k, &v, true, None)?)?;
         let proj = p.proj.fused(&att)?;
         let x = (x + proj)?;
         let ln2 = layer_norm_fused(&x, &p.ln2)?;
         let fc = p.fc.fused(&ln2)?;
-        let act = fc.gelu()?;
+        let act = nn::gelu(&fc)?;
         let mlp = p.out.fused(&act)?;
         Ok((x + mlp)?)
     }

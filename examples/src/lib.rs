@@ -6,6 +6,7 @@ pub mod cli;
 pub mod data;
 pub mod dump;
 pub mod gpt;
+pub mod peak;
 pub mod rng;
 pub mod soak;
 pub mod train;

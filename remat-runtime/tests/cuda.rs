@@ -242,6 +242,12 @@ fn nn_ops_on_cuda_match_the_cpu() {
             1,
             Box::new(|t| nn::swiglu(&t[0])),
         ),
+        (
+            "gelu",
+            vec![tensor(&[2, 8, 16], 1, 1.0, DType::F32)],
+            1,
+            Box::new(|t| nn::gelu(&t[0])),
+        ),
     ];
     for (name, inputs, trained, op) in cases {
         let run = |d: &Device| {

@@ -20,6 +20,7 @@ use candle_core::Device;
 use examples::cli::{device, Flags};
 use examples::data::{default_text, Corpus};
 use examples::gpt::{Checkpointing, Config, Gpt, Ops};
+use examples::peak;
 use examples::rng::Rng;
 use plotters::prelude::*;
 use remat_runtime::inspect::{
@@ -46,6 +47,8 @@ usage: cargo run --release -p examples --bin bench -- [flags]
   --unchecked P,Q  also measure these policies without the replay check by
                fingerprints (`remat_runtime::without_fingerprints`): its cost
   --device cpu|cuda [cpu]
+  --explain-peak true  instead: the peak of a full-recompute step (first of
+               --ops) broken down by source, exact bytes (CPU) [false]
   --ops O,..   fused (remat_runtime::nn's ops) and/or composed (candle's
                composed ops): every policy runs with each, the first is the
                reference (`none` of it is plain candle) [fused]
@@ -142,6 +145,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let dev = device(&flags.get("device", "cpu".to_string())?)?;
     let out = flags.get("out", PathBuf::from("docs/bench"))?;
     let move_on_cpu = flags.get("move-on-cpu", false)?;
+    let explain_peak = flags.get("explain-peak", false)?;
     let ops: String = flags.get("ops", "fused".to_string())?;
     let ops = ops
         .split(',')
@@ -159,6 +163,22 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     };
     let model = Gpt::new(config, &mut Rng::new(0), &dev)?;
     let (x, y) = Corpus::batch(&corpus.train, batch, seq, &mut Rng::new(1), &dev)?;
+    if explain_peak {
+        let mut m = model.clone();
+        m.ops = ops[0];
+        let meter = peak::Meter {
+            live: &|| ALLOC.live(),
+            peak: &|| ALLOC.peak(),
+            reset: &|| ALLOC.reset_peak(),
+        };
+        println!(
+            "The peak of a full-recompute step (GPT {layers} layers, d_model {d_model}, {heads} heads, \
+             T {seq}, B {batch}, f32, {} ops), by source:\n",
+            ops[0]
+        );
+        print!("{}", peak::explain(&m, &x, &y, &meter)?);
+        return Ok(());
+    }
 
     let mut variants: Vec<Variant> = Vec::new();
     for (k, &o) in ops.iter().enumerate() {

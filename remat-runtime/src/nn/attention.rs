@@ -19,7 +19,8 @@ struct Attention {
 }
 
 /// `softmax(q k^T / sqrt(D) + mask) v` for `q` `(B, H, T, D)` and `k`, `v`
-/// `(B, H, S, D)`, computed in blocks of query rows. `causal` masks key
+/// `(B, H, S, D)` (views, e.g. of one projection split into heads, are
+/// kept as views), computed in blocks of query rows. `causal` masks key
 /// `j > i + S - T` for query `i`; `mask` is added to the scores (shape
 /// broadcastable to `(B, H, T, S)`, `-inf` where masked). The graph keeps
 /// `q`, `k`, `v`, the output and one log-sum-exp per query row (as
@@ -56,7 +57,14 @@ pub fn attention(
             None => c,
         });
     }
-    let (qd, kt, vd) = (q.detach(), k.detach().t()?.contiguous()?, v.detach());
+    // Contiguous copies for the products, freed after the forward: the
+    // graph keeps `q`, `k`, `v` as given (views of a projection need not be
+    // copied to be kept).
+    let (qd, kt, vd) = (
+        q.detach().contiguous()?,
+        k.detach().t()?.contiguous()?,
+        v.detach().contiguous()?,
+    );
     let mut outs = Vec::new();
     let mut lses = Vec::new();
     for (start, len) in blocks(t) {
@@ -128,7 +136,11 @@ impl CustomOp3 for Attention {
         out: &Tensor,
         dout: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (q, k, v) = (q.detach(), k.detach(), v.detach());
+        let (q, k, v) = (
+            q.detach().contiguous()?,
+            k.detach().contiguous()?,
+            v.detach().contiguous()?,
+        );
         let (out, dout) = (out.detach(), dout.detach().contiguous()?);
         let kt = k.t()?.contiguous()?;
         let vt = v.t()?.contiguous()?;

@@ -18,6 +18,7 @@
 //! | [`cross_entropy`] | log-sum-exp per row | log-probabilities and more, `(N, V)` each |
 //! | [`rope`], [`rope_i`] | nothing (the rotation's tables) | (no backward in candle) |
 //! | [`swiglu`] | nothing | `silu(a)` and the sigmoid |
+//! | [`gelu`] | nothing (its backward: one temporary, not eighteen) | nothing, but a backward that holds about eighteen input-sized temporaries |
 //!
 //! The forward of each runs candle's tensor ops (candle's fused kernels
 //! where they exist), on any device; the result is copied once into the
@@ -26,6 +27,7 @@
 mod activation;
 mod attach;
 mod attention;
+mod gelu;
 mod linear;
 mod loss;
 mod norm;
@@ -34,6 +36,7 @@ mod softmax;
 
 pub use activation::swiglu;
 pub use attention::attention;
+pub use gelu::gelu;
 pub use linear::linear;
 pub use loss::cross_entropy;
 pub use norm::{layer_norm, rms_norm};

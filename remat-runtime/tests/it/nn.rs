@@ -253,3 +253,27 @@ fn swiglu() {
     let composed: &Op = &|t| candle_nn::ops::swiglu(&t[0]);
     check(op, composed, &[&[2, 3, 8]], &[true], &none);
 }
+
+#[test]
+fn gelu() {
+    let op: &Op = &|t| nn::gelu(&t[0]);
+    let composed: &Op = &|t| t[0].gelu();
+    check(op, composed, &[&[2, 3, 8]], &[true], &none);
+}
+
+#[test]
+fn attention_on_views_of_one_projection() {
+    // q, k, v as transposed views `(B, T, H, D) -> (B, H, T, D)`, the way a
+    // model splits one projection into heads without copying.
+    fn view(t: &Tensor) -> Result<Tensor> {
+        t.transpose(1, 2)
+    }
+    let op: &Op = &|t| nn::attention(&view(&t[0])?, &view(&t[1])?, &view(&t[2])?, true, None);
+    let composed: &Op = &|t| {
+        let mask = causal_mask(t[0].dim(1)?, t[0].dtype());
+        let c = |t: &Tensor| view(t)?.contiguous();
+        attention_composed(&c(&t[0])?, &c(&t[1])?, &c(&t[2])?, Some(&mask))
+    };
+    let shape: &[usize] = &[2, 5, 2, 3];
+    for_shapes(op, composed, &[shape, shape, shape]);
+}

@@ -1,0 +1,161 @@
+//! The peak of a full-recompute training step, broken down by source: what
+//! `bench --explain-peak` prints.
+
+use std::fmt;
+
+use candle_core::{Result, Tensor};
+use remat_runtime::Plan;
+
+use crate::gpt::{
+    block, block_composed, causal_mask, embed, head_loss, head_loss_composed, Gpt, Ops,
+};
+
+/// A counting allocator's readings, as closures (the allocator is the
+/// binary's global one).
+pub struct Meter<'a> {
+    /// Bytes allocated and not freed.
+    pub live: &'a dyn Fn() -> usize,
+    /// The highest `live` since the last reset.
+    pub peak: &'a dyn Fn() -> usize,
+    /// Restarts `peak` from `live`.
+    pub reset: &'a dyn Fn(),
+}
+
+/// Exact bytes of each source of the peak.
+#[derive(Debug, Clone, Copy)]
+pub struct Breakdown {
+    /// The peak of forward + backward over what was live before.
+    pub peak: usize,
+    /// The parameters' gradients (one per parameter, held to the end).
+    pub parameter_gradients: usize,
+    /// What the forward leaves between forward and backward: the regions'
+    /// inputs (and the loss).
+    pub region_inputs: usize,
+    /// The graph one block's replay builds (its forward as plain candle).
+    pub block_graph: usize,
+    /// The graph of the head and loss region.
+    pub head_graph: usize,
+    /// The peak of one block's forward and backward as plain candle (its
+    /// graph, the gradients flowing through it and the backward's
+    /// temporaries): what sweeping one unit costs at most.
+    pub block_step: usize,
+}
+
+impl Breakdown {
+    /// What the listed sources do not cover: the gradients flowing through
+    /// the unit being swept, its backward's temporaries, leaf copies.
+    pub fn rest(&self) -> isize {
+        self.peak as isize
+            - (self.parameter_gradients
+                + self.region_inputs
+                + self.block_graph.max(self.head_graph)) as isize
+    }
+}
+
+/// Measures `model`'s full-recompute step on `(ids, targets)`: the peak,
+/// then each source on its own.
+pub fn explain(model: &Gpt, ids: &Tensor, targets: &Tensor, m: &Meter) -> Result<Breakdown> {
+    let step = || -> Result<(usize, usize)> {
+        let before = (m.live)();
+        (m.reset)();
+        let loss = Plan::recompute_all().scope(|| model.loss(ids, targets))?;
+        let held = (m.live)() - before;
+        let grads = loss.backward()?;
+        let peak = (m.peak)() - before;
+        drop((loss, grads));
+        Ok((held, peak))
+    };
+    step()?; // warm candle's caches
+    let (region_inputs, peak) = step()?;
+    let parameter_gradients = model
+        .vars()
+        .iter()
+        .map(|v| v.elem_count() * v.dtype().size_in_bytes())
+        .sum();
+    // One block's and the head's graphs, built by their forwards as plain
+    // candle (what a replay builds), on the real activations.
+    let off = Plan::off();
+    let x = off.scope(|| embed(ids, &model.wte, &model.wpe))?.detach();
+    let mask = causal_mask(ids.dim(1)?, ids.device())?;
+    let graph = |f: &dyn Fn(&Tensor) -> Result<Tensor>| -> Result<usize> {
+        let input = candle_core::Var::from_tensor(&x)?;
+        let before = (m.live)();
+        let out = off.scope(|| f(input.as_tensor()))?;
+        let bytes = (m.live)() - before;
+        drop(out);
+        Ok(bytes)
+    };
+    let p = &model.blocks[0];
+    let block_graph = match model.ops {
+        Ops::Fused => graph(&|x| block(x, p))?,
+        Ops::Composed => graph(&|x| block_composed(x, p, &mask))?,
+    };
+    let block_step = {
+        let input = candle_core::Var::from_tensor(&x)?;
+        let before = (m.live)();
+        (m.reset)();
+        let out = off.scope(|| match model.ops {
+            Ops::Fused => block(input.as_tensor(), p),
+            Ops::Composed => block_composed(input.as_tensor(), p, &mask),
+        })?;
+        let grads = out.sum_all()?.backward()?;
+        let peak = (m.peak)() - before;
+        drop((out, grads));
+        peak
+    };
+    let head_graph = match model.ops {
+        Ops::Fused => graph(&|x| head_loss(x, &model.ln_f, &model.head, targets))?,
+        Ops::Composed => graph(&|x| head_loss_composed(x, &model.ln_f, &model.head, targets))?,
+    };
+    Ok(Breakdown {
+        peak,
+        parameter_gradients,
+        region_inputs,
+        block_graph,
+        head_graph,
+        block_step,
+    })
+}
+
+impl fmt::Display for Breakdown {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
+        let share = |b: usize| 100.0 * b as f64 / self.peak as f64;
+        writeln!(f, "| source | bytes | MiB | share of the peak |")?;
+        writeln!(f, "|---|---:|---:|---:|")?;
+        for (name, b) in [
+            (
+                "parameter gradients (held to the end of the backward)",
+                self.parameter_gradients,
+            ),
+            ("region inputs kept from the forward", self.region_inputs),
+            (
+                "the replayed graph of one block (one unit)",
+                self.block_graph,
+            ),
+            ("(the graph of the head and loss region)", self.head_graph),
+        ] {
+            writeln!(f, "| {name} | {b} | {:.1} | {:.0}% |", mib(b), share(b))?;
+        }
+        let rest = self.rest();
+        writeln!(
+            f,
+            "| the rest: gradients in flight through the unit, its backward's temporaries, leaf copies | {rest} | {:.1} | {:.0}% |",
+            rest as f64 / (1024.0 * 1024.0),
+            100.0 * rest as f64 / self.peak as f64
+        )?;
+        writeln!(
+            f,
+            "| **peak of the step** | {} | {:.1} | 100% |",
+            self.peak,
+            mib(self.peak)
+        )?;
+        writeln!(
+            f,
+            "| (for scale: one block's forward + backward as plain candle, its peak) | {} | {:.1} | {:.0}% |",
+            self.block_step,
+            mib(self.block_step),
+            share(self.block_step)
+        )
+    }
+}

@@ -1,0 +1,95 @@
+//! GELU (tanh approximation, candle's `Tensor::gelu`).
+
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
+
+use super::attach::{forward_computed, Computed};
+
+struct Gelu {
+    out: Computed,
+}
+
+/// `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`, candle's
+/// `Tensor::gelu`, with a backward that computes the derivative in one pass
+/// (on a CPU, f32 and f64: one temporary; candle's own backward of `gelu`
+/// holds about eighteen input-sized temporaries at once). The graph keeps
+/// `x`, as candle's does.
+///
+/// ```
+/// use candle_core::{Device, Var};
+/// let x = Var::new(&[-1f32, 0., 2.], &Device::Cpu)?;
+/// let y = remat_runtime::nn::gelu(&x)?;
+/// let g = y.sum_all()?.backward()?.get(&x).unwrap().to_vec1::<f32>()?;
+/// assert!((g[1] - 0.5).abs() < 1e-6);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn gelu(x: &Tensor) -> Result<Tensor> {
+    let y = x.detach().gelu()?;
+    x.apply_op1(Gelu {
+        out: Computed::new(y),
+    })
+}
+
+const C: f64 = 0.797_884_560_802_865_4; // sqrt(2 / pi)
+const A: f64 = 0.044_715;
+
+/// d gelu / dx.
+fn derivative(x: f64) -> f64 {
+    let t = (C * (x + A * x * x * x)).tanh();
+    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * C * (1.0 + 3.0 * A * x * x)
+}
+
+impl CustomOp1 for Gelu {
+    forward_computed!("remat-gelu", s1 l1);
+    fn bwd(&self, x: &Tensor, _: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
+        let (x, dy) = (x.detach().contiguous()?, dy.detach().contiguous()?);
+        let fused = x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64);
+        if fused && dy.dtype() == x.dtype() {
+            return Ok(Some(x.apply_op2_no_bwd(&dy, &GeluGrad)?));
+        }
+        // Elsewhere, the same formula with tensor ops.
+        let x2 = x.sqr()?;
+        let t = ((&x + (&x2 * &x)?.affine(A, 0.0)?)? * C)?.tanh()?;
+        let left = ((&t + 1.0)? * 0.5)?;
+        let right = ((&x * (1.0 - t.sqr()?)?)? * (x2.affine(3.0 * A, 1.0)? * (0.5 * C))?)?;
+        Ok(Some(((left + right)? * dy)?))
+    }
+}
+
+/// `dy * gelu'(x)` in one pass over contiguous CPU tensors.
+struct GeluGrad;
+
+impl CustomOp2 for GeluGrad {
+    fn name(&self) -> &'static str {
+        "remat-gelu-grad"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (Some((a1, b1)), Some((a2, b2))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
+        else {
+            candle_core::bail!("remat nn: gelu's backward wants contiguous tensors")
+        };
+        let out = match (s1, s2) {
+            (CpuStorage::F32(x), CpuStorage::F32(dy)) => CpuStorage::F32(
+                x[a1..b1]
+                    .iter()
+                    .zip(&dy[a2..b2])
+                    .map(|(&x, &g)| (derivative(x as f64) * g as f64) as f32)
+                    .collect(),
+            ),
+            (CpuStorage::F64(x), CpuStorage::F64(dy)) => CpuStorage::F64(
+                x[a1..b1]
+                    .iter()
+                    .zip(&dy[a2..b2])
+                    .map(|(&x, &g)| derivative(x) * g)
+                    .collect(),
+            ),
+            _ => candle_core::bail!("remat nn: gelu's one-pass backward is for f32 and f64"),
+        };
+        Ok((out, l1.shape().clone()))
+    }
+}

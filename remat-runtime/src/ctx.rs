@@ -10,6 +10,9 @@ use crate::tape::recorder::{Recorder, Statement};
 use crate::{Inputs, Outputs, Plan, Policy, RematError, Result, StatementInfo};
 
 /// What running a statement does.
+// One `Mode` per region call, on the stack: boxing the recorder would add a
+// heap allocation to every call for nothing.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Mode {
     /// No checkpointing: statements run as plain candle code.
     Plain,

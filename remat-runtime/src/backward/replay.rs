@@ -372,13 +372,22 @@ impl Replay {
             (true, n) if n > 0 => n - 1,
             (_, n) => n,
         };
-        let mut leaves = Vec::new();
+        let mut leaves: Vec<(TensorId, Tensor)> = Vec::new();
         for (i, leaf) in saved.leaves.iter().enumerate() {
             let Some(leaf) = leaf else { continue };
             let t = inputs[i];
             match self.values.get(&t.id()) {
                 Some(v) if v.requires_grad => {
-                    leaves.push((t.id(), leaf.clone()));
+                    // One leaf copy per value (statements share it): the
+                    // unit routes its gradient once.
+                    let known = |l: &(TensorId, Tensor)| l.1.id() == leaf.id();
+                    let in_unit = self
+                        .units
+                        .get(u)
+                        .is_some_and(|unit| unit.leaves.iter().any(known));
+                    if !in_unit && !leaves.iter().any(known) {
+                        leaves.push((t.id(), leaf.clone()));
+                    }
                     self.needed.insert(t.id());
                 }
                 _ => {

@@ -8,13 +8,18 @@
 //!   outputs), plus a leaf copy of each input that needs gradients, unless
 //!   that input comes from a saved statement of the same run of consecutive
 //!   saved statements (the runtime chains them into one graph: no copy);
+//! * saved statements that read the same value share one leaf copy of it:
+//!   it is paid once;
 //! * a recomputed statement holds nothing and costs its forward time again
 //!   in the backward.
 //!
-//! Because of the chaining the bytes are not additive, so this is not a
-//! textbook knapsack. It is solved exactly by dynamic programming over the
-//! statements in order, with the start of the current saved run as state and
-//! a Pareto front of (bytes, recompute time) per state.
+//! Because of the chaining and the shared copies the bytes are not additive,
+//! so this is not a textbook knapsack. It is solved exactly by dynamic
+//! programming over the statements in order, with the start of the current
+//! saved run and the set of shared values already copied as state, and a
+//! Pareto front of (bytes, recompute time) per state. (Past 64 values read
+//! by several statements, the further ones count as copied for each reader:
+//! the plan then holds less than predicted, never more.)
 
 use std::collections::HashMap;
 
@@ -35,8 +40,21 @@ pub(crate) struct Item {
     pub seconds: f64,
     /// Bytes of its own saved graph.
     pub own: usize,
-    /// Inputs that need gradients: (producing statement, bytes).
-    pub leaves: Vec<(Option<usize>, usize)>,
+    /// Inputs that need gradients.
+    pub leaves: Vec<Leaf>,
+}
+
+/// An input that needs gradients: a saved statement holds a leaf copy of it
+/// (shared with the other saved statements reading the same value) unless
+/// it is chained to the producer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Leaf {
+    /// The statement that produced the value; `None` for region inputs.
+    pub producer: Option<usize>,
+    /// Bytes of a copy.
+    pub bytes: usize,
+    /// Which value it is (the same index for the same value).
+    pub value: usize,
 }
 
 impl Item {
@@ -50,6 +68,7 @@ impl Item {
 /// statement.
 pub(crate) fn items(records: &[Record], params: &[Tensor], inputs: &[Tensor]) -> Vec<Item> {
     let own = own_bytes(records, params, inputs);
+    let mut values: HashMap<candle_core::TensorId, usize> = HashMap::new();
     records
         .iter()
         .zip(own)
@@ -76,7 +95,14 @@ pub(crate) fn items(records: &[Record], params: &[Tensor], inputs: &[Tensor]) ->
                     .sources
                     .iter()
                     .filter(|s| s.needs_grad)
-                    .map(|s| (s.producer, s.bytes))
+                    .map(|s| {
+                        let n = values.len();
+                        Leaf {
+                            producer: s.producer,
+                            bytes: s.bytes,
+                            value: *values.entry(s.value).or_insert(n),
+                        }
+                    })
                     .collect(),
             }
         })
@@ -87,25 +113,54 @@ pub(crate) fn items(records: &[Record], params: &[Tensor], inputs: &[Tensor]) ->
 pub(crate) fn bytes(items: &[Item], save: &[bool]) -> usize {
     let mut total = 0;
     let mut run: Option<usize> = None;
+    let mut copied = std::collections::HashSet::new();
     for (i, item) in items.iter().enumerate() {
         if !save[i] {
             run = None;
             continue;
         }
         let start = *run.get_or_insert(i);
-        total += item.own + leaf_bytes(item, start, i);
+        total += item.own;
+        for leaf in copies(item, start, i) {
+            if copied.insert(leaf.value) {
+                total += leaf.bytes;
+            }
+        }
     }
     total
 }
 
-/// Bytes of the leaf copies statement `i` needs when its saved run starts at
-/// `start`.
-fn leaf_bytes(item: &Item, start: usize, i: usize) -> usize {
+/// The inputs of statement `i` that need a leaf copy when its saved run
+/// starts at `start` (those not chained to their producer).
+fn copies(item: &Item, start: usize, i: usize) -> impl Iterator<Item = &Leaf> {
     item.leaves
         .iter()
-        .filter(|(p, _)| !p.is_some_and(|p| p >= start && p < i))
-        .map(|(_, b)| b)
-        .sum()
+        .filter(move |l| !l.producer.is_some_and(|p| p >= start && p < i))
+}
+
+/// The bit of each value read by more than one statement (at most 64).
+fn shared_bits(items: &[Item]) -> HashMap<usize, u64> {
+    let mut readers: HashMap<usize, usize> = HashMap::new();
+    for item in items {
+        let mut seen = std::collections::HashSet::new();
+        for l in &item.leaves {
+            if seen.insert(l.value) {
+                *readers.entry(l.value).or_default() += 1;
+            }
+        }
+    }
+    let mut shared: Vec<usize> = readers
+        .into_iter()
+        .filter(|&(_, n)| n > 1)
+        .map(|(v, _)| v)
+        .collect();
+    shared.sort_unstable();
+    shared
+        .into_iter()
+        .take(64)
+        .enumerate()
+        .map(|(b, v)| (v, 1u64 << b))
+        .collect()
 }
 
 /// The smallest assignment: only the statements the code saves.
@@ -152,9 +207,10 @@ fn pareto(mut front: Vec<Entry>) -> Vec<Entry> {
 pub(crate) fn solve(items: &[Item], budget: usize) -> Vec<bool> {
     // State: where the run of saved statements ending at the current
     // statement starts (`None`: the current statement is recomputed).
-    let mut states: HashMap<Option<usize>, Vec<Entry>> = HashMap::new();
+    let bits = shared_bits(items);
+    let mut states: HashMap<(Option<usize>, u64), Vec<Entry>> = HashMap::new();
     states.insert(
-        None,
+        (None, 0),
         vec![Entry {
             bytes: 0,
             seconds: 0.0,
@@ -162,22 +218,39 @@ pub(crate) fn solve(items: &[Item], budget: usize) -> Vec<bool> {
         }],
     );
     for (i, item) in items.iter().enumerate() {
-        let mut next: HashMap<Option<usize>, Vec<Entry>> = HashMap::new();
-        for (run, front) in &states {
+        let mut next: HashMap<(Option<usize>, u64), Vec<Entry>> = HashMap::new();
+        for (&(run, mask), front) in &states {
             for e in front {
                 if item.forced != Some(Policy::Save) {
                     let mut r = e.clone();
                     r.seconds += item.seconds;
                     r.save.push(false);
-                    next.entry(None).or_default().push(r);
+                    next.entry((None, mask)).or_default().push(r);
                 }
                 if item.may_save() {
                     let start = run.unwrap_or(i);
                     let mut s = e.clone();
-                    s.bytes += item.own + leaf_bytes(item, start, i);
+                    let mut m = mask;
+                    s.bytes += item.own;
+                    let mut counted = Vec::new();
+                    for leaf in copies(item, start, i) {
+                        match bits.get(&leaf.value) {
+                            Some(&bit) if m & bit != 0 => {}
+                            Some(&bit) => {
+                                m |= bit;
+                                s.bytes += leaf.bytes;
+                            }
+                            // Read by this statement only (once counted).
+                            None if !counted.contains(&leaf.value) => {
+                                counted.push(leaf.value);
+                                s.bytes += leaf.bytes;
+                            }
+                            None => {}
+                        }
+                    }
                     s.save.push(true);
                     if s.bytes <= budget {
-                        next.entry(Some(start)).or_default().push(s);
+                        next.entry((Some(start), m)).or_default().push(s);
                     }
                 }
             }
@@ -239,11 +312,21 @@ mod tests {
     fn random_block(rng: &mut Lcg, n: usize) -> Vec<Item> {
         (0..n)
             .map(|i| {
+                // Value `p` is statement p's output; values n and n + 1 are
+                // region inputs. Its size depends on the value only.
                 let leaves = (0..rng.below(3))
                     .map(|_| {
-                        let p = rng.below(i as u64 + 1) as usize;
-                        let producer = (p < i).then_some(p);
-                        (producer, 1 + rng.below(50) as usize)
+                        let p = rng.below(i as u64 + 3) as usize;
+                        let (producer, value) = if p < i {
+                            (Some(p), p)
+                        } else {
+                            (None, n + p % 2)
+                        };
+                        Leaf {
+                            producer,
+                            bytes: 1 + value * 37 % 50,
+                            value,
+                        }
                     })
                     .collect();
                 let forced = match rng.below(10) {
@@ -304,9 +387,14 @@ mod tests {
             own,
             leaves,
         };
+        let leaf = |producer, bytes, value| Leaf {
+            producer,
+            bytes,
+            value,
+        };
         let items = vec![
-            item("a", 10, vec![(None, 4)]),
-            item("b", 20, vec![(Some(0), 10)]),
+            item("a", 10, vec![leaf(None, 4, 0)]),
+            item("b", 20, vec![leaf(Some(0), 10, 1)]),
         ];
         assert_eq!(bytes(&items, &[true, false]), 14);
         assert_eq!(bytes(&items, &[false, true]), 30);
@@ -316,5 +404,39 @@ mod tests {
         assert_eq!(solve(&items, 30), vec![true, false]);
         assert_eq!(solve(&items, 34), vec![true, true]);
         assert_eq!(solve(&items, 0), vec![false, false]);
+    }
+}
+
+#[cfg(test)]
+mod shared {
+    use super::*;
+
+    #[test]
+    fn statements_reading_one_value_share_its_copy() {
+        // q, k and v read the norm's output `h` (a region input here): one
+        // copy of it, not three.
+        let h = Leaf {
+            producer: None,
+            bytes: 8,
+            value: 0,
+        };
+        let item = |name: &str| Item {
+            name: name.into(),
+            forced: None,
+            seconds: 1.0,
+            own: 10,
+            leaves: vec![h],
+        };
+        let items = vec![item("q"), item("k"), item("v")];
+        assert_eq!(bytes(&items, &[true, false, false]), 18);
+        assert_eq!(bytes(&items, &[true, false, true]), 28);
+        assert_eq!(bytes(&items, &[true, true, true]), 38);
+        assert_eq!(solve(&items, 38), vec![true, true, true]);
+        // Two of the three fit in 37 bytes (28: the copy is paid once).
+        let two = solve(&items, 37);
+        assert_eq!(
+            (two.iter().filter(|&&s| s).count(), bytes(&items, &two)),
+            (2, 28)
+        );
     }
 }

@@ -129,6 +129,8 @@ pub(crate) struct Source {
     pub producer: Option<usize>,
     /// Its size, the bytes of a leaf copy of it.
     pub bytes: usize,
+    /// Which value it is: statements reading one value share its copy.
+    pub value: candle_core::TensorId,
 }
 
 /// Measurements of one statement in the forward.

@@ -80,6 +80,10 @@ pub(crate) struct Recorder {
     replay_reads: HashSet<TensorId>,
     records: Vec<Record>,
     leaf_ids: HashSet<TensorId>,
+    /// The leaf copy of each value saved statements read: one per value in
+    /// a region call, however many statements read it (not offloaded ones:
+    /// their graphs move to the host whole).
+    shared_leaves: HashMap<TensorId, Tensor>,
     params: Vec<Tensor>,
     param_ids: HashSet<TensorId>,
     /// First record of the run of chained saved records that ends with the
@@ -139,6 +143,7 @@ impl Recorder {
             replay_reads: HashSet::new(),
             records: Vec::new(),
             leaf_ids: value_leaves.clone(),
+            shared_leaves: HashMap::new(),
             params: Vec::new(),
             param_ids: HashSet::new(),
             chain: None,
@@ -267,8 +272,17 @@ impl Recorder {
                 leaves.push(None);
                 args.push(tracked);
             } else if need {
-                let leaf = make_leaf(t)?;
-                self.leaf_ids.insert(leaf.id());
+                let leaf = match self.shared_leaves.get(&t.id()) {
+                    Some(leaf) if !offload => leaf.clone(),
+                    _ => {
+                        let leaf = make_leaf(t)?;
+                        self.leaf_ids.insert(leaf.id());
+                        if !offload {
+                            self.shared_leaves.insert(t.id(), leaf.clone());
+                        }
+                        leaf
+                    }
+                };
                 leaves.push(Some(leaf.clone()));
                 args.push(leaf);
             } else {
@@ -361,6 +375,7 @@ impl Recorder {
                 needs_grad: need,
                 producer: self.producers.get(&t.id()).copied(),
                 bytes: t.elem_count() * t.dtype().size_in_bytes(),
+                value: t.id(),
             })
             .collect()
     }

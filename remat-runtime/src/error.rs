@@ -210,9 +210,10 @@ pub enum RematError {
          differentiable ops. Common causes: a fused candle op without backward \
          (`candle_nn::LayerNorm`/`RmsNorm` on contiguous input, `ops::layer_norm`, \
          `ops::rms_norm`, `ops::softmax_last_dim`, `ops::sdpa`, \
-         `rotary_emb::rope`/`rope_i`/`rope_thd`: use `ops::layer_norm_slow`, \
-         `ops::rms_norm_slow`, `ops::softmax`, attention and rotary embeddings written \
-         with tensor ops), a `detach`, or a parameter the model never uses",
+         `rotary_emb::rope`/`rope_i`/`rope_thd`: use `remat_runtime::nn`'s `layer_norm`, \
+         `rms_norm`, `softmax_last_dim`, `attention`, `rope`, `rope_i`, or candle's \
+         `ops::layer_norm_slow`, `ops::rms_norm_slow`, `ops::softmax`), a `detach`, or a \
+         parameter the model never uses",
         names.len(),
         names.join(", ")
     )]

@@ -117,12 +117,24 @@ pub(crate) fn in_statement<R>(seed: u64, name: &str, f: impl FnOnce() -> R) -> R
 /// # Ok::<(), remat_runtime::RematError>(())
 /// ```
 pub fn uniform(shape: impl Into<Shape>, device: &Device) -> Result<Tensor> {
-    let shape = shape.into();
-    let key = next_key();
+    Ok(uniform_keyed(next_key(), &shape.into(), device)?)
+}
+
+/// The next draw's key: [`uniform`]'s values are a function of it.
+pub(crate) fn draw_key() -> u64 {
+    next_key()
+}
+
+/// The uniform values of the draw keyed `key`.
+pub(crate) fn uniform_keyed(
+    key: u64,
+    shape: &Shape,
+    device: &Device,
+) -> candle_core::Result<Tensor> {
     let values: Vec<f32> = (0..shape.elem_count() as u64)
         .map(|i| (mix(key, i) >> 40) as f32 / (1u64 << 24) as f32)
         .collect();
-    Ok(Tensor::from_vec(values, shape, &Device::Cpu)?.to_device(device)?)
+    Tensor::from_vec(values, shape.clone(), &Device::Cpu)?.to_device(device)
 }
 
 /// Inverted dropout: zeroes each element with probability `p` and scales

@@ -248,6 +248,15 @@ fn nn_ops_on_cuda_match_the_cpu() {
             1,
             Box::new(|t| nn::gelu(&t[0])),
         ),
+        (
+            "dropout",
+            vec![tensor(&[2, 8, 16], 1, 1.0, DType::F32)],
+            1,
+            Box::new(|t| {
+                random::seed(5);
+                nn::dropout(&t[0], 0.3)
+            }),
+        ),
     ];
     for (name, inputs, trained, op) in cases {
         let run = |d: &Device| {

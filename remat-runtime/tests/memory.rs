@@ -381,6 +381,13 @@ fn nn_residual_bytes() {
             2 * 8 * 4 * 4, // the output
         ),
         (
+            "dropout",
+            norm,
+            &|t| nn::dropout(&t[0], 0.5),
+            &|t| Ok(remat_runtime::random::dropout(&t[0], 0.5)?),
+            8 * 16 * 4, // the output
+        ),
+        (
             "gelu",
             norm,
             &|t| nn::gelu(&t[0]),

@@ -18,6 +18,7 @@
 //! | [`cross_entropy`] | log-sum-exp per row | log-probabilities and more, `(N, V)` each |
 //! | [`rope`], [`rope_i`] | nothing (the rotation's tables) | (no backward in candle) |
 //! | [`swiglu`] | nothing | `silu(a)` and the sigmoid |
+//! | [`dropout`] | nothing (the backward draws the mask again) | the mask and the scaled mask |
 //! | [`gelu`] | nothing (its backward: one temporary, not eighteen) | nothing, but a backward that holds about eighteen input-sized temporaries |
 //!
 //! The forward of each runs candle's tensor ops (candle's fused kernels
@@ -27,6 +28,7 @@
 mod activation;
 mod attach;
 mod attention;
+mod dropout;
 mod gelu;
 mod linear;
 mod loss;
@@ -36,6 +38,7 @@ mod softmax;
 
 pub use activation::swiglu;
 pub use attention::attention;
+pub use dropout::dropout;
 pub use gelu::gelu;
 pub use linear::linear;
 pub use loss::cross_entropy;

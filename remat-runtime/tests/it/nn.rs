@@ -277,3 +277,43 @@ fn attention_on_views_of_one_projection() {
     let shape: &[usize] = &[2, 5, 2, 3];
     for_shapes(op, composed, &[shape, shape, shape]);
 }
+
+#[test]
+fn dropout() {
+    // Seeded before each call: the same mask every time, so the op is a
+    // fixed linear map that finite differences can check, and the same
+    // draws as `random::dropout`.
+    let op: &Op = &|t| {
+        remat_runtime::random::seed(11);
+        nn::dropout(&t[0], 0.3)
+    };
+    let composed: &Op = &|t| {
+        remat_runtime::random::seed(11);
+        Ok(remat_runtime::random::dropout(&t[0], 0.3)?)
+    };
+    check(op, composed, &[&[4, 3, 8]], &[true], &none);
+}
+
+#[test]
+fn dropout_replays_its_mask_in_a_recomputed_statement() {
+    use remat_runtime::{Plan, Region};
+    let x = var(&[6, 10], 12, 1.0, DType::F32);
+    let run = |plan: Plan| {
+        remat_runtime::random::seed(3);
+        let y = plan
+            .scope(|| {
+                Region::new("drop").run(&[x.as_tensor()], |ctx, ins| {
+                    let h = ctx.open("h", &[&ins[0]], |t| nn::dropout(&t[0].tanh()?, 0.5))?;
+                    ctx.open("y", &[&h], |t| (&t[0] * &t[0])?.sum_all())
+                })
+            })
+            .unwrap();
+        let g = y.backward().unwrap();
+        (y, g.get(&x).unwrap().clone())
+    };
+    let (y_off, g_off) = run(Plan::off());
+    let (y, g) = run(Plan::recompute_all());
+    assert_eq!(rel_diff(&y, &y_off), 0.0);
+    // The replay draws the same mask: the same gradient, exactly.
+    assert_eq!(rel_diff(&g, &g_off), 0.0);
+}

@@ -42,8 +42,9 @@ fn view(param: &Param, ident: &Ident, copy: &Ident) -> TokenStream {
     }
 }
 
-/// The statement inputs of `reads` (their tensors, in order), with the
-/// check that each can be read, spanned at its mention.
+/// The statement (or region) inputs of `reads`: their tensors, in order,
+/// with the check that each owned one can be read, spanned at its mention (a
+/// borrowed parameter's copy is `Clone`: `ToOwned` said so, or reported it).
 fn inputs(reads: &[Read]) -> TokenStream {
     let p = private();
     let mut out = TokenStream::new();
@@ -182,16 +183,11 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
 
     // The region keeps its own copy of every parameter (the body runs again
     // in the backward, after this call returned): owned ones are moved in,
-    // borrowed ones copied with `ToOwned`. Its inputs are their tensors.
+    // borrowed ones copied with `ToOwned`. Its inputs are their tensors,
+    // collected and rebuilt as a statement's reads are.
     let mut copies = TokenStream::new();
-    let mut region_inputs = TokenStream::new();
-    let mut region_rebinds = TokenStream::new();
     for param in params {
-        let ident = &param.ident;
-        let copy = match param.passing {
-            Passing::Value => ident.clone(),
-            _ => owned(ident),
-        };
+        let (ident, copy) = (&param.ident, owned(&param.ident));
         match &param.passing {
             Passing::Value => {}
             Passing::Ref(ty) => copies.extend(quote_spanned! {ty.span()=>
@@ -201,23 +197,18 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
                 let #copy = #ident.map(<#ty as ::std::borrow::ToOwned>::to_owned);
             }),
         }
-        // A borrowed parameter's copy is `Clone` (`ToOwned` said so, or
-        // reported it); an owned one is checked here.
-        region_inputs.extend(match param.passing {
-            Passing::Value => quote_spanned! {ident.span()=>
-                let _: &dyn ::remat_runtime::rules::Readable =
-                    (&&&&#p::Probe(&#copy)).tensors(&mut __remat_inputs);
-            },
-            _ => quote! { (&&&&#p::Probe(&#copy)).tensors(&mut __remat_inputs); },
-        });
-        let mutability = param.mutable.then(|| quote!(mut));
-        let view = view(param, ident, &copy);
-        region_rebinds.extend(quote! {
-            #[allow(unused_mut, unused_variables)]
-            let #mutability #copy = (&&&&#p::Probe(&#copy)).rebuild(&mut __remat_it)?;
-            #view
-        });
     }
+    let param_reads: Vec<Read> = params
+        .iter()
+        .enumerate()
+        .map(|(i, param)| Read {
+            ident: param.ident.clone(),
+            borrowed_param: param.borrowed().then_some(i),
+            mutable: param.mutable,
+        })
+        .collect();
+    let region_inputs = inputs(&param_reads);
+    let region_rebinds = rebinds(&param_reads, params);
 
     let mut body = TokenStream::new();
     for (i, (stmt, sa)) in block
@@ -351,19 +342,12 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
                 Unreadable as _, ViaClone as _, ViaResult as _, ViaTensor as _,
             };
             #copies
-            let __remat_inputs = {
-                #[allow(unused_mut)]
-                let mut __remat_inputs = ::std::vec::Vec::new();
-                #region_inputs
-                __remat_inputs
-            };
+            let __remat_inputs = #region_inputs;
             // Statement bodies are wrapped as `Ok(body)`, and bodies end in `?`.
             #[allow(clippy::needless_question_mark)]
             let __remat_out = #p::region(#region).run(
                 __remat_inputs,
                 move |__remat_ctx, __remat_args| {
-                    #[allow(unused_mut, unused_variables)]
-                    let mut __remat_it = __remat_args.iter().cloned();
                     #region_rebinds
                     #body
                     #result

@@ -161,11 +161,12 @@ impl<'a> Analyser<'a> {
                     continue;
                 }
             };
+            let assigned = assigned(expr);
+            self.check_assignments(expr, &assigned);
             let reads = self.resolve(expr, i, forward_only);
             let mut given = Vec::new();
             if !forward_only {
                 let moved = self.moves(expr, i);
-                let assigned: Vec<String> = assigned(expr).into_iter().map(|(n, _)| n).collect();
                 let rebound: Vec<String> = pat
                     .map(|p| bound(p).iter().map(|(i, _)| i.to_string()).collect())
                     .unwrap_or_default();
@@ -175,7 +176,7 @@ impl<'a> Analyser<'a> {
                 for &(b, _) in &reads {
                     let name = self.bindings[b].ident.to_string();
                     if self.bindings[b].mutable
-                        && (!moved.contains(&b) || assigned.contains(&name))
+                        && (!moved.contains(&b) || assigned.iter().any(|(n, _)| *n == name))
                         && !rebound.contains(&name)
                     {
                         given.push(b);
@@ -194,7 +195,10 @@ impl<'a> Analyser<'a> {
         }
         let n = block.statements.len();
         let tail = match &block.tail {
-            Some(t) => self.resolve(t, n, false),
+            Some(t) => {
+                self.check_assignments(t, &assigned(t));
+                self.resolve(t, n, false)
+            }
             None => Vec::new(),
         };
         Reads {
@@ -232,19 +236,17 @@ impl<'a> Analyser<'a> {
         out
     }
 
-    /// The bindings `expr`, read by statement `reader` (the tail's index is
-    /// the number of statements), mentions; refuses reads of forward-only
-    /// bindings from statements that replay, and assignments to bindings
-    /// not declared `mut`.
-    fn resolve(&mut self, expr: &Expr, reader: usize, forward_only: bool) -> Vec<(usize, Span)> {
+    /// Refuses the assignments of `expr` (`assigned`) to bindings of the
+    /// block not declared `mut`.
+    fn check_assignments(&mut self, expr: &Expr, assigned: &[(String, Span)]) {
         let local = locals(expr);
-        for (name, span) in assigned(expr) {
-            let Some(&b) = self.current.get(&name) else {
+        for (name, span) in assigned {
+            let Some(&b) = self.current.get(name) else {
                 continue;
             };
-            if !self.bindings[b].mutable && !local.contains(&name) {
+            if !self.bindings[b].mutable && !local.contains(name) {
                 self.errors.push(
-                    span,
+                    *span,
                     format!(
                         "cannot assign to `{name}`, which is not declared `mut`: write \
                          `let mut {name} = ...` where it is bound"
@@ -252,6 +254,12 @@ impl<'a> Analyser<'a> {
                 );
             }
         }
+    }
+
+    /// The bindings `expr`, read by statement `reader` (the tail's index is
+    /// the number of statements), mentions; refuses reads of forward-only
+    /// bindings from statements that replay.
+    fn resolve(&mut self, expr: &Expr, reader: usize, forward_only: bool) -> Vec<(usize, Span)> {
         let mut out = Vec::new();
         for (name, span) in mentions(expr) {
             let Some(&b) = self.current.get(&name) else {

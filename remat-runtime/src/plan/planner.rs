@@ -18,8 +18,8 @@
 //! programming over the statements in order, with the start of the current
 //! saved run and the set of shared values already copied as state, and a
 //! Pareto front of (bytes, recompute time) per state. (Past 64 values read
-//! by several statements, the further ones count as copied for each reader:
-//! the plan then holds less than predicted, never more.)
+//! more than once, the further ones count as copied for each read: the plan
+//! then holds less than predicted, never more.)
 
 use std::collections::HashMap;
 
@@ -138,18 +138,14 @@ fn copies(item: &Item, start: usize, i: usize) -> impl Iterator<Item = &Leaf> {
         .filter(move |l| !l.producer.is_some_and(|p| p >= start && p < i))
 }
 
-/// The bit of each value read by more than one statement (at most 64).
+/// The bit of each value read more than once (by several statements, or
+/// twice by one), at most 64: the state of the copies made so far.
 fn shared_bits(items: &[Item]) -> HashMap<usize, u64> {
-    let mut readers: HashMap<usize, usize> = HashMap::new();
-    for item in items {
-        let mut seen = std::collections::HashSet::new();
-        for l in &item.leaves {
-            if seen.insert(l.value) {
-                *readers.entry(l.value).or_default() += 1;
-            }
-        }
+    let mut reads: HashMap<usize, usize> = HashMap::new();
+    for leaf in items.iter().flat_map(|item| &item.leaves) {
+        *reads.entry(leaf.value).or_default() += 1;
     }
-    let mut shared: Vec<usize> = readers
+    let mut shared: Vec<usize> = reads
         .into_iter()
         .filter(|&(_, n)| n > 1)
         .map(|(v, _)| v)
@@ -232,7 +228,6 @@ pub(crate) fn solve(items: &[Item], budget: usize) -> Vec<bool> {
                     let mut s = e.clone();
                     let mut m = mask;
                     s.bytes += item.own;
-                    let mut counted = Vec::new();
                     for leaf in copies(item, start, i) {
                         match bits.get(&leaf.value) {
                             Some(&bit) if m & bit != 0 => {}
@@ -240,12 +235,8 @@ pub(crate) fn solve(items: &[Item], budget: usize) -> Vec<bool> {
                                 m |= bit;
                                 s.bytes += leaf.bytes;
                             }
-                            // Read by this statement only (once counted).
-                            None if !counted.contains(&leaf.value) => {
-                                counted.push(leaf.value);
-                                s.bytes += leaf.bytes;
-                            }
-                            None => {}
+                            // Read once in the whole region.
+                            None => s.bytes += leaf.bytes,
                         }
                     }
                     s.save.push(true);

@@ -50,13 +50,18 @@ fn rows(x: &Tensor) -> Result<(usize, usize)> {
     Ok((x.elem_count() / input.max(1), input))
 }
 
-/// `dx`, `dw` and `db` for the gradient `g` of the output.
-fn grads(x: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+/// `dx`, `dw` and, with `bias`, `db` for the gradient `g` of the output.
+fn grads(
+    x: &Tensor,
+    w: &Tensor,
+    g: &Tensor,
+    bias: bool,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
     let (rows, input) = rows(x)?;
     let g2 = g.detach().reshape((rows, ()))?;
     let dx = g2.matmul(&w.detach())?.reshape(x.shape())?;
     let dw = g2.t()?.matmul(&x.detach().reshape((rows, input))?)?;
-    let db = g2.sum(0)?;
+    let db = bias.then(|| g2.sum(0)).transpose()?;
     Ok((dx, dw, db))
 }
 
@@ -69,7 +74,7 @@ impl CustomOp2 for Linear {
         _: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, _) = grads(x, w, g)?;
+        let (dx, dw, _) = grads(x, w, g, false)?;
         Ok((Some(dx), Some(dw)))
     }
 }
@@ -84,7 +89,7 @@ impl CustomOp3 for Linear {
         _: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, db) = grads(x, w, g)?;
-        Ok((Some(dx), Some(dw), Some(db)))
+        let (dx, dw, db) = grads(x, w, g, true)?;
+        Ok((Some(dx), Some(dw), db))
     }
 }

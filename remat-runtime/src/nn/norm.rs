@@ -56,7 +56,6 @@ fn norm_grads(
     dy: &Tensor,
     center: bool,
 ) -> Result<(Tensor, Tensor)> {
-    let rank = dy.rank();
     let dxhat = dy.broadcast_mul(g)?;
     let proj = (&dxhat * xhat)?.mean_keepdim(D::Minus1)?;
     let mut dx = (&dxhat - xhat.broadcast_mul(&proj)?)?;
@@ -64,9 +63,14 @@ fn norm_grads(
         dx = dx.broadcast_sub(&dxhat.mean_keepdim(D::Minus1)?)?;
     }
     let dx = dx.broadcast_mul(rstd)?;
-    let rows: Vec<usize> = (0..rank - 1).collect();
-    let dg = (dy * xhat)?.sum(rows)?;
+    let dg = sum_rows(&(dy * xhat)?)?;
     Ok((dx, dg))
+}
+
+/// `t` summed over every dimension but the last: a gain's or bias's
+/// gradient.
+fn sum_rows(t: &Tensor) -> Result<Tensor> {
+    t.sum((0..t.rank() - 1).collect::<Vec<_>>())
 }
 
 impl CustomOp3 for LayerNorm {
@@ -85,8 +89,7 @@ impl CustomOp3 for LayerNorm {
             .broadcast_sub(&self.mean)?
             .broadcast_mul(&self.rstd)?;
         let (dx, dg) = norm_grads(&xhat, &self.rstd, &g.detach(), &dy, true)?;
-        let rows: Vec<usize> = (0..dy.rank() - 1).collect();
-        let db = dy.sum(rows)?;
+        let db = sum_rows(&dy)?;
         Ok((Some(dx), Some(dg), Some(db)))
     }
 }

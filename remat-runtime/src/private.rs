@@ -40,7 +40,7 @@ impl HoldsTensors for Checked {}
 impl Unwrapped for Checked {}
 
 pub(crate) fn error(what: String) -> RematError {
-    RematError::Candle(std::sync::Arc::new(candle_core::Error::Msg(what)))
+    candle_core::Error::Msg(what).into()
 }
 
 /// Level 1: values made of tensors.

@@ -13,7 +13,7 @@
 use candle_core::Tensor;
 
 use crate::__private::Method;
-use crate::{Ctx, Outputs, RematError, Result};
+use crate::{Ctx, Outputs, Result};
 
 /// A value a statement of a `remat!` block can read: every `Clone` type.
 ///
@@ -112,10 +112,9 @@ impl<T, E> StatementValue for std::result::Result<T, E> {
         _: Vec<Tensor>,
         _: impl FnOnce(&[Tensor]) -> Result<Self>,
     ) -> Result<Self> {
-        Err(RematError::Candle(std::sync::Arc::new(
-            candle_core::Error::Msg(format!(
-                "statement `{name}` of a remat! block gives a `Result`: add `?`"
-            )),
-        )))
+        Err(candle_core::Error::Msg(format!(
+            "statement `{name}` of a remat! block gives a `Result`: add `?`"
+        ))
+        .into())
     }
 }

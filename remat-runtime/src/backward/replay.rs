@@ -241,7 +241,7 @@ impl Replay {
                 u
             }
             None => {
-                self.units.push(Unit::new(name, Vec::new(), Vec::new()));
+                self.units.push(Unit::new(name, Vec::new()));
                 self.open = Some(self.units.len() - 1);
                 self.units.len() - 1
             }
@@ -261,7 +261,7 @@ impl Replay {
                                 make_leaf(&v.tensor)?
                             };
                             self.open_leaves.insert(t.id(), leaf.clone());
-                            self.units[u].leaves.push((t.id(), leaf.clone()));
+                            self.units[u].add_leaf(t.id(), leaf.clone());
                             self.needed.insert(t.id());
                             leaf
                         }
@@ -372,22 +372,13 @@ impl Replay {
             (true, n) if n > 0 => n - 1,
             (_, n) => n,
         };
-        let mut leaves: Vec<(TensorId, Tensor)> = Vec::new();
+        let mut leaves = Vec::new();
         for (i, leaf) in saved.leaves.iter().enumerate() {
             let Some(leaf) = leaf else { continue };
             let t = inputs[i];
             match self.values.get(&t.id()) {
                 Some(v) if v.requires_grad => {
-                    // One leaf copy per value (statements share it): the
-                    // unit routes its gradient once.
-                    let known = |l: &(TensorId, Tensor)| l.1.id() == leaf.id();
-                    let in_unit = self
-                        .units
-                        .get(u)
-                        .is_some_and(|unit| unit.leaves.iter().any(known));
-                    if !in_unit && !leaves.iter().any(known) {
-                        leaves.push((t.id(), leaf.clone()));
-                    }
+                    leaves.push((t.id(), leaf.clone()));
                     self.needed.insert(t.id());
                 }
                 _ => {
@@ -446,13 +437,15 @@ impl Replay {
             })?
             .clone();
         if u < self.units.len() {
-            let unit = &mut self.units[u];
-            unit.label.push_str(&format!(", {name}"));
-            unit.leaves.extend(leaves);
-            unit.restore.extend(restore);
+            self.units[u].label.push_str(&format!(", {name}"));
         } else {
-            self.units.push(Unit::new(name, leaves, restore));
+            self.units.push(Unit::new(name, Vec::new()));
         }
+        let unit = &mut self.units[u];
+        for (source, leaf) in leaves {
+            unit.add_leaf(source, leaf);
+        }
+        unit.restore.extend(restore);
         O::join(&mut outputs.into_iter(), &skeleton)
     }
 

@@ -26,12 +26,21 @@ pub(crate) struct Unit {
 
 impl Unit {
     /// A unit that starts with statement `name`.
-    pub fn new(name: &str, leaves: Vec<(TensorId, Tensor)>, restore: Vec<Arc<Offloaded>>) -> Self {
+    pub fn new(name: &str, restore: Vec<Arc<Offloaded>>) -> Self {
         Unit {
             label: name.to_string(),
-            leaves,
+            leaves: Vec::new(),
             targets: Vec::new(),
             restore,
+        }
+    }
+
+    /// Adds the leaf standing for value `source`, unless the unit has it:
+    /// saved statements reading one value share its leaf, whose gradient
+    /// the unit must route once.
+    pub fn add_leaf(&mut self, source: TensorId, leaf: Tensor) {
+        if !self.leaves.iter().any(|(_, l)| l.id() == leaf.id()) {
+            self.leaves.push((source, leaf));
         }
     }
 }

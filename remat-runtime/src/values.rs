@@ -95,9 +95,10 @@ pub trait Outputs: Sized {
 }
 
 fn missing() -> RematError {
-    RematError::Candle(std::sync::Arc::new(candle_core::Error::Msg(
+    candle_core::Error::Msg(
         "remat internal error: fewer tensors than the value's structure needs".into(),
-    )))
+    )
+    .into()
 }
 
 impl Outputs for Tensor {

@@ -30,8 +30,14 @@ pub fn default_text() -> String {
         .join("\n")
 }
 
-/// A text encoded character by character, split into a training part (the
-/// first 90%) and a held-out part.
+/// Characters per piece of the split: every tenth piece is held out.
+const PIECE: usize = 1000;
+
+/// A text encoded character by character, split into a training part and a
+/// held-out part: every tenth piece of 1000 characters (of a tenth of the
+/// text, for texts under 10 000 characters) is held out, so the
+/// held-out text samples every document of the corpus (the last tenth of
+/// this project's docs would be mostly tables of numbers).
 #[derive(Debug, Clone)]
 pub struct Corpus {
     /// The characters of the vocabulary, sorted; a token is an index here.
@@ -50,10 +56,18 @@ impl Corpus {
         vocab.dedup();
         let index = |c: char| vocab.binary_search(&c).expect("in the vocabulary") as u32;
         let tokens: Vec<u32> = text.chars().map(index).collect();
-        let split = tokens.len() * 9 / 10;
+        let (mut train, mut valid) = (Vec::new(), Vec::new());
+        let piece = PIECE.min(tokens.len() / 10).max(1);
+        for (i, piece) in tokens.chunks(piece).enumerate() {
+            if i % 10 == 9 {
+                valid.extend_from_slice(piece);
+            } else {
+                train.extend_from_slice(piece);
+            }
+        }
         Corpus {
-            train: tokens[..split].to_vec(),
-            valid: tokens[split..].to_vec(),
+            train,
+            valid,
             vocab,
         }
     }
@@ -93,6 +107,27 @@ impl Corpus {
             .sum()
     }
 
+    /// The windows of `seq` tokens of `tokens` that start at `starts`, and
+    /// the same windows shifted by one (the targets), as `u32` tensors of
+    /// shape `(starts.len(), seq)`; every start must leave `seq + 1` tokens.
+    pub fn windows(
+        tokens: &[u32],
+        starts: &[usize],
+        seq: usize,
+        dev: &Device,
+    ) -> Result<(Tensor, Tensor)> {
+        let mut xs = Vec::with_capacity(starts.len() * seq);
+        let mut ys = Vec::with_capacity(starts.len() * seq);
+        for &start in starts {
+            xs.extend_from_slice(&tokens[start..start + seq]);
+            ys.extend_from_slice(&tokens[start + 1..start + seq + 1]);
+        }
+        Ok((
+            Tensor::from_vec(xs, (starts.len(), seq), dev)?,
+            Tensor::from_vec(ys, (starts.len(), seq), dev)?,
+        ))
+    }
+
     /// A batch of `batch` windows of `seq` tokens from `tokens` at random
     /// offsets, and the same windows shifted by one (the targets), as `u32`
     /// tensors of shape `(batch, seq)`.
@@ -109,16 +144,9 @@ impl Corpus {
                 tokens.len()
             );
         }
-        let mut xs = Vec::with_capacity(batch * seq);
-        let mut ys = Vec::with_capacity(batch * seq);
-        for _ in 0..batch {
-            let start = rng.below(tokens.len() - seq - 1);
-            xs.extend_from_slice(&tokens[start..start + seq]);
-            ys.extend_from_slice(&tokens[start + 1..start + seq + 1]);
-        }
-        Ok((
-            Tensor::from_vec(xs, (batch, seq), dev)?,
-            Tensor::from_vec(ys, (batch, seq), dev)?,
-        ))
+        let starts: Vec<usize> = (0..batch)
+            .map(|_| rng.below(tokens.len() - seq - 1))
+            .collect();
+        Self::windows(tokens, &starts, seq, dev)
     }
 }

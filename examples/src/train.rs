@@ -4,7 +4,8 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use candle_core::{Device, Result, Tensor};
+use candle_core::backprop::GradStore;
+use candle_core::{Device, Result, Tensor, Var};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use indicatif::{ProgressBar, ProgressStyle};
 use remat_runtime::inspect::CountingAlloc;
@@ -31,8 +32,14 @@ pub struct Options {
     pub batch: usize,
     /// Optimizer steps.
     pub steps: usize,
-    /// AdamW learning rate.
+    /// AdamW's peak learning rate, reached after `warmup` steps and
+    /// decayed along a cosine to a tenth of it at the last step.
     pub lr: f64,
+    /// Steps of linear learning-rate warmup.
+    pub warmup: usize,
+    /// Gradients are scaled down to this global norm when above it (0: no
+    /// clipping).
+    pub clip: f64,
     /// Seed of weights, batches and samples.
     pub seed: u64,
     /// Write the first step here (see [`crate::dump`]).
@@ -54,6 +61,8 @@ impl Default for Options {
             batch: 16,
             steps: 400,
             lr: 2e-3,
+            warmup: 40,
+            clip: 1.0,
             seed: 0,
             dump: None,
             sample: 300,
@@ -90,22 +99,118 @@ pub struct Report {
     pub sample: String,
 }
 
-/// Mean loss over `n` fixed held-out batches, without checkpointing.
-fn evaluate(model: &Gpt, corpus: &Corpus, opts: &Options, dev: &Device) -> Result<f32> {
-    let mut rng = Rng::new(opts.seed ^ 0xE7A1);
+/// The learning rate at `step` (from 0): linear warmup to `opts.lr` over
+/// `opts.warmup` steps, then a cosine down to a tenth of it at the last step.
+pub fn learning_rate(opts: &Options, step: usize) -> f64 {
+    if step < opts.warmup {
+        return opts.lr * (step + 1) as f64 / opts.warmup as f64;
+    }
+    let span = opts.steps.saturating_sub(opts.warmup + 1).max(1) as f64;
+    let done = ((step - opts.warmup) as f64 / span).min(1.0);
+    let min = opts.lr / 10.0;
+    min + (opts.lr - min) * 0.5 * (1.0 + (std::f64::consts::PI * done).cos())
+}
+
+/// Scales the gradients of `vars` in `grads` so that their global norm (the
+/// norm of all of them as one vector) is at most `max_norm` (no clipping
+/// when `max_norm` is 0), as PyTorch's `clip_grad_norm_` does, and returns
+/// the norm before clipping. Variables without a gradient are skipped.
+///
+/// ```
+/// use candle_core::{Device, Var};
+/// let (a, b) = (Var::new(&[3f32], &Device::Cpu)?, Var::new(&[4f32], &Device::Cpu)?);
+/// let mut grads = (a.as_tensor() + b.as_tensor())?.sum_all()?.backward()?; // both gradients 1
+/// let norm = examples::train::clip_grad_norm(&mut grads, &[a.clone(), b], 0.5)?;
+/// assert!((norm - 2f64.sqrt()).abs() < 1e-6);
+/// let g = grads.get(&a).unwrap().to_vec1::<f32>()?[0];
+/// assert!((g - 0.5 / 2f32.sqrt()).abs() < 1e-6);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn clip_grad_norm(grads: &mut GradStore, vars: &[Var], max_norm: f64) -> Result<f64> {
+    let mut squares = 0.0;
+    for v in vars {
+        if let Some(g) = grads.get(v) {
+            // In f32 whatever the gradient's dtype: a bf16 sum of squares
+            // loses most of its digits.
+            let g = g.to_dtype(candle_core::DType::F32)?;
+            squares += g.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+        }
+    }
+    let norm = squares.sqrt();
+    if max_norm > 0.0 && norm > max_norm {
+        let scale = max_norm / (norm + 1e-6);
+        for v in vars {
+            if let Some(g) = grads.remove(v) {
+                grads.insert(v, (g * scale)?);
+            }
+        }
+    }
+    Ok(norm)
+}
+
+/// AdamW (weight decay 0.01) with [`learning_rate`]'s schedule and
+/// [`clip_grad_norm`], as `train_gpt` and `llama` use it.
+pub struct Optim {
+    adamw: AdamW,
+    vars: Vec<Var>,
+    opts: Options,
+}
+
+impl Optim {
+    /// An optimizer of `vars` under `opts`' learning rate, warmup, steps
+    /// and clipping.
+    pub fn new(vars: Vec<Var>, opts: &Options) -> Result<Self> {
+        let adamw = AdamW::new(
+            vars.clone(),
+            ParamsAdamW {
+                lr: opts.lr,
+                weight_decay: 0.01,
+                ..Default::default()
+            },
+        )?;
+        Ok(Optim {
+            adamw,
+            vars,
+            opts: opts.clone(),
+        })
+    }
+
+    /// Clips `grads` and takes optimizer step `step` (from 0); returns the
+    /// gradients' global norm before clipping.
+    pub fn step(&mut self, step: usize, grads: &mut GradStore) -> Result<f64> {
+        let norm = clip_grad_norm(grads, &self.vars, self.opts.clip)?;
+        self.adamw
+            .set_learning_rate(learning_rate(&self.opts, step));
+        self.adamw.step(grads)?;
+        Ok(norm)
+    }
+}
+
+/// Mean of `loss` over the held-out text of `corpus` (all of it, in windows
+/// of `opts.seq`, at most 32 batches of `opts.batch`), without checkpointing.
+pub fn evaluate(
+    loss: impl Fn(&Tensor, &Tensor) -> Result<Tensor>,
+    corpus: &Corpus,
+    opts: &Options,
+    dev: &Device,
+) -> Result<f32> {
     let tokens = if corpus.valid.len() > opts.seq + 1 {
         &corpus.valid
     } else {
         &corpus.train
     };
-    let n = 4;
+    let windows: Vec<usize> = (0..tokens.len() - opts.seq - 1).step_by(opts.seq).collect();
+    let batches: Vec<&[usize]> = windows.chunks(opts.batch).take(32).collect();
     let mut total = 0.0;
+    let mut count = 0;
     remat_runtime::Plan::off().scope(|| {
-        for _ in 0..n {
-            let (x, y) = Corpus::batch(tokens, opts.batch, opts.seq, &mut rng, dev)?;
-            total += model.loss(&x, &y)?.detach().to_scalar::<f32>()?;
+        for starts in &batches {
+            let (x, y) = Corpus::windows(tokens, starts, opts.seq, dev)?;
+            let n = starts.len() * opts.seq;
+            total += loss(&x, &y)?.detach().to_scalar::<f32>()? as f64 * n as f64;
+            count += n;
         }
-        Ok(total / n as f32)
+        Ok((total / count as f64) as f32)
     })
 }
 
@@ -127,16 +232,9 @@ pub fn train(
     let mut rng = Rng::new(opts.seed);
     let model = Gpt::new(config, &mut rng, dev)?;
     let named = model.named_vars();
-    let mut optimizer = AdamW::new(
-        model.vars(),
-        ParamsAdamW {
-            lr: opts.lr,
-            weight_decay: 0.01,
-            ..Default::default()
-        },
-    )?;
+    let mut optimizer = Optim::new(model.vars(), opts)?;
     let plan = opts.policy.plan();
-    let valid_before = evaluate(&model, corpus, opts, dev)?;
+    let valid_before = evaluate(|x, y| model.loss(x, y), corpus, opts, dev)?;
     let bar = if opts.progress {
         let bar = ProgressBar::new(opts.steps as u64);
         bar.set_style(
@@ -166,7 +264,7 @@ pub fn train(
             first_report = MemoryReport::capture();
             held_after_forward = alloc.zip(before).map(|(a, b)| a.live().saturating_sub(b));
         }
-        let grads = loss.backward()?;
+        let mut grads = loss.backward()?;
         let value = loss.to_scalar::<f32>()?;
         if step == 0 {
             // Fails, naming them, if some parameters got no gradient.
@@ -186,7 +284,7 @@ pub fn train(
             }
             started = Instant::now();
         }
-        optimizer.step(&grads)?;
+        optimizer.step(step, &mut grads)?;
         losses.push(value);
         let done = step.max(1) as f64;
         let tps = (done * (opts.batch * opts.seq) as f64) / started.elapsed().as_secs_f64();
@@ -197,7 +295,7 @@ pub fn train(
     let measured = opts.steps.saturating_sub(1).max(1) as f64;
     let tokens_per_second =
         measured * (opts.batch * opts.seq) as f64 / started.elapsed().as_secs_f64();
-    let valid_after = evaluate(&model, corpus, opts, dev)?;
+    let valid_after = evaluate(|x, y| model.loss(x, y), corpus, opts, dev)?;
     // Start from a newline, or from the text's first character when the
     // text has no newline.
     let mut prompt = corpus.encode("\n");

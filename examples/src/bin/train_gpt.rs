@@ -32,12 +32,17 @@ usage: cargo run --release -p examples --bin train_gpt -- [flags]
   --seq N         context length [64]
   --batch N       sequences per batch [16]
   --steps N       optimizer steps [400]
-  --lr X          AdamW learning rate [0.002]
+  --lr X          AdamW peak learning rate [0.002]
+  --warmup N      steps of linear warmup, then cosine decay to lr/10 [40]
+  --clip X        clip gradients to this global norm, 0 = off [1.0]
   --seed N        seed of weights, batches and sampling [0]
   --device cpu|cuda                       [cpu]
   --data PATH     UTF-8 text to train on [this project's README and docs]
   --dump DIR      write weights, batch, loss and gradients of step 1 (safetensors + manifest.json)
   --sample N      characters to sample at the end [300]
+  --plot PATH     train once per policy of --compare from the same seed and
+                  draw their loss curves, overlaid, into this SVG
+  --compare LIST  the policies of --plot [none,full,selective,save-all]
 ";
 
 fn main() {
@@ -47,7 +52,10 @@ fn main() {
     }
 }
 
-fn options() -> Result<(Options, String, Option<PathBuf>), String> {
+/// What `--plot` asks for: the SVG's path and the policies to compare.
+type Plot = Option<(PathBuf, Vec<Checkpointing>)>;
+
+fn options() -> Result<(Options, String, Option<PathBuf>, Plot), String> {
     let mut flags = Flags::from_env(USAGE)?;
     let d = Options::default();
     let opts = Options {
@@ -59,6 +67,8 @@ fn options() -> Result<(Options, String, Option<PathBuf>), String> {
         batch: flags.get("batch", d.batch)?,
         steps: flags.get("steps", d.steps)?,
         lr: flags.get("lr", d.lr)?,
+        warmup: flags.get("warmup", d.warmup)?,
+        clip: flags.get("clip", d.clip)?,
         seed: flags.get("seed", d.seed)?,
         dump: flags.opt("dump")?,
         sample: flags.get("sample", d.sample)?,
@@ -66,12 +76,18 @@ fn options() -> Result<(Options, String, Option<PathBuf>), String> {
     };
     let dev = flags.get("device", "cpu".to_string())?;
     let data = flags.opt("data")?;
+    let plot: Option<PathBuf> = flags.opt("plot")?;
+    let compare = flags
+        .get("compare", "none,full,selective,save-all".to_string())?
+        .split(',')
+        .map(str::parse)
+        .collect::<Result<Vec<Checkpointing>, _>>()?;
     flags.finish()?;
-    Ok((opts, dev, data))
+    Ok((opts, dev, data, plot.map(|p| (p, compare))))
 }
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {
-    let (opts, dev, data) = options()?;
+    let (opts, dev, data, plot) = options()?;
     let dev = device(&dev)?;
     let text = match &data {
         Some(path) => {
@@ -100,6 +116,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         opts.policy,
         opts.policy.plan()
     );
+    if let Some((path, policies)) = plot {
+        return compare(&corpus, &opts, &dev, &path, &policies);
+    }
     let report = train(&corpus, &opts, &dev, Some(&ALLOC))?;
     println!("parameters: {}", report.parameters);
     print_memory(&report.first_report, report.held_after_forward);
@@ -122,6 +141,54 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         println!("step 1 written to {}", dir.display());
     }
     println!("--- sample ---\n{}\n--------------", report.sample);
+    Ok(())
+}
+
+/// Trains once per policy from the same seed, prints how far each run's
+/// losses stray from the first run's, and draws the curves into `path`.
+fn compare(
+    corpus: &Corpus,
+    opts: &Options,
+    dev: &candle_core::Device,
+    path: &std::path::Path,
+    policies: &[Checkpointing],
+) -> Result<(), Box<dyn std::error::Error>> {
+    let mut runs: Vec<(String, Vec<f32>)> = Vec::new();
+    for &policy in policies {
+        let o = Options {
+            policy,
+            sample: 0,
+            ..opts.clone()
+        };
+        let report = train(corpus, &o, dev, None)?;
+        println!(
+            "{policy}: held-out {:.3} -> {:.3}, {:.0} tokens/s",
+            report.valid_before, report.valid_after, report.tokens_per_second
+        );
+        runs.push((policy.to_string(), report.losses));
+    }
+    let (first, base) = &runs[0];
+    for (name, losses) in &runs[1..] {
+        let diffs: Vec<f32> = losses
+            .iter()
+            .zip(base)
+            .map(|(a, b)| (a - b).abs())
+            .collect();
+        let apart = diffs.iter().position(|&d| d > 1e-3);
+        println!(
+            "{name} against {first}: largest loss difference {:.2e}; {}",
+            diffs.iter().copied().fold(0f32, f32::max),
+            apart.map_or("never more than 1e-3 apart".to_string(), |s| format!(
+                "first more than 1e-3 apart at step {s}"
+            ))
+        );
+    }
+    let title = format!(
+        "train_gpt: {} layers, d_model {}, seed {}; one curve per policy",
+        opts.layers, opts.d_model, opts.seed
+    );
+    examples::curves::plot_losses(path, &title, &runs)?;
+    println!("loss curves written to {}", path.display());
     Ok(())
 }
 

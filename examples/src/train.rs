@@ -95,7 +95,9 @@ pub struct Report {
     pub solutions: Vec<remat_runtime::plan::Solution>,
     /// Tokens per second over the steps after the first.
     pub tokens_per_second: f64,
-    /// A sample from the trained model.
+    /// The start of [`Report::sample`].
+    pub prompt: String,
+    /// A sample from the trained model, after `prompt` (temperature 0.8).
     pub sample: String,
 }
 
@@ -185,6 +187,9 @@ impl Optim {
         Ok(norm)
     }
 }
+
+/// What the sample after training starts from.
+const PROMPT: &str = "\n\nThe ";
 
 /// Mean of `loss` over the held-out text of `corpus` (all of it, in windows
 /// of `opts.seq`, at most 32 batches of `opts.batch`), without checkpointing.
@@ -296,10 +301,10 @@ pub fn train(
     let tokens_per_second =
         measured * (opts.batch * opts.seq) as f64 / started.elapsed().as_secs_f64();
     let valid_after = evaluate(|x, y| model.loss(x, y), corpus, opts, dev)?;
-    // Start from a newline, or from the text's first character when the
-    // text has no newline.
-    let mut prompt = corpus.encode("\n");
-    if prompt.is_empty() {
+    // Start a paragraph with "The", or from the text's first character
+    // when the text lacks one of those characters.
+    let mut prompt = corpus.encode(PROMPT);
+    if prompt.len() != PROMPT.chars().count() {
         prompt = corpus.train.iter().take(1).copied().collect();
     }
     let sample = model.sample(&prompt, opts.sample, 0.8, &mut rng)?;
@@ -314,6 +319,7 @@ pub fn train(
         held_after_forward,
         solutions: plan.solutions(),
         tokens_per_second,
+        prompt: corpus.decode(&prompt),
         sample: corpus.decode(&sample),
     })
 }

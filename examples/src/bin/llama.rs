@@ -3,8 +3,8 @@
 //! this project's docs (or `--data PATH`), character by character.
 //!
 //! ```text
-//! cargo run --release -p examples --bin llama -- --steps 200 --save llama.safetensors
-//! cargo run --release -p examples --bin llama -- --init llama.safetensors --steps 100
+//! cargo run --release -p examples --bin llama -- --steps 200   # saves target/llama.safetensors
+//! cargo run --release -p examples --bin llama -- --init target/llama.safetensors --steps 100
 //! ```
 
 use std::path::PathBuf;
@@ -45,6 +45,7 @@ usage: cargo run --release -p examples --bin llama -- [flags]
   --data PATH     UTF-8 text to train on [this project's README and docs]
   --init PATH     start from these weights (safetensors, VarMap::load)
   --save PATH     write the weights at the end (safetensors, VarMap::save)
+                  [target/llama.safetensors]
 ";
 
 fn main() {
@@ -61,7 +62,7 @@ struct Args {
     device: String,
     data: Option<PathBuf>,
     init: Option<PathBuf>,
-    save: Option<PathBuf>,
+    save: PathBuf,
 }
 
 fn args() -> Result<Args, String> {
@@ -100,7 +101,7 @@ fn args() -> Result<Args, String> {
         device: flags.get("device", "cpu".to_string())?,
         data: flags.opt("data")?,
         init: flags.opt("init")?,
-        save: flags.opt("save")?,
+        save: flags.get("save", PathBuf::from("target/llama.safetensors"))?,
     };
     flags.finish()?;
     Ok(args)
@@ -186,9 +187,13 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     println!("held-out loss after: {:.3} nats/char", eval(&model)?);
-    if let Some(path) = &save {
-        varmap.save(path)?;
-        println!("weights saved to {}", path.display());
+    if let Some(dir) = save.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| format!("--save {}: {e}", save.display()))?;
     }
+    varmap.save(&save)?;
+    println!(
+        "weights saved to {0}; continue training from them with --init {0}",
+        save.display()
+    );
     Ok(())
 }

@@ -140,7 +140,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     if let Some(dir) = &opts.dump {
         println!("step 1 written to {}", dir.display());
     }
-    println!("--- sample ---\n{}\n--------------", report.sample);
+    println!(
+        "--- sample ---{}{}\n--------------",
+        report.prompt, report.sample
+    );
     Ok(())
 }
 

@@ -1,6 +1,7 @@
-//! The same checks on a CUDA device (only with `--features cuda`; run by
-//! `scripts/gpu-check.sh` on a machine with an NVIDIA GPU). Tolerance 1e-4
-//! relative: cuBLAS may pick other summation orders than the plain run.
+//! The same checks on a CUDA device (only with `--features cuda`; built by
+//! `scripts/gpu-package.sh`, run by `gpu-package/run.sh tests` on a machine
+//! with an NVIDIA GPU). Tolerance 1e-4 relative: cuBLAS may pick other
+//! summation orders than the plain run.
 #![cfg(feature = "cuda")]
 
 mod common;

@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# Runs the binaries of a package built by scripts/gpu-package.sh (copied into
+# the package as run.sh) on the machine it is carried to, from the root of
+# the repository's working tree, and writes each step's output under $OUT
+# (default gpu-results/) with the exit codes in $OUT/summary.txt. A step that
+# fails or runs past its time limit does not stop the others.
+#
+#   bash gpu-package/run.sh [--device cuda|cpu] [GROUP...]   # default: all
+#   bash gpu-package/run.sh [--device cuda|cpu] exec BIN [ARGS...]
+#
+# Groups: tests (the CUDA integration tests), bench (every policy at GPT-2
+# small), train (train_gpt under selective and offload), torch (PyTorch's
+# reference at the bench's shape), all (the four). Every call first writes
+# env.txt (nvidia-smi, the libraries each binary resolves, torch's version).
+# `exec` runs one binary of the package (e.g. llama, if packaged) with ARGS.
+#
+# --device cuda (default) takes the CUDA libraries from the pip packages of
+# python3's PyTorch and libcuda.so.1 from the driver. --device cpu runs the
+# same steps at a small shape against the package's stub libraries, whose
+# every function aborts: the CPU path of the CUDA-built binaries must not
+# call CUDA at all, and this checks it on a machine without a driver. The
+# CUDA tests need a GPU, so on a CPU they are only listed.
+set -euo pipefail
+
+pkg=$(cd "$(dirname "$0")" && pwd)
+cd "$pkg/.."
+OUT=${OUT:-gpu-results}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+
+device=cuda
+if [ "${1:-}" = --device ]; then
+  device=${2:?--device needs cuda or cpu}
+  shift 2
+fi
+case $device in
+  cuda | cpu) ;;
+  *) echo "unknown device '$device': cuda or cpu" >&2; exit 2 ;;
+esac
+
+bin=$(mktemp -d)
+trap 'rm -rf "$bin"' EXIT
+tar -xJf "$pkg/bin.tar.xz" -C "$bin"
+
+if [ "$device" = cuda ]; then
+  # PyTorch's CUDA libraries: every lib/ folder of its nvidia-* packages
+  # (nvidia/cu13/lib for CUDA 13, nvidia/<name>/lib before).
+  libs=$(python3 - <<'EOF'
+import glob, os, nvidia
+dirs = {os.path.dirname(so) for p in nvidia.__path__
+        for so in glob.glob(os.path.join(p, "*", "lib", "*.so*"))}
+print(":".join(sorted(dirs)))
+EOF
+  )
+  # The driver's libcuda.so.1, where the loader's cache does not know it.
+  if [[ $(ldconfig -p) != *"libcuda.so.1 "* ]]; then
+    for d in /usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/lib/x86_64-linux-gnu; do
+      [ -e "$d/libcuda.so.1" ] && libs="$libs:$d"
+    done
+  fi
+  shape=(--layers 12 --d-model 768 --heads 12 --seq 1024 --batch 8)
+  steps=(--steps 10 --warmup 2)
+  policies=none,full,selective,offload,save-all,budget=0.25,budget=0.5,budget=0.75
+  train=(--steps 200)
+  tests=(--nocapture --test-threads=1)
+else
+  libs=$bin/stubs
+  shape=(--layers 2 --d-model 64 --heads 2 --seq 32 --batch 4)
+  steps=(--steps 3 --warmup 1)
+  policies=none,full,selective,offload,save-all,budget=0.5
+  train=(--steps 20 "${shape[@]}" --sample 50)
+  tests=(--list)
+fi
+# Our binaries get these libraries; python3 keeps its own (the stubs would
+# shadow PyTorch's CUDA libraries).
+with_libs=(env "LD_LIBRARY_PATH=$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}")
+export PYTHONUNBUFFERED=1
+
+if [ "${1:-}" = exec ]; then
+  shift
+  name=${1:?exec needs a binary: $(ls "$bin/bin")}
+  shift
+  "${with_libs[@]}" "$bin/bin/$name" "$@"
+  exit
+fi
+
+groups=("$@")
+if [ ${#groups[@]} -eq 0 ] || [ "${groups[*]}" = all ]; then
+  groups=(tests bench train torch)
+fi
+for group in "${groups[@]}"; do
+  case $group in
+    tests | bench | train | torch) ;;
+    *) echo "unknown group '$group': tests, bench, train, torch or all" >&2; exit 2 ;;
+  esac
+done
+
+# step NAME SECONDS CMD...: runs CMD with its output in $OUT/NAME.txt (the
+# command on the first line), killed after SECONDS, and adds its exit code
+# (124: timed out) and duration to $OUT/summary.txt.
+failed=0
+: >"$OUT/summary.txt"
+step() {
+  local name=$1 limit=$2 start=$SECONDS rc=0
+  shift 2
+  echo "\$ $*" >"$OUT/$name.txt"
+  timeout -k 10 "$limit" "$@" >>"$OUT/$name.txt" 2>&1 || rc=$?
+  printf '%-22s rc=%-3s %4ss\n' "$name" "$rc" $((SECONDS - start)) | tee -a "$OUT/summary.txt"
+  [ "$rc" = 0 ] || failed=$((failed + 1))
+}
+
+{
+  date -u
+  uname -a
+  echo "device: $device"
+  echo "binaries run with: ${with_libs[*]}"
+  cat "$pkg/BUILD.txt"
+  if [ "$device" = cuda ]; then nvidia-smi || true; fi
+  python3 -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda,
+              "GPU available:", torch.cuda.is_available())' || true
+  for b in "$bin"/bin/*; do
+    echo "== ldd ${b##*/}"
+    "${with_libs[@]}" ldd "$b" || true
+    # Linked with BIND_NOW: a function missing from a library fails the start.
+    "${with_libs[@]}" "$b" --help >/dev/null && echo "starts: every symbol resolves"
+  done
+} >"$OUT/env.txt" 2>&1
+
+for group in "${groups[@]}"; do
+  case $group in
+    tests)
+      step cuda-tests 540 "${with_libs[@]}" "$bin/bin/cuda-tests" "${tests[@]}" ;;
+    bench)
+      step bench 540 "${with_libs[@]}" "$bin/bin/bench" --device "$device" "${shape[@]}" "${steps[@]}" \
+        --policies "$policies" --out "$OUT/bench" ;;
+    train)
+      for policy in selective offload; do
+        step "train_gpt-$policy" 240 "${with_libs[@]}" "$bin/bin/train_gpt" --device "$device" \
+          --policy "$policy" "${train[@]}"
+      done ;;
+    torch)
+      step torch 300 python3 scripts/torch_reference.py --device "$device" "${shape[@]}" \
+        "${steps[@]}" --out "$OUT/torch" ;;
+  esac
+done
+echo "results in $OUT/; $failed step(s) failed"
+[ "$failed" = 0 ]

@@ -30,6 +30,17 @@ pub fn default_text() -> String {
         .join("\n")
 }
 
+/// The text of `--data PATH`, or [`default_text`] without one; the error
+/// names the flag.
+pub fn text(data: Option<&std::path::Path>) -> std::result::Result<String, String> {
+    match data {
+        Some(path) => {
+            std::fs::read_to_string(path).map_err(|e| format!("--data {}: {e}", path.display()))
+        }
+        None => Ok(default_text()),
+    }
+}
+
 /// Characters per piece of the split: every tenth piece is held out.
 const PIECE: usize = 1000;
 

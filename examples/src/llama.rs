@@ -15,6 +15,7 @@ use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{embedding, linear_no_bias, Embedding, Linear, VarBuilder, VarMap};
 use remat_runtime::{nn, remat};
 
+use crate::gpt::causal_mask;
 use crate::rng::Rng;
 
 /// The model's shape.
@@ -326,7 +327,7 @@ impl Llama {
     fn trunk(&self, ids: &Tensor) -> Result<Tensor> {
         let t = ids.dim(1)?;
         let mut x = self.embed_tokens.forward(ids)?;
-        let mask = causal_mask(t, x.dtype(), x.device())?;
+        let mask = causal_mask(t, x.device())?.to_dtype(x.dtype())?;
         for layer in &self.layers {
             x = decoder_layer(&x, layer, &self.rotary, Some(&mask))?;
         }
@@ -345,20 +346,6 @@ impl Llama {
             .forward(&self.norm.forward(&self.trunk(ids)?)?)?
             .to_dtype(DType::F32)
     }
-}
-
-/// `(t, t)` additive causal mask: 0 on and below the diagonal, `-inf` above.
-pub fn causal_mask(t: usize, dtype: DType, dev: &Device) -> Result<Tensor> {
-    let v: Vec<f32> = (0..t * t)
-        .map(|i| {
-            if i % t > i / t {
-                f32::NEG_INFINITY
-            } else {
-                0.0
-            }
-        })
-        .collect();
-    Tensor::from_vec(v, (t, t), dev)?.to_dtype(dtype)
 }
 
 /// Draws every variable of `varmap` again from `rng`, in name order:

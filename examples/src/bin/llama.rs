@@ -13,7 +13,7 @@ use std::time::Instant;
 use candle_core::DType;
 use candle_nn::{VarBuilder, VarMap};
 use examples::cli::{device, Flags};
-use examples::data::{default_text, Corpus};
+use examples::data::{text, Corpus};
 use examples::gpt::Checkpointing;
 use examples::llama::{init_weights, Config, Llama, SELECTIVE};
 use examples::rng::Rng;
@@ -118,13 +118,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         save,
     } = args()?;
     let dev = device(&dev)?;
-    let text = match &data {
-        Some(path) => {
-            std::fs::read_to_string(path).map_err(|e| format!("--data {}: {e}", path.display()))?
-        }
-        None => default_text(),
-    };
-    let corpus = Corpus::new(&text);
+    let corpus = Corpus::new(&text(data.as_deref())?);
     let config = Config {
         layers: opts.layers,
         hidden: opts.d_model,

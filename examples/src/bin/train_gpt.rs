@@ -8,7 +8,7 @@
 use std::path::PathBuf;
 
 use examples::cli::{device, Flags};
-use examples::data::{default_text, Corpus};
+use examples::data::{text, Corpus};
 use examples::gpt::Checkpointing;
 use examples::train::{train, Options};
 use remat_runtime::inspect::CountingAlloc;
@@ -89,13 +89,7 @@ fn options() -> Result<(Options, String, Option<PathBuf>, Plot), String> {
 fn run() -> Result<(), Box<dyn std::error::Error>> {
     let (opts, dev, data, plot) = options()?;
     let dev = device(&dev)?;
-    let text = match &data {
-        Some(path) => {
-            std::fs::read_to_string(path).map_err(|e| format!("--data {}: {e}", path.display()))?
-        }
-        None => default_text(),
-    };
-    let corpus = Corpus::new(&text);
+    let corpus = Corpus::new(&text(data.as_deref())?);
     println!(
         "corpus: {} ({} characters, vocabulary {}); unigram entropy {:.3} nats/char",
         data.as_ref()

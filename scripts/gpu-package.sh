@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds, on a machine without a GPU, what a GPU machine without cargo or a
 # network runs: the CUDA integration tests of remat-runtime and the examples'
-# bench and train_gpt (llama too, if examples/src/bin/llama.rs exists), built
+# bench, train_gpt and llama, built
 # with `--features cuda` for the H100/H200 (sm_90) and a CUDA 13.0 driver,
 # compressed into gpu-package/ (git-ignored) with the script that runs them:
 #
@@ -9,28 +9,23 @@
 #                               # (candle's kernels through nvcc), then 2
 #   bash gpu-package/run.sh --device cpu    # the same steps on this CPU
 #
-# gpu-package/run.sh (scripts/gpu/run.sh) says what it runs and how. The calls
-# for the next GPU session, with the device tool's `run` from the repository
-# root, timeout_s 600 each. The first call starts the machine (a few minutes,
-# not counted below); it stays warm only 30 s after a call, so two full calls
-# beat several small ones. Each call first writes env.txt (nvidia-smi, torch,
-# the libraries each binary resolves) and returns at most 8 files from $OUT,
-# which is why `all` (12 files, over 10 minutes) is not one call:
+# gpu-package/run.sh (scripts/gpu/run.sh) says what it runs and how. On the
+# GPU machine, from the root of a copy of the working tree with gpu-package/
+# in it, in two calls of under 10 minutes each:
 #
-#   run  carry: ["gpu-package"]  command: "bash gpu-package/run.sh tests train torch"
+#   bash gpu-package/run.sh tests train torch
 #        the CUDA integration tests (about 1-2 minutes), train_gpt for 200
 #        steps under selective and under offload (under a minute each), and
-#        PyTorch's reference at the bench's shape (about 1 minute): 8 files
-#   run  carry: ["gpu-package"]  command: "bash gpu-package/run.sh bench"
+#        PyTorch's reference at the bench's shape (about 1 minute)
+#   bash gpu-package/run.sh bench
 #        every policy, offload and budget=0.25/0.5/0.75 included, at GPT-2
 #        small (12 layers, d_model 768, 12 heads, T 1024, B 8; 2 warm-up + 10
-#        measured steps each): estimated 3-5 minutes, cut at 9; 6 files
-#   run  carry: ["gpu-package"]  command: "bash gpu-package/run.sh exec llama --device cuda"
-#        optional, if llama was packaged (BUILD.txt lists it): its output is
-#        the call's output_tail
+#        measured steps each): estimated 3-5 minutes, each step cut at 9
+#   bash gpu-package/run.sh exec llama --device cuda      # one program
 #
 # Results: $OUT/summary.txt (exit code and seconds of each step; 124 = cut),
-# $OUT/<step>.txt (each starting with its command), $OUT/bench/, $OUT/torch/.
+# $OUT/<step>.txt (each starting with its command), $OUT/bench/, $OUT/torch/,
+# $OUT/env.txt (nvidia-smi, torch, the libraries each binary resolves).
 #
 # How it builds. nvcc comes from PyPI, pinned to 13.0 (PTX of a newer nvcc
 # does not load on the 13.0 driver), in a venv under target/gpu/, the
@@ -45,7 +40,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-for tool in cargo python3 gcc nm readelf jq xz; do
+for tool in cargo git python3 gcc nm readelf jq xz; do
   command -v "$tool" >/dev/null || { echo "gpu-package.sh needs $tool" >&2; exit 1; }
 done
 
@@ -70,8 +65,7 @@ export PATH="$root/bin:$PATH" CUDA_HOME="$root" CUDA_PATH="$root"
 
 # What to build: "crate target-kind target-name packaged-name".
 targets=("remat-runtime test cuda cuda-tests" "examples bin bench bench"
-  "examples bin train_gpt train_gpt")
-if [ -f examples/src/bin/llama.rs ]; then targets+=("examples bin llama llama"); fi
+  "examples bin train_gpt train_gpt" "examples bin llama llama")
 
 # The CUDA libraries candle links (cudarc's and candle-kernels' build
 # scripts), by link name, with the sonames of CUDA 13 (driver 580 and
@@ -130,7 +124,7 @@ link() {
   shift
   cargo rustc --release --locked -p "$crate" --features cuda "--$kind" "$name" \
     --message-format=json-render-diagnostics -- -L "native=$stubs" "$@" |
-    jq -r 'select(.reason == "compiler-artifact" and .executable != null) | .executable'
+    jq -r 'select(.reason == "compiler-artifact" and .executable != null) | .executable' | tail -n 1
 }
 
 # First link: empty stubs, unresolved symbols allowed; the undefined,

@@ -47,8 +47,8 @@ const PIECE: usize = 1000;
 /// A text encoded character by character, split into a training part and a
 /// held-out part: every tenth piece of 1000 characters (of a tenth of the
 /// text, for texts under 10 000 characters) is held out, so the
-/// held-out text samples every document of the corpus (the last tenth of
-/// this project's docs would be mostly tables of numbers).
+/// held-out text spreads over the whole corpus (the last tenth of this
+/// project's docs would be mostly tables of numbers).
 #[derive(Debug, Clone)]
 pub struct Corpus {
     /// The characters of the vocabulary, sorted; a token is an index here.
@@ -56,7 +56,7 @@ pub struct Corpus {
     /// The training tokens.
     pub train: Vec<u32>,
     /// The held-out tokens.
-    pub valid: Vec<u32>,
+    pub held_out: Vec<u32>,
 }
 
 impl Corpus {
@@ -65,20 +65,30 @@ impl Corpus {
         let mut vocab: Vec<char> = text.chars().collect();
         vocab.sort_unstable();
         vocab.dedup();
-        let index = |c: char| vocab.binary_search(&c).expect("in the vocabulary") as u32;
-        let tokens: Vec<u32> = text.chars().map(index).collect();
-        let (mut train, mut valid) = (Vec::new(), Vec::new());
+        Self::with_vocab(text, vocab)
+    }
+
+    /// Encodes `text` with a given vocabulary (a checkpoint's), skipping
+    /// the characters outside it.
+    pub fn with_vocab(text: &str, mut vocab: Vec<char>) -> Self {
+        vocab.sort_unstable();
+        vocab.dedup();
+        let tokens: Vec<u32> = text
+            .chars()
+            .filter_map(|c| vocab.binary_search(&c).ok().map(|i| i as u32))
+            .collect();
+        let (mut train, mut held_out) = (Vec::new(), Vec::new());
         let piece = PIECE.min(tokens.len() / 10).max(1);
         for (i, piece) in tokens.chunks(piece).enumerate() {
             if i % 10 == 9 {
-                valid.extend_from_slice(piece);
+                held_out.extend_from_slice(piece);
             } else {
                 train.extend_from_slice(piece);
             }
         }
         Corpus {
             train,
-            valid,
+            held_out,
             vocab,
         }
     }
@@ -120,7 +130,8 @@ impl Corpus {
 
     /// The windows of `seq` tokens of `tokens` that start at `starts`, and
     /// the same windows shifted by one (the targets), as `u32` tensors of
-    /// shape `(starts.len(), seq)`; every start must leave `seq + 1` tokens.
+    /// shape `(starts.len(), seq)`; fails if a start leaves fewer than
+    /// `seq + 1` tokens.
     pub fn windows(
         tokens: &[u32],
         starts: &[usize],
@@ -130,6 +141,12 @@ impl Corpus {
         let mut xs = Vec::with_capacity(starts.len() * seq);
         let mut ys = Vec::with_capacity(starts.len() * seq);
         for &start in starts {
+            if start + seq >= tokens.len() {
+                candle_core::bail!(
+                    "a window of {seq} tokens at {start} does not fit in {} tokens",
+                    tokens.len()
+                );
+            }
             xs.extend_from_slice(&tokens[start..start + seq]);
             ys.extend_from_slice(&tokens[start + 1..start + seq + 1]);
         }

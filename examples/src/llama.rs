@@ -288,7 +288,8 @@ pub struct Llama {
     pub norm: RmsNorm,
     /// `lm_head`.
     pub lm_head: Linear,
-    rotary: Rotary,
+    /// The rotary embedding's tables (computed, not parameters).
+    pub rotary: Rotary,
 }
 
 impl Llama {
@@ -296,7 +297,8 @@ impl Llama {
     /// [`VarBuilder::from_varmap`], every parameter becomes a `Var` of the
     /// map.
     pub fn new(config: Config, vb: VarBuilder) -> Result<Self> {
-        if config.heads == 0
+        if config.hidden == 0
+            || config.heads == 0
             || config.hidden % config.heads != 0
             || config.kv_heads == 0
             || config.heads % config.kv_heads != 0

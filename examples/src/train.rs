@@ -32,11 +32,11 @@ pub struct Options {
     pub batch: usize,
     /// Optimizer steps.
     pub steps: usize,
-    /// AdamW's peak learning rate, reached after `warmup` steps and
+    /// AdamW's peak learning rate, reached after `lr_warmup` steps and
     /// decayed along a cosine to a tenth of it at the last step.
     pub lr: f64,
-    /// Steps of linear learning-rate warmup.
-    pub warmup: usize,
+    /// Steps of linear learning-rate warmup (at most half the steps).
+    pub lr_warmup: usize,
     /// Gradients are scaled down to this global norm when above it (0: no
     /// clipping).
     pub clip: f64,
@@ -61,7 +61,7 @@ impl Default for Options {
             batch: 16,
             steps: 750,
             lr: 4e-3,
-            warmup: 40,
+            lr_warmup: 40,
             clip: 1.0,
             seed: 0,
             dump: None,
@@ -80,10 +80,10 @@ pub struct Report {
     pub parameters: usize,
     /// Training loss per step (nats per token).
     pub losses: Vec<f32>,
-    /// Held-out loss before and after training.
-    pub valid_before: f32,
+    /// Held-out loss before training.
+    pub held_out_before: f32,
     /// Held-out loss after training.
-    pub valid_after: f32,
+    pub held_out_after: f32,
     /// The unigram entropy of the training text (nats).
     pub unigram: f64,
     /// The tapes after the first forward, by region and statement.
@@ -101,14 +101,19 @@ pub struct Report {
     pub sample: String,
 }
 
-/// The learning rate at `step` (from 0): linear warmup to `opts.lr` over
-/// `opts.warmup` steps, then a cosine down to a tenth of it at the last step.
+/// The learning rate at `step` (from 0): a linear warmup that reaches
+/// `opts.lr` at step `w`, then a cosine down to a tenth of it at the last
+/// step, where `w` is `opts.lr_warmup` or half the steps if fewer.
 pub fn learning_rate(opts: &Options, step: usize) -> f64 {
-    if step < opts.warmup {
-        return opts.lr * (step + 1) as f64 / opts.warmup as f64;
+    let w = opts.lr_warmup.min(opts.steps.saturating_sub(1) / 2);
+    if step < w {
+        return opts.lr * (step + 1) as f64 / (w + 1) as f64;
     }
-    let span = opts.steps.saturating_sub(opts.warmup + 1).max(1) as f64;
-    let done = ((step - opts.warmup) as f64 / span).min(1.0);
+    let span = opts.steps.saturating_sub(w + 1);
+    if span == 0 {
+        return opts.lr;
+    }
+    let done = ((step - w) as f64 / span as f64).min(1.0);
     let min = opts.lr / 10.0;
     min + (opts.lr - min) * 0.5 * (1.0 + (std::f64::consts::PI * done).cos())
 }
@@ -193,18 +198,17 @@ const PROMPT: &str = "\n\nThe ";
 
 /// Mean of `loss` over the held-out text of `corpus` (all of it, in windows
 /// of `opts.seq`, at most 32 batches of `opts.batch`), without checkpointing.
+/// Fails, saying what to change, when the held-out text is shorter than
+/// one window.
 pub fn evaluate(
     loss: impl Fn(&Tensor, &Tensor) -> Result<Tensor>,
     corpus: &Corpus,
     opts: &Options,
     dev: &Device,
 ) -> Result<f32> {
-    let tokens = if corpus.valid.len() > opts.seq + 1 {
-        &corpus.valid
-    } else {
-        &corpus.train
-    };
-    let windows: Vec<usize> = (0..tokens.len() - opts.seq - 1).step_by(opts.seq).collect();
+    check_shape(corpus, opts)?;
+    let tokens = &corpus.held_out;
+    let windows: Vec<usize> = (0..tokens.len() - opts.seq).step_by(opts.seq).collect();
     let batches: Vec<&[usize]> = windows.chunks(opts.batch).take(32).collect();
     let mut total = 0.0;
     let mut count = 0;
@@ -212,11 +216,30 @@ pub fn evaluate(
         for starts in &batches {
             let (x, y) = Corpus::windows(tokens, starts, opts.seq, dev)?;
             let n = starts.len() * opts.seq;
-            total += loss(&x, &y)?.detach().to_scalar::<f32>()? as f64 * n as f64;
+            let mean = loss(&x, &y)?.detach().to_dtype(candle_core::DType::F32)?;
+            total += mean.to_scalar::<f32>()? as f64 * n as f64;
             count += n;
         }
         Ok((total / count as f64) as f32)
     })
+}
+
+/// Fails, naming the flag, when `opts` cannot train on `corpus`: no
+/// sequence or batch, or a held-out text shorter than one window of
+/// `seq + 1` characters.
+pub fn check_shape(corpus: &Corpus, opts: &Options) -> Result<()> {
+    if opts.seq == 0 || opts.batch == 0 {
+        candle_core::bail!("--seq and --batch must be at least 1");
+    }
+    if corpus.held_out.len() <= opts.seq {
+        candle_core::bail!(
+            "the held-out tenth of the text has {} characters, fewer than --seq {} + 1: \
+             use a longer text or a smaller --seq",
+            corpus.held_out.len(),
+            opts.seq
+        );
+    }
+    Ok(())
 }
 
 /// Trains a fresh model on `corpus` under `opts`. `alloc`: the program's
@@ -239,7 +262,7 @@ pub fn train(
     let named = model.named_vars();
     let mut optimizer = Optim::new(model.vars(), opts)?;
     let plan = opts.policy.plan();
-    let valid_before = evaluate(|x, y| model.loss(x, y), corpus, opts, dev)?;
+    let held_out_before = evaluate(|x, y| model.loss(x, y), corpus, opts, dev)?;
     let bar = if opts.progress {
         let bar = ProgressBar::new(opts.steps as u64);
         bar.set_style(
@@ -300,7 +323,7 @@ pub fn train(
     let measured = opts.steps.saturating_sub(1).max(1) as f64;
     let tokens_per_second =
         measured * (opts.batch * opts.seq) as f64 / started.elapsed().as_secs_f64();
-    let valid_after = evaluate(|x, y| model.loss(x, y), corpus, opts, dev)?;
+    let held_out_after = evaluate(|x, y| model.loss(x, y), corpus, opts, dev)?;
     // Start a paragraph with "The", or from the text's first character
     // when the text lacks one of those characters.
     let mut prompt = corpus.encode(PROMPT);
@@ -312,8 +335,8 @@ pub fn train(
         config,
         parameters: model.parameter_count(),
         losses,
-        valid_before,
-        valid_after,
+        held_out_before,
+        held_out_after,
         unigram: corpus.unigram_entropy(),
         first_report,
         held_after_forward,
@@ -322,4 +345,36 @@ pub fn train(
         prompt: corpus.decode(&prompt),
         sample: corpus.decode(&sample),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_schedule_peaks_once_warm_and_ends_at_a_tenth() {
+        for (steps, lr_warmup) in [
+            (1, 40),
+            (2, 40),
+            (40, 40),
+            (41, 40),
+            (42, 40),
+            (750, 40),
+            (10, 0),
+        ] {
+            let opts = Options {
+                steps,
+                lr_warmup,
+                lr: 1.0,
+                ..Options::default()
+            };
+            let lrs: Vec<f64> = (0..steps).map(|s| learning_rate(&opts, s)).collect();
+            let peak = lrs.iter().copied().fold(0.0, f64::max);
+            assert_eq!(peak, 1.0, "{steps} steps, warmup {lr_warmup}: {lrs:?}");
+            if steps > 1 {
+                assert!((lrs[steps - 1] - 0.1).abs() < 1e-12, "{steps}: {lrs:?}");
+            }
+            assert!(lrs.iter().all(|&lr| lr > 0.0));
+        }
+    }
 }

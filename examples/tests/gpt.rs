@@ -45,13 +45,13 @@ fn training_smoke_loss_falls_and_every_parameter_trains() {
     let last5 = report.losses[report.losses.len() - 5..].iter().sum::<f32>() / 5.0;
     println!(
         "loss {first} -> {last5}, held-out {} -> {}, unigram {}",
-        report.valid_before, report.valid_after, report.unigram
+        report.held_out_before, report.held_out_after, report.unigram
     );
     // Random init predicts ~uniformly: ln(vocab) ~ 4.5 nats. 80 steps of a
     // tiny model must at least beat the unigram entropy (3.3 nats).
     assert!((first - (corpus.vocab_size() as f32).ln()).abs() < 0.1);
     assert!(last5 < report.unigram as f32, "{last5}");
-    assert!(report.valid_after < report.valid_before - 0.8);
+    assert!(report.held_out_after < report.held_out_before - 0.8);
     assert_eq!(report.sample.chars().count(), 20);
     // The tape of the first step was reported by statement name.
     let names: Vec<&str> = report

@@ -2,11 +2,11 @@
 //! every policy gives plain candle's gradients, and the guide's walk-through
 //! is this example's code.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{VarBuilder, VarMap};
 use examples::data::Corpus;
 use examples::gpt::Checkpointing;
-use examples::llama::{init_weights, Config, Llama, SELECTIVE};
+use examples::llama::{decoder_layer, init_weights, Config, DecoderLayer, Llama, SELECTIVE};
 use examples::rng::Rng;
 use examples::train::{Optim, Options};
 use remat_runtime::Plan;
@@ -59,7 +59,7 @@ fn saved_weights_reload_bit_identically() {
         seq: 16,
         batch: 4,
         steps: 3,
-        warmup: 1,
+        lr_warmup: 1,
         ..Options::default()
     };
     let (varmap, trained) = model(config, DType::F32, 1);
@@ -82,6 +82,21 @@ fn saved_weights_reload_bit_identically() {
     let before = Plan::off().scope(|| fresh.loss(&x, &y)).unwrap();
     fresh_map.load(&path).unwrap();
     std::fs::remove_file(&path).unwrap();
+    let weights = |map: &VarMap| {
+        let mut w: Vec<(String, Vec<f32>)> = map
+            .data()
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(n, v)| (n.clone(), values(v.as_tensor())))
+            .collect();
+        w.sort_by(|a, b| a.0.cmp(&b.0));
+        w
+    };
+    assert!(
+        weights(&fresh_map) == weights(&varmap),
+        "the loaded weights differ"
+    );
     for plan in [Plan::off(), selective(), Plan::recompute_all()] {
         let want = plan.scope(|| trained.loss(&x, &y)).unwrap();
         let got = plan.scope(|| fresh.loss(&x, &y)).unwrap();
@@ -92,6 +107,98 @@ fn saved_weights_reload_bit_identically() {
             "the fresh model already had the weights"
         );
     }
+}
+
+/// One decoder layer composed from candle's own ops, independently of the
+/// example: `rms_norm_slow`, `rope_slow` over tables computed here in f64,
+/// candle-transformers' `repeat_kv` (a `cat` of the heads), softmax
+/// attention, `silu(gate) * up`.
+fn reference_layer(x: &Tensor, p: &DecoderLayer, c: &Config, mask: &Tensor) -> Tensor {
+    let (b, t, _) = x.dims3().unwrap();
+    let d = c.hidden / c.heads;
+    let eps = c.eps as f32;
+    let rms = |x: &Tensor, w: &Tensor| candle_nn::ops::rms_norm_slow(x, w, eps).unwrap();
+    let (mut cos, mut sin) = (Vec::new(), Vec::new());
+    for pos in 0..t {
+        for i in 0..d / 2 {
+            let angle = pos as f64 / c.rope_theta.powf(2.0 * i as f64 / d as f64);
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    let cos = Tensor::from_vec(cos, (t, d / 2), &Device::Cpu).unwrap();
+    let sin = Tensor::from_vec(sin, (t, d / 2), &Device::Cpu).unwrap();
+    let heads = |x: Tensor, n: usize| {
+        x.reshape((b, t, n, d))
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+    };
+    let repeat = |x: Tensor| {
+        let n = c.heads / c.kv_heads;
+        Tensor::cat(&vec![&x; n], 2)
+            .unwrap()
+            .reshape((b, c.heads, t, d))
+            .unwrap()
+    };
+    let a = &p.self_attn;
+    let h = rms(x, &p.input_layernorm.weight);
+    let rope = |x: Tensor| candle_nn::rotary_emb::rope_slow(&x, &cos, &sin).unwrap();
+    let q = rope(heads(a.q_proj.forward(&h).unwrap(), c.heads));
+    let k = repeat(rope(heads(a.k_proj.forward(&h).unwrap(), c.kv_heads)));
+    let v = repeat(heads(a.v_proj.forward(&h).unwrap(), c.kv_heads));
+    let scores = (q.matmul(&k.t().unwrap()).unwrap() / (d as f64).sqrt()).unwrap();
+    let probs = candle_nn::ops::softmax(&scores.broadcast_add(mask).unwrap(), D::Minus1).unwrap();
+    let att = probs
+        .matmul(&v)
+        .unwrap()
+        .transpose(1, 2)
+        .unwrap()
+        .reshape((b, t, c.hidden))
+        .unwrap();
+    let x = (x + a.o_proj.forward(&att).unwrap()).unwrap();
+    let h = rms(&x, &p.post_attention_layernorm.weight);
+    let gate = candle_nn::ops::silu(&p.mlp.gate_proj.forward(&h).unwrap()).unwrap();
+    let mlp = (gate * p.mlp.up_proj.forward(&h).unwrap()).unwrap();
+    (x + p.mlp.down_proj.forward(&mlp).unwrap()).unwrap()
+}
+
+#[test]
+fn a_decoder_layer_computes_what_candle_s_composed_ops_compute() {
+    let corpus = Corpus::new(&TEXT.repeat(4));
+    let config = tiny(&corpus);
+    let (_, llama) = model(config, DType::F32, 7);
+    let x = Tensor::randn(0f32, 1.0, (2, 16, config.hidden), &Device::Cpu).unwrap();
+    let mask = examples::gpt::causal_mask(16, &Device::Cpu).unwrap();
+    let layer = &llama.layers[1];
+    let got = Plan::off()
+        .scope(|| decoder_layer(&x, layer, &llama.rotary, Some(&mask)))
+        .unwrap();
+    let want = reference_layer(&x, layer, &config, &mask);
+    // The fused ops against the composed ones: 1e-5 relative, as each op in
+    // remat-runtime/tests/it/nn.rs.
+    let r = rel(&got, &want);
+    assert!(r <= 1e-5, "{r}");
+}
+
+#[test]
+fn selective_saves_the_outputs_of_the_matrix_products() {
+    let corpus = Corpus::new(&TEXT.repeat(4));
+    let (_, llama) = model(tiny(&corpus), DType::F32, 8);
+    let (x, y) = Corpus::batch(&corpus.train, 2, 16, &mut Rng::new(1), &Device::Cpu).unwrap();
+    let loss = selective().scope(|| llama.loss(&x, &y)).unwrap();
+    let report = remat_runtime::MemoryReport::capture();
+    let saved: Vec<&str> = report
+        .entries
+        .iter()
+        .filter(|e| e.region == "decoder_layer" && e.call == 0 && e.bytes > 0)
+        .map(|e| e.statement.as_str())
+        .filter(|s| !s.starts_with('('))
+        .collect();
+    assert_eq!(saved, SELECTIVE);
+    loss.backward().unwrap();
 }
 
 /// Largest |a - b| / largest |b|.
@@ -203,6 +310,7 @@ fn the_guide_walks_through_this_example() {
                 0 => run,
                 _ => run.split_once('\n').map_or("", |(_, rest)| rest),
             };
+            assert!(!run.trim().is_empty(), "an empty excerpt in:\n{block}");
             let run: Vec<&str> = run
                 .lines()
                 .map(str::trim)

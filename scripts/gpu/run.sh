@@ -45,13 +45,15 @@ tar -xJf "$pkg/bin.tar.xz" -C "$bin"
 if [ "$device" = cuda ]; then
   # PyTorch's CUDA libraries: every lib/ folder of its nvidia-* packages
   # (nvidia/cu13/lib for CUDA 13, nvidia/<name>/lib before).
-  libs=$(python3 - <<'EOF'
+  # (None where PyTorch's CUDA comes from a system-wide toolkit instead.)
+  libs=$(python3 - 2>/dev/null <<'EOF' || true
 import glob, os, nvidia
 dirs = {os.path.dirname(so) for p in nvidia.__path__
         for so in glob.glob(os.path.join(p, "*", "lib", "*.so*"))}
 print(":".join(sorted(dirs)))
 EOF
   )
+  if [ -d /usr/local/cuda/lib64 ]; then libs="$libs:/usr/local/cuda/lib64"; fi
   # The driver's libcuda.so.1, where the loader's cache does not know it.
   if [[ $(ldconfig -p) != *"libcuda.so.1 "* ]]; then
     for d in /usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/lib/x86_64-linux-gnu; do
@@ -71,6 +73,8 @@ else
   train=(--steps 20 "${shape[@]}" --sample 50)
   tests=(--list)
 fi
+# No empty entries: an empty entry of LD_LIBRARY_PATH is the current folder.
+libs=$(tr -s ':' <<<"$libs" | sed 's/^://; s/:$//')
 # Our binaries get these libraries; python3 keeps its own (the stubs would
 # shadow PyTorch's CUDA libraries).
 with_libs=(env "LD_LIBRARY_PATH=$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}")

@@ -10,7 +10,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use candle_core::DType;
+use candle_core::{DType, Var};
 use candle_nn::{VarBuilder, VarMap};
 use examples::cli::{device, Flags};
 use examples::data::{text, Corpus};
@@ -37,15 +37,16 @@ usage: cargo run --release -p examples --bin llama -- [flags]
   --batch N       sequences per batch [16]
   --steps N       optimizer steps [200]
   --lr X          AdamW peak learning rate [0.002]
-  --warmup N      steps of linear warmup, then cosine decay to lr/10 [20]
+  --lr-warmup N   steps of linear warmup, then cosine decay to lr/10 [20]
   --clip X        clip gradients to this global norm, 0 = off [1.0]
   --dtype f32|bf16                        [f32]
   --seed N        seed of the initial weights and the batches [0]
   --device cpu|cuda                       [cpu]
   --data PATH     UTF-8 text to train on [this project's README and docs]
-  --init PATH     start from these weights (safetensors, VarMap::load)
-  --save PATH     write the weights at the end (safetensors, VarMap::save)
-                  [target/llama.safetensors]
+  --init PATH     start from these weights (safetensors, VarMap::load) and
+                  the vocabulary beside them (PATH with extension .vocab)
+  --save PATH     write the weights at the end (safetensors, VarMap::save),
+                  and the vocabulary beside them [target/llama.safetensors]
 ";
 
 fn main() {
@@ -83,7 +84,7 @@ fn args() -> Result<Args, String> {
         batch: flags.get("batch", 16)?,
         steps: flags.get("steps", 200)?,
         lr: flags.get("lr", 2e-3)?,
-        warmup: flags.get("warmup", 20)?,
+        lr_warmup: flags.get("lr-warmup", 20)?,
         clip: flags.get("clip", 1.0)?,
         seed: flags.get("seed", 0)?,
         progress: false,
@@ -118,7 +119,23 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         save,
     } = args()?;
     let dev = device(&dev)?;
-    let corpus = Corpus::new(&text(data.as_deref())?);
+    let text = text(data.as_deref())?;
+    // A checkpoint's embedding rows are its vocabulary's characters: keep
+    // them, so that the rows mean what they meant.
+    let corpus = match &init {
+        Some(path) => {
+            let file = vocab_path(path);
+            let vocab = std::fs::read_to_string(&file).map_err(|e| {
+                format!(
+                    "--init {}: its vocabulary {} ({e}); llama --save writes both",
+                    path.display(),
+                    file.display()
+                )
+            })?;
+            Corpus::with_vocab(&text, vocab.chars().collect())
+        }
+        None => Corpus::new(&text),
+    };
     let config = Config {
         layers: opts.layers,
         hidden: opts.d_model,
@@ -133,10 +150,20 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let model = Llama::new(config, VarBuilder::from_varmap(&varmap, dtype, &dev))?;
     init_weights(&varmap, config.layers, &mut Rng::new(opts.seed))?;
     if let Some(path) = &init {
-        varmap.load(path)?;
+        varmap.load(path).map_err(|e| init_error(path, e))?;
         println!("weights loaded from {}", path.display());
     }
-    let vars = varmap.all_vars();
+    // In name order: the order of the gradient norm's sum, so runs repeat
+    // bit for bit (the map's own order changes from process to process).
+    let mut named: Vec<(String, Var)> = varmap
+        .data()
+        .lock()
+        .map_err(|_| "the var map's lock")?
+        .iter()
+        .map(|(n, v)| (n.clone(), v.clone()))
+        .collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let vars: Vec<Var> = named.iter().map(|(_, v)| v.clone()).collect();
     let plan = match opts.policy {
         Checkpointing::Selective => Plan::save_only(SELECTIVE.iter().copied()),
         other => other.plan(),
@@ -164,11 +191,6 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         let mut grads = loss.backward()?;
         if step == 0 {
             // Names the parameters that got no gradient, if any.
-            let named = varmap
-                .data()
-                .lock()
-                .map_err(|_| "the var map's lock")?
-                .clone();
             check_gradients(&grads, named.iter().map(|(n, v)| (n.as_str(), v)))?;
         }
         let norm = optim.step(step, &mut grads)?;
@@ -185,9 +207,26 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         std::fs::create_dir_all(dir).map_err(|e| format!("--save {}: {e}", save.display()))?;
     }
     varmap.save(&save)?;
+    let vocab: String = corpus.vocab.iter().collect();
+    std::fs::write(vocab_path(&save), vocab)
+        .map_err(|e| format!("--save {}: {e}", save.display()))?;
     println!(
         "weights saved to {0}; continue training from them with --init {0}",
         save.display()
     );
     Ok(())
+}
+
+/// Where the vocabulary of the checkpoint at `path` is written: beside it,
+/// `.vocab` for its extension (its characters, in order, as UTF-8).
+fn vocab_path(path: &std::path::Path) -> PathBuf {
+    path.with_extension("vocab")
+}
+
+/// What a failed `--init` says: candle's error, and what has to match.
+fn init_error(path: &std::path::Path, e: candle_core::Error) -> String {
+    format!(
+        "--init {}: {e} (a checkpoint loads into the model shape and --dtype it was saved with)",
+        path.display()
+    )
 }

@@ -33,7 +33,7 @@ usage: cargo run --release -p examples --bin train_gpt -- [flags]
   --batch N       sequences per batch [16]
   --steps N       optimizer steps [750]
   --lr X          AdamW peak learning rate [0.004]
-  --warmup N      steps of linear warmup, then cosine decay to lr/10 [40]
+  --lr-warmup N   steps of linear warmup, then cosine decay to lr/10 [40]
   --clip X        clip gradients to this global norm, 0 = off [1.0]
   --seed N        seed of weights, batches and sampling [0]
   --device cpu|cuda                       [cpu]
@@ -67,7 +67,7 @@ fn options() -> Result<(Options, String, Option<PathBuf>, Plot), String> {
         batch: flags.get("batch", d.batch)?,
         steps: flags.get("steps", d.steps)?,
         lr: flags.get("lr", d.lr)?,
-        warmup: flags.get("warmup", d.warmup)?,
+        lr_warmup: flags.get("lr-warmup", d.lr_warmup)?,
         clip: flags.get("clip", d.clip)?,
         seed: flags.get("seed", d.seed)?,
         dump: flags.opt("dump")?,
@@ -77,8 +77,13 @@ fn options() -> Result<(Options, String, Option<PathBuf>, Plot), String> {
     let dev = flags.get("device", "cpu".to_string())?;
     let data = flags.opt("data")?;
     let plot: Option<PathBuf> = flags.opt("plot")?;
-    let compare = flags
-        .get("compare", "none,full,selective,save-all".to_string())?
+    let compare: Option<String> = flags.opt("compare")?;
+    if compare.is_some() && plot.is_none() {
+        return Err("--compare chooses the policies of --plot: give --plot FILE.svg too".into());
+    }
+    let compare = compare
+        .as_deref()
+        .unwrap_or("none,full,selective,save-all")
         .split(',')
         .map(str::parse)
         .collect::<Result<Vec<Checkpointing>, _>>()?;
@@ -96,7 +101,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             .map_or("this project's README and docs".to_string(), |p| p
                 .display()
                 .to_string()),
-        corpus.train.len() + corpus.valid.len(),
+        corpus.train.len() + corpus.held_out.len(),
         corpus.vocab_size(),
         corpus.unigram_entropy()
     );
@@ -126,8 +131,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         "training loss {first:.3} -> {last:.3} (mean of the last {} steps); held-out {:.3} -> {:.3}; \
          unigram entropy {:.3}",
         tail.len(),
-        report.valid_before,
-        report.valid_after,
+        report.held_out_before,
+        report.held_out_after,
         report.unigram
     );
     println!("{:.0} tokens/s", report.tokens_per_second);
@@ -160,7 +165,7 @@ fn compare(
         let report = train(corpus, &o, dev, None)?;
         println!(
             "{policy}: held-out {:.3} -> {:.3}, {:.0} tokens/s",
-            report.valid_before, report.valid_after, report.tokens_per_second
+            report.held_out_before, report.held_out_after, report.tokens_per_second
         );
         runs.push((policy.to_string(), report.losses));
     }

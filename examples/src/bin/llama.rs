@@ -18,7 +18,11 @@ use examples::gpt::Checkpointing;
 use examples::llama::{init_weights, Config, Llama, SELECTIVE};
 use examples::rng::Rng;
 use examples::train::{evaluate, Optim, Options};
+use remat_runtime::inspect::CountingAlloc;
 use remat_runtime::{check_gradients, Plan};
+
+#[global_allocator]
+static ALLOC: CountingAlloc = CountingAlloc::new();
 
 const USAGE: &str = "\
 llama: train or fine-tune a LLaMA-style decoder (VarBuilder, candle_nn::Linear,
@@ -187,11 +191,22 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let started = Instant::now();
     for step in 0..opts.steps {
         let (x, y) = Corpus::batch(&corpus.train, opts.batch, opts.seq, &mut rng, &dev)?;
+        let before = ALLOC.live();
+        ALLOC.reset_peak();
         let loss = plan.scope(|| model.loss(&x, &y))?;
+        let held = ALLOC.live().saturating_sub(before);
         let mut grads = loss.backward()?;
         if step == 0 {
             // Names the parameters that got no gradient, if any.
             check_gradients(&grads, named.iter().map(|(n, v)| (n.as_str(), v)))?;
+            if dev.is_cpu() {
+                println!(
+                    "first step: {:.1} MiB held after the forward, {:.1} MiB peak of forward + backward \
+                     (host memory, counting allocator)",
+                    held as f64 / (1 << 20) as f64,
+                    ALLOC.peak().saturating_sub(before) as f64 / (1 << 20) as f64
+                );
+            }
         }
         let norm = optim.step(step, &mut grads)?;
         if step % 20 == 0 || step + 1 == opts.steps {

@@ -5,8 +5,9 @@
 //! and each decoder layer is one `remat!` function. RMS norm, rotary
 //! embeddings, attention, SwiGLU and the loss are [`remat_runtime::nn`]'s
 //! differentiable ops: candle's fused `RmsNorm`, `rotary_emb::rope` and
-//! `sdpa` have no backward. Grouped-query attention repeats the key and value
-//! heads; the causal mask is an `Option<&Tensor>` as in candle-transformers.
+//! `sdpa` have no backward. Grouped-query attention is [`nn::attention`]'s
+//! own (no repeated key/value heads in the graph); the causal mask is an
+//! `Option<&Tensor>` as in candle-transformers.
 //!
 //! The weights save and load with [`VarMap::save`] and [`VarMap::load`]
 //! (safetensors), so a checkpoint in these names fine-tunes here.
@@ -144,8 +145,9 @@ impl SelfAttention {
         })
     }
 
-    /// The projections `(B, T, H*D)` as heads `(B, H, T, D)`: queries and
-    /// keys rotated, keys and values repeated for grouped-query attention.
+    /// The projections `(B, T, H*D)` as heads `(B, H, T, D)`, queries and
+    /// keys rotated; keys and values keep their `kv_heads` heads
+    /// ([`nn::attention`] groups the query heads over them).
     pub fn heads(
         &self,
         q: &Tensor,
@@ -157,25 +159,11 @@ impl SelfAttention {
             let (b, t, c) = x.dims3()?;
             x.reshape((b, t, n, c / n))?.transpose(1, 2)
         };
-        let repeat = self.heads / self.kv_heads;
         let q = rotary.apply(&split(q, self.heads)?)?;
-        let k = repeat_kv(&rotary.apply(&split(k, self.kv_heads)?)?, repeat)?;
-        let v = repeat_kv(&split(v, self.kv_heads)?, repeat)?;
+        let k = rotary.apply(&split(k, self.kv_heads)?)?;
+        let v = split(v, self.kv_heads)?;
         Ok((q, k, v))
     }
-}
-
-/// `(B, Hkv, T, D)` to `(B, Hkv * n, T, D)`, each head repeated `n` times
-/// in place (as candle-transformers' `repeat_kv`).
-pub fn repeat_kv(x: &Tensor, n: usize) -> Result<Tensor> {
-    if n == 1 {
-        return Ok(x.clone());
-    }
-    let (b, h, t, d) = x.dims4()?;
-    x.unsqueeze(2)?
-        .broadcast_as((b, h, n, t, d))?
-        .contiguous()?
-        .reshape((b, h * n, t, d))
 }
 
 /// `(B, H, T, D)` back to `(B, T, H*D)`.

@@ -216,6 +216,16 @@ fn nn_ops_on_cuda_match_the_cpu() {
             Box::new(|t| nn::attention(&t[0], &t[1], &t[2], true, None)),
         ),
         (
+            "attention (grouped-query)",
+            vec![
+                tensor(&[1, 4, 70, 4], 1, 1.0, DType::F32),
+                tensor(&[1, 2, 70, 4], 2, 1.0, DType::F32),
+                tensor(&[1, 2, 70, 4], 3, 1.0, DType::F32),
+            ],
+            3,
+            Box::new(|t| nn::attention(&t[0], &t[1], &t[2], true, None)),
+        ),
+        (
             "cross_entropy",
             vec![tensor(&[8, 9], 1, 1.0, DType::F32), targets],
             1,

@@ -316,6 +316,14 @@ fn nn_residual_bytes() {
             v(&[b, 2, 8, 4], 3),
         ]
     };
+    // Grouped-query: 4 query heads over 2 key/value heads.
+    let grouped: &Build = &|b| {
+        vec![
+            v(&[b, 4, 8, 4], 1),
+            v(&[b, 2, 8, 4], 2),
+            v(&[b, 2, 8, 4], 3),
+        ]
+    };
     let rotate: &Build = &|b| {
         let angles = tensor(&[8, 2], 4, 3.0, DType::F32);
         vec![
@@ -329,6 +337,16 @@ fn nn_residual_bytes() {
     let attention_composed = move |t: &[Tensor]| {
         let s = (t[0].matmul(&t[1].t()?)? * 0.5)?.broadcast_add(&mask)?;
         candle_nn::ops::softmax(&s, D::Minus1)?.matmul(&t[2])
+    };
+    // candle-transformers' `repeat_kv` (a `cat` of the heads), then the same.
+    let grouped_mask = causal_mask(8, DType::F32);
+    let grouped_composed = move |t: &[Tensor]| {
+        let repeat = |x: &Tensor| {
+            let (b, h, s, d) = x.dims4()?;
+            Tensor::cat(&[x, x], 2)?.reshape((b, 2 * h, s, d))
+        };
+        let s = (t[0].matmul(&repeat(&t[1])?.t()?)? * 0.5)?.broadcast_add(&grouped_mask)?;
+        candle_nn::ops::softmax(&s, D::Minus1)?.matmul(&repeat(&t[2])?)
     };
     let cases: Vec<(&str, &Build, &Apply, &Apply, usize)> = vec![
         (
@@ -372,6 +390,13 @@ fn nn_residual_bytes() {
             &|t| nn::attention(&t[0], &t[1], &t[2], true, None),
             &attention_composed,
             2 * 8 * 4 * 4 + 2 * 8 * 4, // output, log-sum-exp per query row
+        ),
+        (
+            "attention (grouped-query, causal)",
+            grouped,
+            &|t| nn::attention(&t[0], &t[1], &t[2], true, None),
+            &grouped_composed,
+            4 * 8 * 4 * 4 + 4 * 8 * 4, // output, log-sum-exp per query row
         ),
         (
             "rope",

@@ -16,11 +16,16 @@ struct Attention {
     /// The additive mask, `(.., T or 1, S)`, if any (causal or given).
     mask: Option<Tensor>,
     scale: f64,
+    /// Query heads per key/value head.
+    group: usize,
 }
 
 /// `softmax(q k^T / sqrt(D) + mask) v` for `q` `(B, H, T, D)` and `k`, `v`
-/// `(B, H, S, D)` (views, e.g. of one projection split into heads, are
-/// kept as views), computed in blocks of query rows. `causal` masks key
+/// `(B, Hkv, S, D)` (views, e.g. of one projection split into heads, are
+/// kept as views), computed in blocks of query rows. `Hkv` divides `H`:
+/// fewer key/value heads is grouped-query attention, query head `i` reading
+/// key/value head `i / (H / Hkv)` (candle-transformers' and Hugging Face's
+/// `repeat_kv`), without repeating them in the graph. `causal` masks key
 /// `j > i + S - T` for query `i`; `mask` is added to the scores (shape
 /// broadcastable to `(B, H, T, S)`, `-inf` where masked). The graph keeps
 /// `q`, `k`, `v`, the output and one log-sum-exp per query row (as
@@ -46,8 +51,15 @@ pub fn attention(
     causal: bool,
     mask: Option<&Tensor>,
 ) -> Result<Tensor> {
-    let (_, _, t, d) = q.dims4()?;
-    let s = k.dim(2)?;
+    let (_, h, t, d) = q.dims4()?;
+    let (_, hkv, s, _) = k.dims4()?;
+    if hkv == 0 || h % hkv != 0 || v.dim(1)? != hkv {
+        candle_core::bail!(
+            "attention: {h} query heads need key and value heads that divide them (keys have {hkv}, values {})",
+            v.dim(1)?
+        );
+    }
+    let group = h / hkv;
     let scale = 1.0 / (d as f64).sqrt();
     let mut full = mask.map(|m| m.detach());
     if causal {
@@ -62,8 +74,8 @@ pub fn attention(
     // copied to be kept).
     let (qd, kt, vd) = (
         q.detach().contiguous()?,
-        k.detach().t()?.contiguous()?,
-        v.detach().contiguous()?,
+        repeat_heads(&k.detach(), group)?.t()?.contiguous()?,
+        repeat_heads(&v.detach(), group)?.contiguous()?,
     );
     let mut outs = Vec::new();
     let mut lses = Vec::new();
@@ -80,8 +92,30 @@ pub fn attention(
         lse: Tensor::cat(&lses, 2)?,
         mask: full,
         scale,
+        group,
     };
     q.apply_op3(k, v, op)
+}
+
+/// `(B, Hkv, S, D)` to `(B, Hkv * n, S, D)`, each head `n` times in a row.
+fn repeat_heads(x: &Tensor, n: usize) -> Result<Tensor> {
+    if n == 1 {
+        return Ok(x.clone());
+    }
+    let (b, h, s, d) = x.dims4()?;
+    x.unsqueeze(2)?
+        .broadcast_as((b, h, n, s, d))?
+        .contiguous()?
+        .reshape((b, h * n, s, d))
+}
+
+/// The gradient of [`repeat_heads`]: the `n` copies of each head summed.
+fn sum_heads(x: &Tensor, n: usize) -> Result<Tensor> {
+    if n == 1 {
+        return Ok(x.clone());
+    }
+    let (b, h, s, d) = x.dims4()?;
+    x.reshape((b, h / n, n, s, d))?.sum(2)
 }
 
 /// `(start, len)` of each block of `t` query rows.
@@ -138,8 +172,8 @@ impl CustomOp3 for Attention {
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (q, k, v) = (
             q.detach().contiguous()?,
-            k.detach().contiguous()?,
-            v.detach().contiguous()?,
+            repeat_heads(&k.detach(), self.group)?.contiguous()?,
+            repeat_heads(&v.detach(), self.group)?.contiguous()?,
         );
         let (out, dout) = (out.detach(), dout.detach().contiguous()?);
         let kt = k.t()?.contiguous()?;
@@ -160,6 +194,10 @@ impl CustomOp3 for Attention {
             dq.push((ds.matmul(&k)? * self.scale)?);
             dk = (dk + (ds.t()?.matmul(&q.narrow(2, start, len)?.contiguous()?)? * self.scale)?)?;
         }
-        Ok((Some(Tensor::cat(&dq, 2)?), Some(dk), Some(dv)))
+        Ok((
+            Some(Tensor::cat(&dq, 2)?),
+            Some(sum_heads(&dk, self.group)?),
+            Some(sum_heads(&dv, self.group)?),
+        ))
     }
 }

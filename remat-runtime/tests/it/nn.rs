@@ -197,6 +197,41 @@ fn attention_causal() {
     for_shapes(op, composed, &[shape, shape, shape]);
 }
 
+/// candle-transformers' `repeat_kv`: `(B, Hkv, S, D)` to `(B, Hkv * n, S, D)`
+/// by a `cat` of the heads, independently of the op's own repeat.
+fn repeat_kv(x: &Tensor, n: usize) -> Result<Tensor> {
+    let (b, h, s, d) = x.dims4()?;
+    Tensor::cat(&vec![x; n], 2)?.reshape((b, h * n, s, d))
+}
+
+#[test]
+fn attention_grouped_query() {
+    // 4 query heads over 2 and over 1 key/value heads; T = 70 spans two
+    // blocks of query rows.
+    for (kv_heads, t) in [(2, 70), (1, 5)] {
+        let op: &Op = &|x| nn::attention(&x[0], &x[1], &x[2], true, None);
+        let composed: &Op = &|x| {
+            let n = x[0].dim(1)? / x[1].dim(1)?;
+            let mask = causal_mask(x[0].dim(2)?, x[0].dtype());
+            attention_composed(
+                &x[0],
+                &repeat_kv(&x[1], n)?,
+                &repeat_kv(&x[2], n)?,
+                Some(&mask),
+            )
+        };
+        let kv: &[usize] = &[1, kv_heads, t, 3];
+        for_shapes(op, composed, &[&[1, 4, t, 3], kv, kv]);
+    }
+    // Key/value heads that do not divide the query heads are refused.
+    let q = tensor(&[1, 4, 5, 3], 1, 1.0, DType::F32);
+    let k = tensor(&[1, 3, 5, 3], 2, 1.0, DType::F32);
+    let err = nn::attention(&q, &k, &k, true, None)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("4 query heads"), "{err}");
+}
+
 #[test]
 fn attention_with_a_mask_and_no_causality() {
     let op: &Op = &|t| nn::attention(&t[0], &t[1], &t[2], false, Some(&t[3]));

@@ -1,46 +1,45 @@
-//! Loss curves of several training runs, overlaid in one SVG.
+//! Per-step curves of several runs, overlaid in one SVG (the loss curves of
+//! `train_gpt --plot`, the live bytes of `soak`).
 
+use std::ops::Range;
 use std::path::Path;
 
 use plotters::prelude::*;
 
-/// Draws each run's loss per step (`(label, losses)`) as one line of a
-/// 800x480 SVG at `path`.
-pub fn plot_losses(
+/// Draws each run's value per step (`(label, values)`, the first value at
+/// step 1) as one labelled line of an 800x480 SVG at `path`, `y` the
+/// vertical range. The first run is drawn thick, the others thin over it,
+/// so that curves that coincide stay visible as one.
+pub fn plot_steps(
     path: &Path,
     title: &str,
-    runs: &[(String, Vec<f32>)],
+    y_desc: &str,
+    y: Range<f64>,
+    runs: &[(String, Vec<f64>)],
 ) -> Result<(), Box<dyn std::error::Error>> {
-    let steps = runs.iter().map(|(_, l)| l.len()).max().unwrap_or(1).max(2);
-    let finite = || {
-        runs.iter()
-            .flat_map(|(_, l)| l.iter().copied())
-            .filter(|v| v.is_finite())
-    };
-    let ymax = finite().fold(0f32, f32::max) as f64 * 1.05;
-    let ymin = finite().fold(f32::MAX, f32::min).min(ymax as f32) as f64 * 0.95;
+    let steps = runs.iter().map(|(_, v)| v.len()).max().unwrap_or(1).max(2);
     let root = SVGBackend::new(path, (800, 480)).into_drawing_area();
     root.fill(&WHITE)?;
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 16))
         .margin(16)
         .x_label_area_size(40)
-        .y_label_area_size(56)
-        .build_cartesian_2d(0..steps, ymin..ymax.max(ymin + 1e-3))?;
+        .y_label_area_size(64)
+        .build_cartesian_2d(1..steps, y)?;
     chart
         .configure_mesh()
         .x_desc("step")
-        .y_desc("training loss (nats/char)")
+        .y_desc(y_desc)
         .draw()?;
-    for (i, (label, losses)) in runs.iter().enumerate() {
-        let color = Palette99::pick(i).stroke_width(if i == 0 { 3 } else { 1 });
+    for (i, (label, values)) in runs.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
         chart
             .draw_series(LineSeries::new(
-                losses.iter().enumerate().map(|(s, &l)| (s, l as f64)),
-                color,
+                values.iter().enumerate().map(|(s, &v)| (s + 1, v)),
+                color.stroke_width(if i == 0 { 3 } else { 1 }),
             ))?
             .label(label.clone())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], Palette99::pick(i)));
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
     }
     chart
         .configure_series_labels()

@@ -13,7 +13,6 @@ use examples::cli::Flags;
 use examples::data::{default_text, Corpus};
 use examples::gpt::Checkpointing;
 use examples::soak::{soak, Shape};
-use plotters::prelude::*;
 use remat_runtime::inspect::CountingAlloc;
 
 #[global_allocator]
@@ -100,46 +99,30 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
+/// The live bytes of each policy after each step, in KiB.
 fn plot(
     curves: &[(String, Vec<usize>)],
     path: &std::path::Path,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    let steps = curves[0].1.len();
-    let kib = |b: usize| b as f64 / 1024.0;
-    let ymax = curves
+    let runs: Vec<(String, Vec<f64>)> = curves
         .iter()
-        .flat_map(|(_, l)| l.iter())
-        .map(|&b| kib(b))
+        .map(|(name, live)| {
+            (
+                name.clone(),
+                live.iter().map(|&b| b as f64 / 1024.0).collect(),
+            )
+        })
+        .collect();
+    let top = runs
+        .iter()
+        .flat_map(|(_, l)| l.iter().copied())
         .fold(0.0, f64::max)
         * 1.1;
-    let root = SVGBackend::new(path, (720, 400)).into_drawing_area();
-    root.fill(&WHITE)?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption("bytes live after each training step", ("sans-serif", 16))
-        .margin(16)
-        .x_label_area_size(36)
-        .y_label_area_size(64)
-        .build_cartesian_2d(1..steps, 0.0..ymax)?;
-    chart
-        .configure_mesh()
-        .x_desc("step")
-        .y_desc("live KiB")
-        .draw()?;
-    for (i, (name, live)) in curves.iter().enumerate() {
-        let color = Palette99::pick(i).to_rgba();
-        chart
-            .draw_series(LineSeries::new(
-                live.iter().enumerate().map(|(s, &b)| (s + 1, kib(b))),
-                color.stroke_width(2),
-            ))?
-            .label(name.clone())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color));
-    }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()?;
-    root.present()?;
-    Ok(())
+    examples::curves::plot_steps(
+        path,
+        "bytes live after each training step",
+        "live KiB",
+        0.0..top,
+        &runs,
+    )
 }

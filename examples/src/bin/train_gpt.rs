@@ -189,7 +189,24 @@ fn compare(
         "train_gpt: {} layers, d_model {}, seed {}; one curve per policy",
         opts.layers, opts.d_model, opts.seed
     );
-    examples::curves::plot_losses(path, &title, &runs)?;
+    let runs: Vec<(String, Vec<f64>)> = runs
+        .into_iter()
+        .map(|(name, l)| (name, l.into_iter().map(f64::from).collect()))
+        .collect();
+    let finite = || {
+        runs.iter()
+            .flat_map(|(_, l)| l.iter().copied())
+            .filter(|v| v.is_finite())
+    };
+    let top = finite().fold(0.0, f64::max) * 1.05;
+    let bottom = finite().fold(f64::MAX, f64::min).min(top) * 0.95;
+    examples::curves::plot_steps(
+        path,
+        &title,
+        "training loss (nats/char)",
+        bottom..top.max(bottom + 1e-3),
+        &runs,
+    )?;
     println!("loss curves written to {}", path.display());
     Ok(())
 }

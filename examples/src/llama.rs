@@ -12,7 +12,7 @@
 //! The weights save and load with [`VarMap::save`] and [`VarMap::load`]
 //! (safetensors), so a checkpoint in these names fine-tunes here.
 
-use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use candle_nn::{embedding, linear_no_bias, Embedding, Linear, VarBuilder, VarMap};
 use remat_runtime::{nn, remat};
 
@@ -338,6 +338,18 @@ impl Llama {
     }
 }
 
+/// The variables of `varmap` with their names, in name order (the map's
+/// own order changes from process to process).
+pub fn named_vars(varmap: &VarMap) -> Result<Vec<(String, Var)>> {
+    let vars = varmap
+        .data()
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("the var map's lock is poisoned".into()))?;
+    let mut named: Vec<(String, Var)> = vars.iter().map(|(n, v)| (n.clone(), v.clone())).collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(named)
+}
+
 /// Draws every variable of `varmap` again from `rng`, in name order:
 /// RMS norm gains stay ones, other weights are normal with standard
 /// deviation 0.02 (`o_proj` and `down_proj`, which add to the residual
@@ -345,14 +357,10 @@ impl Llama {
 /// random generator cannot be seeded (`Device::set_seed` fails on a CPU),
 /// so a run is reproducible only with weights drawn here.
 pub fn init_weights(varmap: &VarMap, layers: usize, rng: &mut Rng) -> Result<()> {
-    let vars = varmap.data().lock().expect("the var map's lock");
-    let mut names: Vec<&String> = vars.keys().collect();
-    names.sort();
-    for name in names {
+    for (name, var) in named_vars(varmap)? {
         if name.ends_with("norm.weight") {
             continue;
         }
-        let var = &vars[name];
         let std = if name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight") {
             0.02 / (2.0 * layers as f64).sqrt()
         } else {

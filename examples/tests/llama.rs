@@ -6,7 +6,9 @@ use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{VarBuilder, VarMap};
 use examples::data::Corpus;
 use examples::gpt::Checkpointing;
-use examples::llama::{decoder_layer, init_weights, Config, DecoderLayer, Llama, SELECTIVE};
+use examples::llama::{
+    decoder_layer, init_weights, named_vars, Config, DecoderLayer, Llama, SELECTIVE,
+};
 use examples::rng::Rng;
 use examples::train::{Optim, Options};
 use remat_runtime::Plan;
@@ -83,15 +85,11 @@ fn saved_weights_reload_bit_identically() {
     fresh_map.load(&path).unwrap();
     std::fs::remove_file(&path).unwrap();
     let weights = |map: &VarMap| {
-        let mut w: Vec<(String, Vec<f32>)> = map
-            .data()
-            .lock()
+        named_vars(map)
             .unwrap()
-            .iter()
-            .map(|(n, v)| (n.clone(), values(v.as_tensor())))
-            .collect();
-        w.sort_by(|a, b| a.0.cmp(&b.0));
-        w
+            .into_iter()
+            .map(|(n, v)| (n, values(v.as_tensor())))
+            .collect::<Vec<_>>()
     };
     assert!(
         weights(&fresh_map) == weights(&varmap),
@@ -229,14 +227,7 @@ fn policies_against_plain(dtype: DType) {
     let config = tiny(&corpus);
     let (x, y) = Corpus::batch(&corpus.train, 4, 16, &mut Rng::new(4), &Device::Cpu).unwrap();
     let (varmap, llama) = model(config, dtype, 3);
-    let mut named: Vec<(String, candle_core::Var)> = varmap
-        .data()
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(n, v)| (n.clone(), v.clone()))
-        .collect();
-    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let named = named_vars(&varmap).unwrap();
     let run = |plan: Plan| {
         let loss = plan.scope(|| llama.loss(&x, &y)).unwrap();
         let grads = loss.backward().unwrap();

@@ -15,7 +15,7 @@ use candle_nn::{VarBuilder, VarMap};
 use examples::cli::{device, Flags};
 use examples::data::{text, Corpus};
 use examples::gpt::Checkpointing;
-use examples::llama::{init_weights, Config, Llama, SELECTIVE};
+use examples::llama::{init_weights, named_vars, Config, Llama, SELECTIVE};
 use examples::rng::Rng;
 use examples::train::{evaluate, Optim, Options};
 use remat_runtime::inspect::CountingAlloc;
@@ -158,15 +158,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         println!("weights loaded from {}", path.display());
     }
     // In name order: the order of the gradient norm's sum, so runs repeat
-    // bit for bit (the map's own order changes from process to process).
-    let mut named: Vec<(String, Var)> = varmap
-        .data()
-        .lock()
-        .map_err(|_| "the var map's lock")?
-        .iter()
-        .map(|(n, v)| (n.clone(), v.clone()))
-        .collect();
-    named.sort_by(|a, b| a.0.cmp(&b.0));
+    // bit for bit.
+    let named = named_vars(&varmap)?;
     let vars: Vec<Var> = named.iter().map(|(_, v)| v.clone()).collect();
     let plan = match opts.policy {
         Checkpointing::Selective => Plan::save_only(SELECTIVE.iter().copied()),

@@ -181,6 +181,28 @@ fn nn_ops_on_cuda_match_the_cpu() {
             Box::new(|t| nn::linear(&t[0], &t[1], Some(&t[2]))),
         ),
         (
+            "linear_add",
+            vec![
+                tensor(&[2, 8, 16], 1, 1.0, DType::F32),
+                tensor(&[12, 16], 2, 0.3, DType::F32),
+                tensor(&[12], 3, 0.1, DType::F32),
+                tensor(&[2, 8, 12], 4, 1.0, DType::F32),
+            ],
+            4,
+            Box::new(|t| nn::linear_add(&t[0], &t[1], Some(&t[2]), &t[3])),
+        ),
+        (
+            "gelu_linear_add",
+            vec![
+                tensor(&[2, 8, 16], 1, 1.0, DType::F32),
+                tensor(&[12, 16], 2, 0.3, DType::F32),
+                tensor(&[12], 3, 0.1, DType::F32),
+                tensor(&[2, 8, 12], 4, 1.0, DType::F32),
+            ],
+            4,
+            Box::new(|t| nn::gelu_linear_add(&t[0], &t[1], Some(&t[2]), &t[3])),
+        ),
+        (
             "layer_norm",
             vec![
                 tensor(&[2, 8, 16], 1, 1.0, DType::F32),

@@ -342,11 +342,35 @@ fn nn_residual_bytes() {
         ]
     };
     let gated: &Build = &|b| vec![v(&[b, 8, 32], 1)];
+    let residual: &Build = &|b| {
+        vec![
+            v(&[b, 8, 16], 1),
+            v(&[32, 16], 2),
+            v(&[32], 3),
+            v(&[b, 8, 32], 4),
+        ]
+    };
+    let mlp_out: &Build = &|b| {
+        vec![
+            v(&[b, 8, 32], 1),
+            v(&[16, 32], 2),
+            v(&[16], 3),
+            v(&[b, 8, 16], 4),
+        ]
+    };
+    /// `(B, H, T, D)` to `(B, T, H * D)`, as a block merges its heads.
+    fn merge(y: Tensor) -> candle_core::Result<Tensor> {
+        let (b, h, s, d) = y.dims4()?;
+        y.transpose(1, 2)?.reshape((b, s, h * d))
+    }
+    let merged = |t: &[Tensor]| merge(nn::attention(&t[0], &t[1], &t[2], true, None)?);
     let mask = causal_mask(8, DType::F32);
     let attention_composed = move |t: &[Tensor]| {
         let s = (t[0].matmul(&t[1].t()?)? * 0.5)?.broadcast_add(&mask)?;
         candle_nn::ops::softmax(&s, D::Minus1)?.matmul(&t[2])
     };
+    let unmerged = attention_composed.clone();
+    let merged_composed = move |t: &[Tensor]| merge(unmerged(t)?);
     // candle-transformers' `repeat_kv` (a `cat` of the heads), then the same.
     let grouped_mask = causal_mask(8, DType::F32);
     let grouped_composed = move |t: &[Tensor]| {
@@ -364,6 +388,27 @@ fn nn_residual_bytes() {
             &|t| nn::linear(&t[0], &t[1], Some(&t[2])),
             &|t| t[0].broadcast_matmul(&t[1].t()?)?.broadcast_add(&t[2]),
             8 * 32 * 4, // the output
+        ),
+        (
+            "linear_add",
+            residual,
+            &|t| nn::linear_add(&t[0], &t[1], Some(&t[2]), &t[3]),
+            &|t| t[3].add(&t[0].broadcast_matmul(&t[1].t()?)?.broadcast_add(&t[2])?),
+            8 * 32 * 4, // the output
+        ),
+        (
+            "gelu_linear_add",
+            mlp_out,
+            &|t| nn::gelu_linear_add(&t[0], &t[1], Some(&t[2]), &t[3]),
+            &|t| {
+                t[3].add(
+                    &t[0]
+                        .gelu()?
+                        .broadcast_matmul(&t[1].t()?)?
+                        .broadcast_add(&t[2])?,
+                )
+            },
+            8 * 16 * 4, // the output; not gelu(x)
         ),
         (
             "layer_norm",
@@ -399,6 +444,13 @@ fn nn_residual_bytes() {
             &|t| nn::attention(&t[0], &t[1], &t[2], true, None),
             &attention_composed,
             2 * 8 * 4 * 4 + 2 * 8 * 4, // output, log-sum-exp per query row
+        ),
+        (
+            "attention (causal), heads merged to (B, T, H * D)",
+            qkv,
+            &merged,
+            &merged_composed,
+            2 * 8 * 4 * 4 + 2 * 8 * 4, // merging the heads is a view: nothing more
         ),
         (
             "attention (grouped-query, causal)",

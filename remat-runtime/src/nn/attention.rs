@@ -30,7 +30,9 @@ struct Attention {
 /// broadcastable to `(B, H, T, S)`, `-inf` where masked). The graph keeps
 /// `q`, `k`, `v`, the output and one log-sum-exp per query row (as
 /// FlashAttention does); the backward recomputes the probabilities block by
-/// block.
+/// block. The output is a `(B, H, T, D)` view of a `(B, T, H, D)` tensor, so
+/// merging the heads (`y.transpose(1, 2)?.reshape((B, T, H * D))`) is a
+/// view too, not a second copy the graph keeps.
 ///
 /// ```
 /// use candle_core::{Device, Var};
@@ -87,14 +89,17 @@ pub fn attention(
         outs.push(e.matmul(&vd)?.broadcast_div(&sum)?);
         lses.push((sum.log()? + max)?);
     }
+    // The node's output is stored as `(B, T, H, D)` and returned as a
+    // transposed view: merging the heads afterwards (`transpose(1, 2)` and
+    // a reshape to `(B, T, H * D)`) is then a view, not a kept copy.
     let op = Attention {
-        out: Computed::new(Tensor::cat(&outs, 2)?),
+        out: Computed::new(Tensor::cat(&outs, 2)?.transpose(1, 2)?.contiguous()?),
         lse: Tensor::cat(&lses, 2)?,
         mask: full,
         scale,
         group,
     };
-    q.apply_op3(k, v, op)
+    q.apply_op3(k, v, op)?.transpose(1, 2)
 }
 
 /// `(B, Hkv, S, D)` to `(B, Hkv * n, S, D)`, each head `n` times in a row.
@@ -175,7 +180,9 @@ impl CustomOp3 for Attention {
             repeat_heads(&k.detach(), self.group)?.contiguous()?,
             repeat_heads(&v.detach(), self.group)?.contiguous()?,
         );
-        let (out, dout) = (out.detach(), dout.detach().contiguous()?);
+        // `out` and `dout` are `(B, T, H, D)`, the node's layout.
+        let out = out.detach().transpose(1, 2)?;
+        let dout = dout.detach().transpose(1, 2)?.contiguous()?;
         let kt = k.t()?.contiguous()?;
         let vt = v.t()?.contiguous()?;
         let t = q.dim(2)?;

@@ -1,6 +1,9 @@
 //! GELU (tanh approximation, candle's `Tensor::gelu`).
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use candle_core::op::BackpropOp;
+use candle_core::{
+    CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Storage, Tensor,
+};
 
 use super::attach::{forward_computed, Computed};
 
@@ -34,25 +37,90 @@ const A: f64 = 0.044_715;
 
 /// d gelu / dx.
 fn derivative(x: f64) -> f64 {
-    let t = (C * (x + A * x * x * x)).tanh();
-    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * C * (1.0 + 3.0 * A * x * x)
+    value_and_derivative(x).1
 }
 
 impl CustomOp1 for Gelu {
     forward_computed!("remat-gelu", s1 l1);
     fn bwd(&self, x: &Tensor, _: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
-        let (x, dy) = (x.detach().contiguous()?, dy.detach().contiguous()?);
-        let fused = x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64);
-        if fused && dy.dtype() == x.dtype() {
-            return Ok(Some(x.apply_op2_no_bwd(&dy, &GeluGrad)?));
-        }
-        // Elsewhere, the same formula with tensor ops.
-        let x2 = x.sqr()?;
-        let t = ((&x + (&x2 * &x)?.affine(A, 0.0)?)? * C)?.tanh()?;
-        let left = ((&t + 1.0)? * 0.5)?;
-        let right = ((&x * (1.0 - t.sqr()?)?)? * (x2.affine(3.0 * A, 1.0)? * (0.5 * C))?)?;
-        Ok(Some(((left + right)? * dy)?))
+        backward(x, dy).map(Some)
     }
+}
+
+/// `dy * gelu'(x)`: one pass on a CPU in f32 and f64, tensor ops elsewhere.
+pub(super) fn backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    let (x, dy) = (x.detach().contiguous()?, dy.detach().contiguous()?);
+    let fused = x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64);
+    if fused && dy.dtype() == x.dtype() {
+        return x.apply_op2_no_bwd(&dy, &GeluGrad);
+    }
+    // Elsewhere, the same formula with tensor ops.
+    let x2 = x.sqr()?;
+    let t = ((&x + (&x2 * &x)?.affine(A, 0.0)?)? * C)?.tanh()?;
+    let left = ((&t + 1.0)? * 0.5)?;
+    let right = ((&x * (1.0 - t.sqr()?)?)? * (x2.affine(3.0 * A, 1.0)? * (0.5 * C))?)?;
+    (left + right)? * dy
+}
+
+/// `(gelu(x), dy * gelu'(x))`: on a CPU in f32 and f64 one pass that
+/// computes the tanh once for both; tensor ops elsewhere.
+pub(super) fn value_and_backward(x: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (x, dy) = (x.detach().contiguous()?, dy.detach().contiguous()?);
+    if !x.device().is_cpu() || x.dtype() != dy.dtype() {
+        return Ok((x.gelu()?, backward(&x, &dy)?));
+    }
+    let (sx, lx) = x.storage_and_layout();
+    let (sy, ly) = dy.storage_and_layout();
+    let (Some((a1, b1)), Some((a2, b2))) = (lx.contiguous_offsets(), ly.contiguous_offsets())
+    else {
+        candle_core::bail!("remat nn: gelu's backward wants contiguous tensors")
+    };
+    let (value, grad) = match (&*sx, &*sy) {
+        (Storage::Cpu(CpuStorage::F32(x)), Storage::Cpu(CpuStorage::F32(dy))) => {
+            let (v, g): (Vec<f32>, Vec<f32>) = x[a1..b1]
+                .iter()
+                .zip(&dy[a2..b2])
+                .map(|(&x, &g)| {
+                    let (v, d) = value_and_derivative(x as f64);
+                    (v as f32, (d * g as f64) as f32)
+                })
+                .unzip();
+            (CpuStorage::F32(v), CpuStorage::F32(g))
+        }
+        (Storage::Cpu(CpuStorage::F64(x)), Storage::Cpu(CpuStorage::F64(dy))) => {
+            let (v, g): (Vec<f64>, Vec<f64>) = x[a1..b1]
+                .iter()
+                .zip(&dy[a2..b2])
+                .map(|(&x, &g)| {
+                    let (v, d) = value_and_derivative(x);
+                    (v, d * g)
+                })
+                .unzip();
+            (CpuStorage::F64(v), CpuStorage::F64(g))
+        }
+        _ => {
+            drop((sx, sy));
+            return Ok((x.gelu()?, backward(&x, &dy)?));
+        }
+    };
+    // Fresh contiguous storages of `x`'s shape, untracked.
+    let shape = x.shape().clone();
+    Ok((
+        Tensor::from_storage(
+            Storage::Cpu(value),
+            shape.clone(),
+            BackpropOp::none(),
+            false,
+        ),
+        Tensor::from_storage(Storage::Cpu(grad), shape, BackpropOp::none(), false),
+    ))
+}
+
+/// `(gelu(x), gelu'(x))` from one tanh.
+fn value_and_derivative(x: f64) -> (f64, f64) {
+    let t = (C * (x + A * x * x * x)).tanh();
+    let d = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * C * (1.0 + 3.0 * A * x * x);
+    (0.5 * x * (1.0 + t), d)
 }
 
 /// `dy * gelu'(x)` in one pass over contiguous CPU tensors.

@@ -1,11 +1,29 @@
-//! `x W^T + b`, candle-nn's layout: the weight is `(out, in)`.
+//! `x W^T + b`, candle-nn's layout: the weight is `(out, in)`; with a
+//! residual added and a GELU before the product fused in.
 
 use candle_core::{CustomOp2, CustomOp3, Result, Tensor};
 
 use super::attach::{forward_computed, Computed};
+use super::bundle::{bundle, Slot};
 
 struct Linear {
     out: Computed,
+    /// The product reads `gelu(x)`, recomputed in the backward.
+    gelu: bool,
+    args: Args,
+}
+
+/// What the node's arguments are.
+enum Args {
+    /// `(x, w)`.
+    Plain,
+    /// `(x, w, b)`.
+    Bias,
+    /// `(x, w, residual)`.
+    Residual,
+    /// `(x, bundle(w, b), residual)`: four tensors in three arguments; `w`
+    /// is read here, its and `b`'s gradients leave through the bundle.
+    Bundled { w: Tensor, slot: Slot },
 }
 
 /// `x W^T + b` over the last dimension of `x`, with `w` of shape
@@ -24,23 +42,110 @@ struct Linear {
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    fused(x, w, b, None, false)
+}
+
+/// `residual + x W^T + b`: [`linear`] with the residual add of a
+/// transformer block fused in. The graph keeps `x`, `w`, `b` and
+/// `residual` (a block's residual stream, which its norm keeps anyway),
+/// not the product: `residual + linear(x, w, b)` written as two ops keeps
+/// the product too, for an addition whose backward reads neither operand.
+///
+/// ```
+/// use candle_core::{DType, Device, Var};
+/// let dev = Device::Cpu;
+/// let x = Var::ones((2, 4), DType::F32, &dev)?;
+/// let w = Var::ones((3, 4), DType::F32, &dev)?;
+/// let r = Var::ones((2, 3), DType::F32, &dev)?;
+/// let y = remat_runtime::nn::linear_add(&x, &w, None, &r)?;
+/// assert_eq!(y.to_vec2::<f32>()?, vec![vec![5.0; 3]; 2]);
+/// let g = y.sum_all()?.backward()?;
+/// assert_eq!(g.get(&r).unwrap().to_vec2::<f32>()?, vec![vec![1.0; 3]; 2]);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn linear_add(x: &Tensor, w: &Tensor, b: Option<&Tensor>, residual: &Tensor) -> Result<Tensor> {
+    fused(x, w, b, Some(residual), false)
+}
+
+/// `residual + gelu(x) W^T + b`: the second half of a GPT MLP and its
+/// residual add as one node, with GELU's tanh approximation
+/// (`Tensor::gelu`, [`gelu`](super::gelu)). The graph keeps `x` (the
+/// GELU's input), `w`, `b` and `residual`; `gelu(x)`, four times the width
+/// of the residual stream in a GPT block, is recomputed in the backward
+/// (one more pass over `x`) instead of kept.
+///
+/// ```
+/// use candle_core::{DType, Device, Var};
+/// let dev = Device::Cpu;
+/// let x = Var::zeros((2, 4), DType::F32, &dev)?;
+/// let w = Var::ones((3, 4), DType::F32, &dev)?;
+/// let r = Var::ones((2, 3), DType::F32, &dev)?;
+/// let y = remat_runtime::nn::gelu_linear_add(&x, &w, None, &r)?;
+/// assert_eq!(y.to_vec2::<f32>()?, vec![vec![1.0; 3]; 2]); // gelu(0) = 0
+/// let g = y.sum_all()?.backward()?;
+/// // d/dx at 0: gelu'(0) = 1/2, times the 3 outputs each x feeds.
+/// assert_eq!(g.get(&x).unwrap().to_vec2::<f32>()?, vec![vec![1.5; 4]; 2]);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn gelu_linear_add(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    residual: &Tensor,
+) -> Result<Tensor> {
+    fused(x, w, b, Some(residual), true)
+}
+
+fn fused(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    residual: Option<&Tensor>,
+    gelu: bool,
+) -> Result<Tensor> {
     let (rows, input) = rows(x)?;
-    let y = x
-        .detach()
+    let mut dims = x.dims().to_vec();
+    *dims.last_mut().expect("rank >= 1") = w.dim(0)?;
+    if let Some(r) = residual {
+        if r.dims() != dims.as_slice() {
+            candle_core::bail!(
+                "linear_add: the residual has shape {:?} but the product has {dims:?}: they must be equal",
+                r.dims()
+            );
+        }
+    }
+    let y = activation(&x.detach(), gelu)?
         .reshape((rows, input))?
         .matmul(&w.detach().t()?)?;
     let y = match b {
         Some(b) => y.broadcast_add(&b.detach())?,
         None => y,
     };
-    let mut dims = x.dims().to_vec();
-    *dims.last_mut().expect("rank >= 1") = w.dim(0)?;
-    let op = Linear {
-        out: Computed::new(y.reshape(dims)?),
+    let y = y.reshape(dims)?;
+    let y = match residual {
+        Some(r) => (y + r.detach())?,
+        None => y,
     };
-    match b {
-        Some(b) => x.apply_op3(w, b, op),
-        None => x.apply_op2(w, op),
+    let out = Computed::new(y);
+    let op = |args| Linear { out, gelu, args };
+    match (b, residual) {
+        (None, None) => x.apply_op2(w, op(Args::Plain)),
+        (Some(b), None) => x.apply_op3(w, b, op(Args::Bias)),
+        (None, Some(r)) => x.apply_op3(w, r, op(Args::Residual)),
+        (Some(b), Some(r)) => {
+            let (wb, slot) = bundle(w, b)?;
+            let w = w.detach();
+            x.apply_op3(&wb, r, op(Args::Bundled { w, slot }))
+        }
+    }
+}
+
+/// `gelu(x)` or `x`.
+fn activation(x: &Tensor, gelu: bool) -> Result<Tensor> {
+    if gelu {
+        x.gelu()
+    } else {
+        Ok(x.clone())
     }
 }
 
@@ -50,19 +155,34 @@ fn rows(x: &Tensor) -> Result<(usize, usize)> {
     Ok((x.elem_count() / input.max(1), input))
 }
 
-/// `dx`, `dw` and, with `bias`, `db` for the gradient `g` of the output.
-fn grads(
-    x: &Tensor,
-    w: &Tensor,
-    g: &Tensor,
-    bias: bool,
-) -> Result<(Tensor, Tensor, Option<Tensor>)> {
-    let (rows, input) = rows(x)?;
-    let g2 = g.detach().reshape((rows, ()))?;
-    let dx = g2.matmul(&w.detach())?.reshape(x.shape())?;
-    let dw = g2.t()?.matmul(&x.detach().reshape((rows, input))?)?;
-    let db = bias.then(|| g2.sum(0)).transpose()?;
-    Ok((dx, dw, db))
+impl Linear {
+    /// `dx`, `dw` and `db` (the bias's, if there is one) for the gradient
+    /// `g` of the output.
+    fn grads(&self, x: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor, Bias)> {
+        let (rows, input) = rows(x)?;
+        let x = x.detach();
+        let g2 = g.detach().reshape((rows, ()))?;
+        let da = g2.matmul(&w.detach())?.reshape(x.shape())?;
+        // With the GELU: `gelu(x)` recomputed for `dw`, and `dx` from the
+        // same pass over `x`.
+        let (a, dx) = if self.gelu {
+            super::gelu::value_and_backward(&x, &da)?
+        } else {
+            (x, da)
+        };
+        let dw = g2.t()?.matmul(&a.reshape((rows, input))?)?;
+        Ok((dx, dw, Bias(g2)))
+    }
+}
+
+/// The bias's gradient, computed only where there is a bias: the output's
+/// gradient summed over its rows.
+struct Bias(Tensor);
+
+impl Bias {
+    fn grad(&self) -> Result<Tensor> {
+        self.0.sum(0)
+    }
 }
 
 impl CustomOp2 for Linear {
@@ -74,7 +194,7 @@ impl CustomOp2 for Linear {
         _: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, _) = grads(x, w, g, false)?;
+        let (dx, dw, _) = self.grads(x, w, g)?;
         Ok((Some(dx), Some(dw)))
     }
 }
@@ -84,12 +204,31 @@ impl CustomOp3 for Linear {
     fn bwd(
         &self,
         x: &Tensor,
-        w: &Tensor,
+        second: &Tensor,
         _: &Tensor,
         _: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, db) = grads(x, w, g, true)?;
-        Ok((Some(dx), Some(dw), db))
+        match &self.args {
+            Args::Bias => {
+                let (dx, dw, db) = self.grads(x, second, g)?;
+                Ok((Some(dx), Some(dw), Some(db.grad()?)))
+            }
+            Args::Residual => {
+                let (dx, dw, _) = self.grads(x, second, g)?;
+                Ok((Some(dx), Some(dw), Some(g.detach())))
+            }
+            Args::Bundled { w, slot } => {
+                let (dx, dw, db) = self.grads(x, w, g)?;
+                Ok((
+                    Some(dx),
+                    slot.put(second, dw, db.grad()?)?,
+                    Some(g.detach()),
+                ))
+            }
+            Args::Plain => {
+                candle_core::bail!("remat nn: a two-argument linear node was given three")
+            }
+        }
     }
 }

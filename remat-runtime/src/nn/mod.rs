@@ -11,6 +11,8 @@
 //! | op | kept for the backward (besides its inputs) | candle's composed version keeps |
 //! |---|---|---|
 //! | [`linear`] | nothing | also the product before the bias |
+//! | [`linear_add`] (`residual + x W^T + b`) | nothing | also the product, and the sum before the bias |
+//! | [`gelu_linear_add`] (`residual + gelu(x) W^T + b`) | nothing (`gelu(x)` is recomputed) | also `gelu(x)` (four times the residual stream in a GPT MLP) and the product |
 //! | [`layer_norm`] | mean and 1/std per row | about eight full-size tensors |
 //! | [`rms_norm`] | 1/rms per row | about five full-size tensors |
 //! | [`softmax_last_dim`] | its output | (no backward in candle) |
@@ -28,6 +30,7 @@
 mod activation;
 mod attach;
 mod attention;
+mod bundle;
 mod dropout;
 mod gelu;
 mod linear;
@@ -40,7 +43,7 @@ pub use activation::swiglu;
 pub use attention::attention;
 pub use dropout::dropout;
 pub use gelu::gelu;
-pub use linear::linear;
+pub use linear::{gelu_linear_add, linear, linear_add};
 pub use loss::cross_entropy;
 pub use norm::{layer_norm, rms_norm};
 pub use rope::{rope, rope_i};

@@ -143,6 +143,69 @@ fn linear() {
 }
 
 #[test]
+fn linear_add() {
+    // With a bias: the four tensors go through a bundle of the weight and
+    // bias; without one, three arguments.
+    let op: &Op = &|t| nn::linear_add(&t[0], &t[1], Some(&t[2]), &t[3]);
+    let composed: &Op = &|t| t[3].add(&t[0].broadcast_matmul(&t[1].t()?)?.broadcast_add(&t[2])?);
+    let shapes: &[&[usize]] = &[&[2, 3, 4], &[5, 4], &[5], &[2, 3, 5]];
+    check(op, composed, shapes, &[true; 4], &none);
+    // Frozen weight and bias (not variables): the bundle takes no part in
+    // the backward; the input and the residual still get their gradients.
+    check(op, composed, shapes, &[true, false, false, true], &none);
+    let op: &Op = &|t| nn::linear_add(&t[0], &t[1], None, &t[2]);
+    let composed: &Op = &|t| t[2].add(&t[0].broadcast_matmul(&t[1].t()?)?);
+    check(
+        op,
+        composed,
+        &[&[3, 4], &[2, 4], &[3, 2]],
+        &[true; 3],
+        &none,
+    );
+}
+
+#[test]
+fn gelu_linear_add() {
+    let op: &Op = &|t| nn::gelu_linear_add(&t[0], &t[1], Some(&t[2]), &t[3]);
+    let composed: &Op = &|t| {
+        t[3].add(
+            &t[0]
+                .gelu()?
+                .broadcast_matmul(&t[1].t()?)?
+                .broadcast_add(&t[2])?,
+        )
+    };
+    check(
+        op,
+        composed,
+        &[&[2, 3, 8], &[5, 8], &[5], &[2, 3, 5]],
+        &[true; 4],
+        &none,
+    );
+    let op: &Op = &|t| nn::gelu_linear_add(&t[0], &t[1], None, &t[2]);
+    let composed: &Op = &|t| t[2].add(&t[0].gelu()?.broadcast_matmul(&t[1].t()?)?);
+    check(
+        op,
+        composed,
+        &[&[3, 8], &[2, 8], &[3, 2]],
+        &[true; 3],
+        &none,
+    );
+}
+
+#[test]
+fn linear_add_refuses_a_residual_of_another_shape() {
+    let x = tensor(&[2, 4], 1, 1.0, DType::F32);
+    let w = tensor(&[3, 4], 2, 1.0, DType::F32);
+    let r = tensor(&[2, 4], 3, 1.0, DType::F32);
+    let err = nn::linear_add(&x, &w, None, &r).unwrap_err().to_string();
+    assert!(
+        err.contains("residual has shape [2, 4]") && err.contains("[2, 3]"),
+        "{err}"
+    );
+}
+
+#[test]
 fn layer_norm() {
     let op: &Op = &|t| nn::layer_norm(&t[0], &t[1], &t[2], 1e-5);
     let composed: &Op = &|t| candle_nn::ops::layer_norm_slow(&t[0], &t[1], &t[2], 1e-5);

@@ -71,6 +71,19 @@ impl Linear {
     pub fn fused(&self, x: &Tensor) -> Result<Tensor> {
         nn::linear(x, &self.w.t()?, Some(&self.b))
     }
+
+    /// `residual + self.fused(x)` as one op ([`nn::linear_add`]: the graph
+    /// does not keep the product).
+    pub fn fused_add(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        nn::linear_add(x, &self.w.t()?, Some(&self.b), residual)
+    }
+
+    /// `residual + self.fused(gelu(x))` as one op
+    /// ([`nn::gelu_linear_add`]: the graph keeps neither `gelu(x)` nor the
+    /// product; the backward recomputes `gelu(x)`).
+    pub fn gelu_fused_add(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        nn::gelu_linear_add(x, &self.w.t()?, Some(&self.b), residual)
+    }
 }
 
 /// Layer norm parameters.
@@ -163,15 +176,14 @@ pub fn split_heads(qkv: &Tensor, heads: usize) -> Result<(Tensor, Tensor, Tensor
 }
 
 /// [`split_heads`] as views of `qkv` (no copies): what
-/// [`remat_runtime::nn::attention`] takes.
+/// [`remat_runtime::nn::attention`] takes. `qkv` is viewed as
+/// `(B, T, 3, H, C/H)` first (a reshape of a contiguous tensor), so the
+/// three parts are strided views of it, not copies.
 pub fn split_heads_views(qkv: &Tensor, heads: usize) -> Result<(Tensor, Tensor, Tensor)> {
     let (b, t, c3) = qkv.dims3()?;
     let c = c3 / 3;
-    let part = |i: usize| {
-        qkv.narrow(2, i * c, c)?
-            .reshape((b, t, heads, c / heads))?
-            .transpose(1, 2)
-    };
+    let parts = qkv.reshape((b, t, 3, heads, c / heads))?;
+    let part = |i: usize| parts.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2);
     Ok((part(0)?, part(1)?, part(2)?))
 }
 
@@ -216,13 +228,13 @@ remat! {
         let qkv = p.attn.fused(&ln1)?;
         let (q, k, v) = split_heads_views(&qkv, p.heads)?;
         let att = merge_heads(&nn::attention(&q, &k, &v, true, None)?)?;
-        let proj = p.proj.fused(&att)?;
-        let x = (x + proj)?;
-        let ln2 = layer_norm_fused(&x, &p.ln2)?;
+        // The residual stream after the attention: `x + att W + b`.
+        let proj = p.proj.fused_add(&att, x)?;
+        let ln2 = layer_norm_fused(&proj, &p.ln2)?;
         let fc = p.fc.fused(&ln2)?;
-        let act = nn::gelu(&fc)?;
-        let mlp = p.out.fused(&act)?;
-        Ok((x + mlp)?)
+        // The block's output: `proj + gelu(fc) W + b`.
+        let mlp = p.out.gelu_fused_add(&fc, &proj)?;
+        Ok(mlp)
     }
 }
 
@@ -253,12 +265,16 @@ remat! {
     }
 }
 
-/// The statements the selective policy saves: the four linear layers of a
-/// block. The attention core (scores, softmax, weighted sum), the norms and
-/// the GELU are recomputed: Megatron-LM's selective recomputation. Saving
-/// the attention matmuls too (PyTorch's "save every matmul") keeps the
-/// `(B, H, T, T)` scores and probabilities for little compute saved.
-pub const SELECTIVE: &[&str] = &["qkv", "proj", "fc", "act", "mlp"];
+/// The statements the selective policy saves: the wide linear layers of a
+/// block (`qkv`, `fc`, and `mlp`, which holds the MLP's GELU). The
+/// attention core, the norms and the `C x C` projection (`proj`) are
+/// recomputed, close to Megatron-LM's selective recomputation. Saving
+/// `proj` too would cost more bytes than it saves time: a saved statement
+/// keeps a copy of each recomputed value it reads (`att`, and `proj`'s
+/// output for `mlp`'s residual add), 3 MiB per block on the bench's shape
+/// for one `C x C` matrix product. Saving the attention matmuls too
+/// (PyTorch's "save every matmul") would keep the `(B, H, T, T)` scores.
+pub const SELECTIVE: &[&str] = &["qkv", "fc", "mlp"];
 
 /// How the blocks are checkpointed.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -70,12 +70,9 @@ fn training_smoke_loss_falls_and_every_parameter_trains() {
             "(q, k, v)",
             "att",
             "proj",
-            "x",
             "ln2",
             "fc",
-            "act",
             "mlp",
-            "(return)"
         ]
     );
 }

@@ -175,18 +175,6 @@ pub fn split_heads(qkv: &Tensor, heads: usize) -> Result<(Tensor, Tensor, Tensor
     Ok((part(0)?, part(1)?, part(2)?))
 }
 
-/// [`split_heads`] as views of `qkv` (no copies): what
-/// [`remat_runtime::nn::attention`] takes. `qkv` is viewed as
-/// `(B, T, 3, H, C/H)` first (a reshape of a contiguous tensor), so the
-/// three parts are strided views of it, not copies.
-pub fn split_heads_views(qkv: &Tensor, heads: usize) -> Result<(Tensor, Tensor, Tensor)> {
-    let (b, t, c3) = qkv.dims3()?;
-    let c = c3 / 3;
-    let parts = qkv.reshape((b, t, 3, heads, c / heads))?;
-    let part = |i: usize| parts.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2);
-    Ok((part(0)?, part(1)?, part(2)?))
-}
-
 /// `(B, H, T, D)` back to `(B, T, H*D)`.
 pub fn merge_heads(y: &Tensor) -> Result<Tensor> {
     let (b, h, t, d) = y.dims4()?;
@@ -226,8 +214,7 @@ remat! {
     pub fn block(x: &Tensor, p: &BlockParams) -> Result<Tensor> {
         let ln1 = layer_norm_fused(x, &p.ln1)?;
         let qkv = p.attn.fused(&ln1)?;
-        let (q, k, v) = split_heads_views(&qkv, p.heads)?;
-        let att = merge_heads(&nn::attention(&q, &k, &v, true, None)?)?;
+        let att = nn::attention_qkv(&qkv, p.heads, true, None)?;
         // The residual stream after the attention: `x + att W + b`.
         let proj = p.proj.fused_add(&att, x)?;
         let ln2 = layer_norm_fused(&proj, &p.ln2)?;

@@ -63,17 +63,7 @@ fn training_smoke_loss_falls_and_every_parameter_trains() {
         .collect();
     assert_eq!(
         names,
-        [
-            "(inputs)",
-            "ln1",
-            "qkv",
-            "(q, k, v)",
-            "att",
-            "proj",
-            "ln2",
-            "fc",
-            "mlp",
-        ]
+        ["(inputs)", "ln1", "qkv", "att", "proj", "ln2", "fc", "mlp",]
     );
 }
 

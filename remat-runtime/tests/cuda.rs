@@ -238,6 +238,12 @@ fn nn_ops_on_cuda_match_the_cpu() {
             Box::new(|t| nn::attention(&t[0], &t[1], &t[2], true, None)),
         ),
         (
+            "attention_qkv",
+            vec![tensor(&[1, 70, 3 * 2 * 4], 1, 1.0, DType::F32)],
+            1,
+            Box::new(|t| nn::attention_qkv(&t[0], 2, true, None)),
+        ),
+        (
             "attention (grouped-query)",
             vec![
                 tensor(&[1, 4, 70, 4], 1, 1.0, DType::F32),

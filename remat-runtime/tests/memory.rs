@@ -342,6 +342,7 @@ fn nn_residual_bytes() {
         ]
     };
     let gated: &Build = &|b| vec![v(&[b, 8, 32], 1)];
+    let packed: &Build = &|b| vec![v(&[b, 8, 3 * 8], 1)];
     let residual: &Build = &|b| {
         vec![
             v(&[b, 8, 16], 1),
@@ -371,6 +372,20 @@ fn nn_residual_bytes() {
     };
     let unmerged = attention_composed.clone();
     let merged_composed = move |t: &[Tensor]| merge(unmerged(t)?);
+    // The packed projection `(B, 8, 3 x 2 x 4)` split with candle's views.
+    let unsplit = attention_composed.clone();
+    let merged_composed_qkv = move |t: &[Tensor]| {
+        let b = t[0].dim(0)?;
+        let parts = t[0].reshape((b, 8, 3, 2, 4))?;
+        let part = |i: usize| {
+            parts
+                .narrow(2, i, 1)?
+                .squeeze(2)?
+                .transpose(1, 2)?
+                .contiguous()
+        };
+        merge(unsplit(&[part(0)?, part(1)?, part(2)?])?)
+    };
     // candle-transformers' `repeat_kv` (a `cat` of the heads), then the same.
     let grouped_mask = causal_mask(8, DType::F32);
     let grouped_composed = move |t: &[Tensor]| {
@@ -451,6 +466,13 @@ fn nn_residual_bytes() {
             &merged,
             &merged_composed,
             2 * 8 * 4 * 4 + 2 * 8 * 4, // merging the heads is a view: nothing more
+        ),
+        (
+            "attention_qkv (causal), 2 heads of 4",
+            packed,
+            &|t| nn::attention_qkv(&t[0], 2, true, None),
+            &merged_composed_qkv,
+            2 * 8 * 4 * 4 + 2 * 8 * 4, // output, log-sum-exp per query row
         ),
         (
             "attention (grouped-query, causal)",

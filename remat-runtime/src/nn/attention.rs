@@ -1,7 +1,7 @@
 //! Memory-efficient attention: no `(B, H, T, S)` tensor outlives one block
 //! of query rows, in the forward or the backward.
 
-use candle_core::{CustomOp3, DType, Result, Tensor, D};
+use candle_core::{CustomOp1, CustomOp3, DType, Result, Tensor, D};
 
 use super::attach::{forward_computed, Computed};
 
@@ -9,8 +9,21 @@ use super::attach::{forward_computed, Computed};
 /// `(B, H, BLOCK, S)` scores at a time.
 const BLOCK: usize = 64;
 
+/// The node of [`attention`]: `q`, `k`, `v` are its arguments.
 struct Attention {
     out: Computed,
+    rest: Residuals,
+}
+
+/// The node of [`attention_qkv`]: the packed projection is its argument.
+struct AttentionQkv {
+    out: Computed,
+    rest: Residuals,
+    heads: usize,
+}
+
+/// What the backward reads besides `q`, `k`, `v` and the output.
+struct Residuals {
     /// Per query row, `log(sum(exp(scores)))`, `(B, H, T, 1)`.
     lse: Tensor,
     /// The additive mask, `(.., T or 1, S)`, if any (causal or given).
@@ -53,6 +66,75 @@ pub fn attention(
     causal: bool,
     mask: Option<&Tensor>,
 ) -> Result<Tensor> {
+    let (out, rest) = forward(q, k, v, causal, mask)?;
+    // The node's output is stored as `(B, T, H, D)` and returned as a
+    // transposed view: merging the heads afterwards (`transpose(1, 2)` and
+    // a reshape to `(B, T, H * D)`) is then a view, not a kept copy.
+    let op = Attention {
+        out: Computed::new(out),
+        rest,
+    };
+    q.apply_op3(k, v, op)?.transpose(1, 2)
+}
+
+/// [`attention`] over the packed projection of a transformer block:
+/// `qkv` is `(B, T, 3 C)` (queries, keys, values side by side, each `C =
+/// heads * D` wide, as one `C -> 3 C` linear layer makes them), the output
+/// `(B, T, C)` with the heads merged. The graph keeps `qkv`, the output and
+/// one log-sum-exp per query row; the backward returns one `(B, T, 3 C)`
+/// gradient. Splitting `qkv` with `narrow`/`reshape`/`transpose` views
+/// before [`attention`] computes the same, but candle's backward of each
+/// view materialises a zero-padded `(B, T, 3 C)` gradient (three of them,
+/// summed), which this op does not.
+///
+/// ```
+/// use candle_core::{Device, Var};
+/// let dev = Device::Cpu;
+/// let qkv = Var::randn(0f32, 1., (1, 5, 3 * 8), &dev)?; // 2 heads of 4
+/// let y = remat_runtime::nn::attention_qkv(&qkv, 2, true, None)?;
+/// assert_eq!(y.dims(), &[1, 5, 8]);
+/// let g = y.sum_all()?.backward()?;
+/// assert_eq!(g.get(&qkv).unwrap().dims(), &[1, 5, 24]);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn attention_qkv(
+    qkv: &Tensor,
+    heads: usize,
+    causal: bool,
+    mask: Option<&Tensor>,
+) -> Result<Tensor> {
+    let (b, t, c3) = qkv.dims3()?;
+    if heads == 0 || c3 % (3 * heads) != 0 {
+        candle_core::bail!(
+            "attention_qkv: the packed projection is {c3} wide, which is not 3 x {heads} heads x a head size"
+        );
+    }
+    let (q, k, v) = split(&qkv.detach(), heads)?;
+    let (out, rest) = forward(&q, &k, &v, causal, mask)?;
+    let op = AttentionQkv {
+        out: Computed::new(out.reshape((b, t, c3 / 3))?),
+        rest,
+        heads,
+    };
+    qkv.apply_op1(op)
+}
+
+/// Queries, keys and values `(B, H, T, D)` as views of `qkv` `(B, T, 3 H D)`.
+fn split(qkv: &Tensor, heads: usize) -> Result<(Tensor, Tensor, Tensor)> {
+    let (b, t, c3) = qkv.dims3()?;
+    let parts = qkv.reshape((b, t, 3, heads, c3 / (3 * heads)))?;
+    let part = |i: usize| parts.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2);
+    Ok((part(0)?, part(1)?, part(2)?))
+}
+
+/// The output, `(B, T, H, D)` contiguous, and what the backward reads.
+fn forward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    causal: bool,
+    mask: Option<&Tensor>,
+) -> Result<(Tensor, Residuals)> {
     let (_, h, t, d) = q.dims4()?;
     let (_, hkv, s, _) = k.dims4()?;
     if hkv == 0 || h % hkv != 0 || v.dim(1)? != hkv {
@@ -76,7 +158,7 @@ pub fn attention(
     // copied to be kept).
     let (qd, kt, vd) = (
         q.detach().contiguous()?,
-        repeat_heads(&k.detach(), group)?.t()?.contiguous()?,
+        repeat_heads(&k.detach(), group)?.contiguous()?.t()?,
         repeat_heads(&v.detach(), group)?.contiguous()?,
     );
     let mut outs = Vec::new();
@@ -89,17 +171,23 @@ pub fn attention(
         outs.push(e.matmul(&vd)?.broadcast_div(&sum)?);
         lses.push((sum.log()? + max)?);
     }
-    // The node's output is stored as `(B, T, H, D)` and returned as a
-    // transposed view: merging the heads afterwards (`transpose(1, 2)` and
-    // a reshape to `(B, T, H * D)`) is then a view, not a kept copy.
-    let op = Attention {
-        out: Computed::new(Tensor::cat(&outs, 2)?.transpose(1, 2)?.contiguous()?),
+    let out = Tensor::cat(&outs, 2)?.transpose(1, 2)?.contiguous()?;
+    let rest = Residuals {
         lse: Tensor::cat(&lses, 2)?,
         mask: full,
         scale,
         group,
     };
-    q.apply_op3(k, v, op)?.transpose(1, 2)
+    Ok((out, rest))
+}
+
+/// Adds `term` to the sum in `acc`, or starts it.
+fn accumulate(acc: &mut Option<Tensor>, term: Tensor) -> Result<()> {
+    *acc = Some(match acc.take() {
+        Some(sum) => (sum + term)?,
+        None => term,
+    });
+    Ok(())
 }
 
 /// `(B, Hkv, S, D)` to `(B, Hkv * n, S, D)`, each head `n` times in a row.
@@ -165,6 +253,59 @@ fn scores(
     }
 }
 
+impl Residuals {
+    /// `(dq, dk, dv)` for queries, keys and values `(B, H or Hkv, T or S,
+    /// D)` and the output and its gradient `(B, T, H, D)` (the nodes'
+    /// layout).
+    fn backward(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        dout: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (q, k, v) = (
+            q.detach().contiguous()?,
+            repeat_heads(&k.detach(), self.group)?.contiguous()?,
+            repeat_heads(&v.detach(), self.group)?.contiguous()?,
+        );
+        let out = out.detach().transpose(1, 2)?;
+        let dout = dout.detach().transpose(1, 2)?.contiguous()?;
+        // Transposed views: the products read strided operands.
+        let (kt, vt) = (k.t()?, v.t()?);
+        let t = q.dim(2)?;
+        // D_i = sum_j dO_ij O_ij: the softmax backward's row term.
+        let di = (&dout * &out)?.sum_keepdim(D::Minus1)?;
+        // Each block's `(B, H, len, S)` temporaries die within its
+        // iteration; `dk` and `dv` start from the first block's terms.
+        let mut dq = Vec::new();
+        let (mut dk, mut dv) = (None, None);
+        for (start, len) in blocks(t) {
+            let p = scores(&q, &kt, self.mask.as_ref(), start, len, self.scale)?
+                .broadcast_sub(&self.lse.narrow(2, start, len)?)?
+                .exp()?;
+            let dout_b = dout.narrow(2, start, len)?;
+            accumulate(&mut dv, p.t()?.matmul(&dout_b)?)?;
+            // dS = P (dP - D), scaled once for both products.
+            let ds = ((dout_b
+                .matmul(&vt)?
+                .broadcast_sub(&di.narrow(2, start, len)?)?
+                * p)?
+                * self.scale)?;
+            dq.push(ds.matmul(&k)?);
+            accumulate(&mut dk, ds.t()?.matmul(&q.narrow(2, start, len)?)?)?;
+        }
+        let none = || candle_core::Error::Msg("remat nn: attention over no query rows".into());
+        let (dk, dv) = (dk.ok_or_else(none)?, dv.ok_or_else(none)?);
+        Ok((
+            Tensor::cat(&dq, 2)?,
+            sum_heads(&dk, self.group)?,
+            sum_heads(&dv, self.group)?,
+        ))
+    }
+}
+
 impl CustomOp3 for Attention {
     forward_computed!("remat-attention", s1 l1, s2 l2, s3 l3);
     fn bwd(
@@ -175,36 +316,28 @@ impl CustomOp3 for Attention {
         out: &Tensor,
         dout: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (q, k, v) = (
-            q.detach().contiguous()?,
-            repeat_heads(&k.detach(), self.group)?.contiguous()?,
-            repeat_heads(&v.detach(), self.group)?.contiguous()?,
-        );
-        // `out` and `dout` are `(B, T, H, D)`, the node's layout.
-        let out = out.detach().transpose(1, 2)?;
-        let dout = dout.detach().transpose(1, 2)?.contiguous()?;
-        let kt = k.t()?.contiguous()?;
-        let vt = v.t()?.contiguous()?;
-        let t = q.dim(2)?;
-        // D_i = sum_j dO_ij O_ij: the softmax backward's row term.
-        let di = (&dout * &out)?.sum_keepdim(D::Minus1)?;
-        let mut dq = Vec::new();
-        let mut dk = k.zeros_like()?;
-        let mut dv = v.zeros_like()?;
-        for (start, len) in blocks(t) {
-            let s = scores(&q, &kt, self.mask.as_ref(), start, len, self.scale)?;
-            let p = s.broadcast_sub(&self.lse.narrow(2, start, len)?)?.exp()?;
-            let dout_b = dout.narrow(2, start, len)?;
-            dv = (dv + p.t()?.matmul(&dout_b)?)?;
-            let dp = dout_b.matmul(&vt)?;
-            let ds = (p * dp.broadcast_sub(&di.narrow(2, start, len)?)?)?;
-            dq.push((ds.matmul(&k)? * self.scale)?);
-            dk = (dk + (ds.t()?.matmul(&q.narrow(2, start, len)?.contiguous()?)? * self.scale)?)?;
-        }
-        Ok((
-            Some(Tensor::cat(&dq, 2)?),
-            Some(sum_heads(&dk, self.group)?),
-            Some(sum_heads(&dv, self.group)?),
-        ))
+        let (dq, dk, dv) = self.rest.backward(q, k, v, out, dout)?;
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
+
+impl CustomOp1 for AttentionQkv {
+    forward_computed!("remat-attention-qkv", s1 l1);
+    fn bwd(&self, qkv: &Tensor, out: &Tensor, dout: &Tensor) -> Result<Option<Tensor>> {
+        let (b, t, c3) = qkv.dims3()?;
+        let (q, k, v) = split(&qkv.detach(), self.heads)?;
+        let heads = (b, t, self.heads, c3 / (3 * self.heads));
+        let (out, dout) = (out.reshape(heads)?, dout.reshape(heads)?);
+        let (dq, dk, dv) = self.rest.backward(&q, &k, &v, &out, &dout)?;
+        // Back to `(B, T, 3, H, D)`, the packed layout, in one copy.
+        let packed = Tensor::stack(
+            &[
+                dq.transpose(1, 2)?,
+                dk.transpose(1, 2)?,
+                dv.transpose(1, 2)?,
+            ],
+            2,
+        )?;
+        Ok(Some(packed.reshape((b, t, c3))?))
     }
 }

@@ -17,6 +17,7 @@
 //! | [`rms_norm`] | 1/rms per row | about five full-size tensors |
 //! | [`softmax_last_dim`] | its output | (no backward in candle) |
 //! | [`attention`] | output, log-sum-exp per row | scores and probabilities, `(B, H, T, T)` each |
+//! | [`attention_qkv`] (over the packed `(B, T, 3C)` projection) | output, log-sum-exp per row | the same, and its backward builds a zero-padded `(B, T, 3C)` gradient for each of q, k, v |
 //! | [`cross_entropy`] | log-sum-exp per row | log-probabilities and more, `(N, V)` each |
 //! | [`rope`], [`rope_i`] | nothing (the rotation's tables) | (no backward in candle) |
 //! | [`swiglu`] | nothing | `silu(a)` and the sigmoid |
@@ -40,7 +41,7 @@ mod rope;
 mod softmax;
 
 pub use activation::swiglu;
-pub use attention::attention;
+pub use attention::{attention, attention_qkv};
 pub use dropout::dropout;
 pub use gelu::gelu;
 pub use linear::{gelu_linear_add, linear, linear_add};

@@ -377,6 +377,38 @@ fn attention_on_views_of_one_projection() {
 }
 
 #[test]
+fn attention_over_the_packed_projection() {
+    // `qkv` `(B, T, 3 H D)`, 2 heads of 3; T = 70 spans two blocks of query
+    // rows. The reference splits it with contiguous copies and merges the
+    // heads back, as a model written with candle's ops does.
+    const HEADS: usize = 2;
+    const HEAD: usize = 3;
+    let op: &Op = &|t| nn::attention_qkv(&t[0], HEADS, true, None);
+    let composed: &Op = &|t| {
+        let (b, n, c3) = t[0].dims3()?;
+        let c = c3 / 3;
+        let part = |i: usize| {
+            t[0].narrow(2, i * c, c)?
+                .reshape((b, n, HEADS, HEAD))?
+                .transpose(1, 2)?
+                .contiguous()
+        };
+        let mask = causal_mask(n, t[0].dtype());
+        let y = attention_composed(&part(0)?, &part(1)?, &part(2)?, Some(&mask))?;
+        y.transpose(1, 2)?.reshape((b, n, c))
+    };
+    for t in [70, 5] {
+        check(op, composed, &[&[2, t, 3 * HEADS * HEAD]], &[true], &none);
+    }
+    // A width that is not three times the heads is refused.
+    let qkv = tensor(&[1, 4, 20], 1, 1.0, DType::F32);
+    let err = nn::attention_qkv(&qkv, 3, true, None)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("20 wide") && err.contains("3 heads"), "{err}");
+}
+
+#[test]
 fn dropout() {
     // Seeded before each call: the same mask every time, so the op is a
     // fixed linear map that finite differences can check, and the same

@@ -31,6 +31,28 @@ struct Residuals {
     scale: f64,
     /// Query heads per key/value head.
     group: usize,
+    keys: Keys,
+}
+
+/// Which keys a block of query rows reads.
+#[derive(Clone, Copy)]
+struct Keys {
+    queries: usize,
+    keys: usize,
+    causal: bool,
+}
+
+impl Keys {
+    /// The keys query rows `start..start + len` may see: all of them, or
+    /// under causal masking (query `i` sees keys up to `i + S - T`) the
+    /// prefix up to the last row's diagonal.
+    fn for_rows(self, start: usize, len: usize) -> usize {
+        if self.causal {
+            (start + len + self.keys - self.queries).min(self.keys)
+        } else {
+            self.keys
+        }
+    }
 }
 
 /// `softmax(q k^T / sqrt(D) + mask) v` for `q` `(B, H, T, D)` and `k`, `v`
@@ -143,6 +165,11 @@ fn forward(
             v.dim(1)?
         );
     }
+    if causal && s < t {
+        candle_core::bail!(
+            "attention: causal masking needs at least as many keys as queries ({t} queries, {s} keys)"
+        );
+    }
     let group = h / hkv;
     let scale = 1.0 / (d as f64).sqrt();
     let mut full = mask.map(|m| m.detach());
@@ -161,14 +188,20 @@ fn forward(
         repeat_heads(&k.detach(), group)?.contiguous()?.t()?,
         repeat_heads(&v.detach(), group)?.contiguous()?,
     );
+    let keys = Keys {
+        queries: t,
+        keys: s,
+        causal,
+    };
     let mut outs = Vec::new();
     let mut lses = Vec::new();
     for (start, len) in blocks(t) {
-        let p = scores(&qd, &kt, full.as_ref(), start, len, scale)?;
+        let n = keys.for_rows(start, len);
+        let p = scores(&qd, &kt, full.as_ref(), start, len, n, scale)?;
         let max = p.max_keepdim(D::Minus1)?;
         let e = p.broadcast_sub(&max)?.exp()?;
         let sum = e.sum_keepdim(D::Minus1)?;
-        outs.push(e.matmul(&vd)?.broadcast_div(&sum)?);
+        outs.push(e.matmul(&vd.narrow(2, 0, n)?)?.broadcast_div(&sum)?);
         lses.push((sum.log()? + max)?);
     }
     let out = Tensor::cat(&outs, 2)?.transpose(1, 2)?.contiguous()?;
@@ -177,16 +210,23 @@ fn forward(
         mask: full,
         scale,
         group,
+        keys,
     };
     Ok((out, rest))
 }
 
-/// Adds `term` to the sum in `acc`, or starts it.
+/// Adds `term` to the first rows (dimension 2) of the sum in `acc`, or
+/// starts it with `term`. The sum is this op's own tensor, written in
+/// place.
 fn accumulate(acc: &mut Option<Tensor>, term: Tensor) -> Result<()> {
-    *acc = Some(match acc.take() {
-        Some(sum) => (sum + term)?,
-        None => term,
-    });
+    match acc {
+        None => *acc = Some(term),
+        Some(sum) if sum.dims() == term.dims() => *sum = (&*sum + term)?,
+        Some(sum) => {
+            let head = (sum.narrow(2, 0, term.dim(2)?)? + term)?;
+            sum.slice_set(&head, 2, 0)?;
+        }
+    }
     Ok(())
 }
 
@@ -212,8 +252,8 @@ fn sum_heads(x: &Tensor, n: usize) -> Result<Tensor> {
 }
 
 /// `(start, len)` of each block of `t` query rows.
-fn blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
-    (0..t).step_by(BLOCK).map(move |s| (s, BLOCK.min(t - s)))
+fn blocks(t: usize) -> impl DoubleEndedIterator<Item = (usize, usize)> {
+    (0..t.div_ceil(BLOCK)).map(move |i| (i * BLOCK, BLOCK.min(t - i * BLOCK)))
 }
 
 /// `0` where query `i` may see key `j` (`j <= i + s - t`), `-inf` elsewhere,
@@ -229,16 +269,18 @@ fn causal_mask(t: usize, s: usize, dtype: DType, dev: &candle_core::Device) -> R
     hidden.where_cond(&inf, &zeros)
 }
 
-/// The scaled, masked scores of query rows `start..start + len`.
+/// The scaled, masked scores of query rows `start..start + len` against
+/// the first `keys` keys.
 fn scores(
     q: &Tensor,
     kt: &Tensor,
     mask: Option<&Tensor>,
     start: usize,
     len: usize,
+    keys: usize,
     scale: f64,
 ) -> Result<Tensor> {
-    let s = (q.narrow(2, start, len)?.matmul(kt)? * scale)?;
+    let s = (q.narrow(2, start, len)?.matmul(&kt.narrow(3, 0, keys)?)? * scale)?;
     match mask {
         Some(m) => {
             let rows = m.dim(m.rank() - 2)?;
@@ -247,7 +289,7 @@ fn scores(
             } else {
                 m.narrow(m.rank() - 2, start, len)?
             };
-            s.broadcast_add(&m)
+            s.broadcast_add(&m.narrow(m.rank() - 1, 0, keys)?)
         }
         None => Ok(s),
     }
@@ -277,25 +319,30 @@ impl Residuals {
         let t = q.dim(2)?;
         // D_i = sum_j dO_ij O_ij: the softmax backward's row term.
         let di = (&dout * &out)?.sum_keepdim(D::Minus1)?;
-        // Each block's `(B, H, len, S)` temporaries die within its
-        // iteration; `dk` and `dv` start from the first block's terms.
+        // Each block's `(B, H, len, keys)` temporaries die within its
+        // iteration. The last block sees every key: walking the blocks from
+        // the last, `dk` and `dv` start from its terms, and the earlier
+        // blocks' (under causal masking, over fewer keys) add to their
+        // first rows.
         let mut dq = Vec::new();
         let (mut dk, mut dv) = (None, None);
-        for (start, len) in blocks(t) {
-            let p = scores(&q, &kt, self.mask.as_ref(), start, len, self.scale)?
+        for (start, len) in blocks(t).rev() {
+            let n = self.keys.for_rows(start, len);
+            let p = scores(&q, &kt, self.mask.as_ref(), start, len, n, self.scale)?
                 .broadcast_sub(&self.lse.narrow(2, start, len)?)?
                 .exp()?;
             let dout_b = dout.narrow(2, start, len)?;
             accumulate(&mut dv, p.t()?.matmul(&dout_b)?)?;
             // dS = P (dP - D), scaled once for both products.
             let ds = ((dout_b
-                .matmul(&vt)?
+                .matmul(&vt.narrow(3, 0, n)?)?
                 .broadcast_sub(&di.narrow(2, start, len)?)?
                 * p)?
                 * self.scale)?;
-            dq.push(ds.matmul(&k)?);
+            dq.push(ds.matmul(&k.narrow(2, 0, n)?)?);
             accumulate(&mut dk, ds.t()?.matmul(&q.narrow(2, start, len)?)?)?;
         }
+        dq.reverse();
         let none = || candle_core::Error::Msg("remat nn: attention over no query rows".into());
         let (dk, dv) = (dk.ok_or_else(none)?, dv.ok_or_else(none)?);
         Ok((

@@ -260,6 +260,37 @@ fn attention_causal() {
     for_shapes(op, composed, &[shape, shape, shape]);
 }
 
+#[test]
+fn attention_causal_over_more_keys_than_queries() {
+    // 70 queries over 75 keys (a cached prefix of 5): query i sees keys up
+    // to i + 5. Each block of query rows reads only the keys it may see.
+    const PREFIX: usize = 5;
+    let op: &Op = &|t| nn::attention(&t[0], &t[1], &t[2], true, None);
+    let composed: &Op = &|t| {
+        let (n, s) = (t[0].dim(2)?, t[1].dim(2)?);
+        let v: Vec<f32> = (0..n * s)
+            .map(|i| {
+                if i % s > i / s + PREFIX {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let mask = Tensor::from_vec(v, (n, s), t[0].device())?.to_dtype(t[0].dtype())?;
+        attention_composed(&t[0], &t[1], &t[2], Some(&mask))
+    };
+    let kv: &[usize] = &[1, 2, 70 + PREFIX, 3];
+    for_shapes(op, composed, &[&[1, 2, 70, 3], kv, kv]);
+    // Fewer keys than queries leaves the first rows nothing to see.
+    let q = tensor(&[1, 2, 6, 3], 1, 1.0, DType::F32);
+    let k = tensor(&[1, 2, 4, 3], 2, 1.0, DType::F32);
+    let err = nn::attention(&q, &k, &k, true, None)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("6 queries, 4 keys"), "{err}");
+}
+
 /// candle-transformers' `repeat_kv`: `(B, Hkv, S, D)` to `(B, Hkv * n, S, D)`
 /// by a `cat` of the heads, independently of the op's own repeat.
 fn repeat_kv(x: &Tensor, n: usize) -> Result<Tensor> {

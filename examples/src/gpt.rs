@@ -72,6 +72,13 @@ impl Linear {
         nn::linear(x, &self.w.t()?, Some(&self.b))
     }
 
+    /// `self.fused(layer_norm(x, n))` as one op
+    /// ([`nn::layer_norm_linear`]: the graph keeps `x` and the norm's
+    /// statistics, not the normalized input).
+    pub fn after_norm(&self, x: &Tensor, n: &Norm) -> Result<Tensor> {
+        nn::layer_norm_linear(x, &n.g, &n.b, 1e-5, &self.w.t()?, Some(&self.b))
+    }
+
     /// `residual + self.fused(x)` as one op ([`nn::linear_add`]: the graph
     /// does not keep the product).
     pub fn fused_add(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
@@ -212,13 +219,13 @@ remat! {
     /// statement is annotated: the plan decides, by the names below, what
     /// is saved.
     pub fn block(x: &Tensor, p: &BlockParams) -> Result<Tensor> {
-        let ln1 = layer_norm_fused(x, &p.ln1)?;
-        let qkv = p.attn.fused(&ln1)?;
+        // The first norm and the query-key-value projection.
+        let qkv = p.attn.after_norm(x, &p.ln1)?;
         let att = nn::attention_qkv(&qkv, p.heads, true, None)?;
         // The residual stream after the attention: `x + att W + b`.
         let proj = p.proj.fused_add(&att, x)?;
-        let ln2 = layer_norm_fused(&proj, &p.ln2)?;
-        let fc = p.fc.fused(&ln2)?;
+        // The second norm and the MLP's expansion.
+        let fc = p.fc.after_norm(&proj, &p.ln2)?;
         // The block's output: `proj + gelu(fc) W + b`.
         let mlp = p.out.gelu_fused_add(&fc, &proj)?;
         Ok(mlp)
@@ -245,21 +252,20 @@ remat! {
     /// Final norm, output head and mean cross-entropy, with
     /// [`remat_runtime::nn`]'s ops.
     pub fn head_loss(x: &Tensor, ln_f: &Norm, head: &Linear, targets: &Tensor) -> Result<Tensor> {
-        let h = layer_norm_fused(x, ln_f)?;
-        let logits = head.fused(&h)?;
+        let logits = head.after_norm(x, ln_f)?;
         let loss = nn::cross_entropy(&logits.flatten_to(1)?, &targets.flatten_all()?)?;
         Ok(loss)
     }
 }
 
 /// The statements the selective policy saves: the wide linear layers of a
-/// block (`qkv`, `fc`, and `mlp`, which holds the MLP's GELU). The
-/// attention core, the norms and the `C x C` projection (`proj`) are
-/// recomputed, close to Megatron-LM's selective recomputation. Saving
-/// `proj` too would cost more bytes than it saves time: a saved statement
-/// keeps a copy of each recomputed value it reads (`att`, and `proj`'s
-/// output for `mlp`'s residual add), 3 MiB per block on the bench's shape
-/// for one `C x C` matrix product. Saving the attention matmuls too
+/// block (`qkv` and `fc`, each with the norm before it, and `mlp`, which
+/// holds the MLP's GELU). The attention core and the `C x C` projection
+/// (`proj`) are recomputed, close to Megatron-LM's selective
+/// recomputation. Saving `proj` too would cost more bytes than it saves
+/// time: a saved statement keeps a copy of each recomputed value it reads
+/// (`att`, and `proj`'s output for `mlp`'s residual add), about 3 MiB per
+/// block on the bench's shape for one `C x C` matrix product. Saving the attention matmuls too
 /// (PyTorch's "save every matmul") would keep the `(B, H, T, T)` scores.
 pub const SELECTIVE: &[&str] = &["qkv", "fc", "mlp"];
 

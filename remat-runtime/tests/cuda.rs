@@ -213,6 +213,18 @@ fn nn_ops_on_cuda_match_the_cpu() {
             Box::new(|t| nn::layer_norm(&t[0], &t[1], &t[2], 1e-5)),
         ),
         (
+            "layer_norm_linear",
+            vec![
+                tensor(&[2, 8, 16], 1, 1.0, DType::F32),
+                tensor(&[16], 2, 1.0, DType::F32),
+                tensor(&[16], 3, 1.0, DType::F32),
+                tensor(&[12, 16], 4, 0.3, DType::F32),
+                tensor(&[12], 5, 0.1, DType::F32),
+            ],
+            5,
+            Box::new(|t| nn::layer_norm_linear(&t[0], &t[1], &t[2], 1e-5, &t[3], Some(&t[4]))),
+        ),
+        (
             "rms_norm",
             vec![
                 tensor(&[2, 8, 16], 1, 1.0, DType::F32),

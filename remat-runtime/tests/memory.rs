@@ -342,6 +342,15 @@ fn nn_residual_bytes() {
         ]
     };
     let gated: &Build = &|b| vec![v(&[b, 8, 32], 1)];
+    let norm_rows: &Build = &|b| {
+        vec![
+            v(&[b, 8, 16], 1),
+            v(&[16], 2),
+            v(&[16], 3),
+            v(&[32, 16], 4),
+            v(&[32], 5),
+        ]
+    };
     let packed: &Build = &|b| vec![v(&[b, 8, 3 * 8], 1)];
     let residual: &Build = &|b| {
         vec![
@@ -431,6 +440,17 @@ fn nn_residual_bytes() {
             &|t| nn::layer_norm(&t[0], &t[1], &t[2], 1e-5),
             &|t| candle_nn::ops::layer_norm_slow(&t[0], &t[1], &t[2], 1e-5),
             8 * 16 * 4 + 8 * 4 * 2, // output, mean and 1/std per row
+        ),
+        (
+            "layer_norm_linear",
+            norm_rows,
+            &|t| nn::layer_norm_linear(&t[0], &t[1], &t[2], 1e-5, &t[3], Some(&t[4])),
+            &|t| {
+                candle_nn::ops::layer_norm_slow(&t[0], &t[1], &t[2], 1e-5)?
+                    .broadcast_matmul(&t[3].t()?)?
+                    .broadcast_add(&t[4])
+            },
+            8 * 32 * 4 + 8 * 4 * 2, // the output, mean and 1/std per row
         ),
         (
             "rms_norm",

@@ -150,7 +150,7 @@ fn activation(x: &Tensor, gelu: bool) -> Result<Tensor> {
 }
 
 /// `(rows, in)` of `x`, flattened over all but the last dimension.
-fn rows(x: &Tensor) -> Result<(usize, usize)> {
+pub(super) fn rows(x: &Tensor) -> Result<(usize, usize)> {
     let input = x.dim(candle_core::D::Minus1)?;
     Ok((x.elem_count() / input.max(1), input))
 }

@@ -14,6 +14,7 @@
 //! | [`linear_add`] (`residual + x W^T + b`) | nothing | also the product, and the sum before the bias |
 //! | [`gelu_linear_add`] (`residual + gelu(x) W^T + b`) | nothing (`gelu(x)` is recomputed) | also `gelu(x)` (four times the residual stream in a GPT MLP) and the product |
 //! | [`layer_norm`] | mean and 1/std per row | about eight full-size tensors |
+//! | [`layer_norm_linear`] (`layer_norm(x) W^T + b`) | mean and 1/std per row (the normalized input is recomputed) | the norm's eight tensors, its output and the product |
 //! | [`rms_norm`] | 1/rms per row | about five full-size tensors |
 //! | [`softmax_last_dim`] | its output | (no backward in candle) |
 //! | [`attention`] | output, log-sum-exp per row | scores and probabilities, `(B, H, T, T)` each |
@@ -37,6 +38,7 @@ mod gelu;
 mod linear;
 mod loss;
 mod norm;
+mod norm_linear;
 mod rope;
 mod softmax;
 
@@ -47,5 +49,6 @@ pub use gelu::gelu;
 pub use linear::{gelu_linear_add, linear, linear_add};
 pub use loss::cross_entropy;
 pub use norm::{layer_norm, rms_norm};
+pub use norm_linear::layer_norm_linear;
 pub use rope::{rope, rope_i};
 pub use softmax::softmax_last_dim;

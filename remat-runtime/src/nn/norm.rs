@@ -29,13 +29,8 @@ struct LayerNorm {
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn layer_norm(x: &Tensor, g: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
-    let xd = x.detach();
-    let mean = xd.mean_keepdim(D::Minus1)?;
-    let centered = xd.broadcast_sub(&mean)?;
-    let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
-    let rstd = (var + eps)?.sqrt()?.recip()?;
-    let y = centered
-        .broadcast_mul(&rstd)?
+    let (xhat, mean, rstd) = normalize(&x.detach(), eps)?;
+    let y = xhat
         .broadcast_mul(&g.detach())?
         .broadcast_add(&b.detach())?;
     let op = LayerNorm {
@@ -46,10 +41,20 @@ pub fn layer_norm(x: &Tensor, g: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor
     x.apply_op3(g, b, op)
 }
 
+/// `(x - mean) / sqrt(var + eps)` over the last dimension, with the mean
+/// and `1 / sqrt(var + eps)` of each row, `(.., 1)`.
+pub(super) fn normalize(x: &Tensor, eps: f64) -> Result<(Tensor, Tensor, Tensor)> {
+    let mean = x.mean_keepdim(D::Minus1)?;
+    let centered = x.broadcast_sub(&mean)?;
+    let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
+    let rstd = (var + eps)?.sqrt()?.recip()?;
+    Ok((centered.broadcast_mul(&rstd)?, mean, rstd))
+}
+
 /// The gradients of `x` and the gain, for a norm whose normalized input is
 /// `xhat = x * rstd` after centering; `center` says whether the mean was
 /// subtracted (layer norm) or not (RMS norm).
-fn norm_grads(
+pub(super) fn norm_grads(
     xhat: &Tensor,
     rstd: &Tensor,
     g: &Tensor,
@@ -69,7 +74,7 @@ fn norm_grads(
 
 /// `t` summed over every dimension but the last: a gain's or bias's
 /// gradient.
-fn sum_rows(t: &Tensor) -> Result<Tensor> {
+pub(super) fn sum_rows(t: &Tensor) -> Result<Tensor> {
     t.sum((0..t.rank() - 1).collect::<Vec<_>>())
 }
 

@@ -213,6 +213,39 @@ fn layer_norm() {
 }
 
 #[test]
+fn layer_norm_linear() {
+    // Gain and bias through one bundle, weight and bias through another;
+    // without a bias the weight is the node's own argument.
+    let op: &Op = &|t| nn::layer_norm_linear(&t[0], &t[1], &t[2], 1e-5, &t[3], Some(&t[4]));
+    let composed: &Op = &|t| {
+        candle_nn::ops::layer_norm_slow(&t[0], &t[1], &t[2], 1e-5)?
+            .broadcast_matmul(&t[3].t()?)?
+            .broadcast_add(&t[4])
+    };
+    let shapes: &[&[usize]] = &[&[2, 3, 6], &[6], &[6], &[4, 6], &[4]];
+    check(op, composed, shapes, &[true; 5], &none);
+    // Frozen norm parameters, trained weight: one bundle in the backward.
+    check(
+        op,
+        composed,
+        shapes,
+        &[true, false, false, true, true],
+        &none,
+    );
+    let op: &Op = &|t| nn::layer_norm_linear(&t[0], &t[1], &t[2], 1e-5, &t[3], None);
+    let composed: &Op = &|t| {
+        candle_nn::ops::layer_norm_slow(&t[0], &t[1], &t[2], 1e-5)?.broadcast_matmul(&t[3].t()?)
+    };
+    check(
+        op,
+        composed,
+        &[&[3, 6], &[6], &[6], &[2, 6]],
+        &[true; 4],
+        &none,
+    );
+}
+
+#[test]
 fn rms_norm() {
     let op: &Op = &|t| nn::rms_norm(&t[0], &t[1], 1e-6);
     let composed: &Op = &|t| candle_nn::ops::rms_norm_slow(&t[0], &t[1], 1e-6);

@@ -66,26 +66,21 @@ impl Linear {
         y.reshape(out)
     }
 
-    /// The same through [`nn::linear`] (which takes candle-nn's `(out, in)`
-    /// weight: the transpose is a view).
-    pub fn fused(&self, x: &Tensor) -> Result<Tensor> {
-        nn::linear(x, &self.w.t()?, Some(&self.b))
-    }
-
-    /// `self.fused(layer_norm(x, n))` as one op
-    /// ([`nn::layer_norm_linear`]: the graph keeps `x` and the norm's
+    /// `self.forward(layer_norm(x, n))` as one op
+    /// ([`nn::layer_norm_linear`], which takes candle-nn's `(out, in)`
+    /// weight: the transpose is a view; the graph keeps `x` and the norm's
     /// statistics, not the normalized input).
     pub fn after_norm(&self, x: &Tensor, n: &Norm) -> Result<Tensor> {
         nn::layer_norm_linear(x, &n.g, &n.b, 1e-5, &self.w.t()?, Some(&self.b))
     }
 
-    /// `residual + self.fused(x)` as one op ([`nn::linear_add`]: the graph
+    /// `residual + self.forward(x)` as one op ([`nn::linear_add`]: the graph
     /// does not keep the product).
     pub fn fused_add(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
         nn::linear_add(x, &self.w.t()?, Some(&self.b), residual)
     }
 
-    /// `residual + self.fused(gelu(x))` as one op
+    /// `residual + self.forward(gelu(x))` as one op
     /// ([`nn::gelu_linear_add`]: the graph keeps neither `gelu(x)` nor the
     /// product; the backward recomputes `gelu(x)`).
     pub fn gelu_fused_add(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
@@ -114,11 +109,6 @@ impl Norm {
 /// Layer norm over the last dimension, through candle's composed ops.
 pub fn layer_norm(x: &Tensor, n: &Norm) -> Result<Tensor> {
     candle_nn::ops::layer_norm_slow(x, &n.g, &n.b, 1e-5)
-}
-
-/// Layer norm over the last dimension, [`nn::layer_norm`].
-pub fn layer_norm_fused(x: &Tensor, n: &Norm) -> Result<Tensor> {
-    nn::layer_norm(x, &n.g, &n.b, 1e-5)
 }
 
 /// Which ops the blocks are written with.

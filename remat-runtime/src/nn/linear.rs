@@ -103,25 +103,21 @@ fn fused(
     residual: Option<&Tensor>,
     gelu: bool,
 ) -> Result<Tensor> {
-    let (rows, input) = rows(x)?;
-    let mut dims = x.dims().to_vec();
-    *dims.last_mut().expect("rank >= 1") = w.dim(0)?;
+    let dims = output_dims(x, w)?;
     if let Some(r) = residual {
         if r.dims() != dims.as_slice() {
             candle_core::bail!(
-                "linear_add: the residual has shape {:?} but the product has {dims:?}: they must be equal",
+                "{}: the residual has shape {:?} but the product has {dims:?}: they must be equal",
+                if gelu {
+                    "gelu_linear_add"
+                } else {
+                    "linear_add"
+                },
                 r.dims()
             );
         }
     }
-    let y = activation(&x.detach(), gelu)?
-        .reshape((rows, input))?
-        .matmul(&w.detach().t()?)?;
-    let y = match b {
-        Some(b) => y.broadcast_add(&b.detach())?,
-        None => y,
-    };
-    let y = y.reshape(dims)?;
+    let y = product(&activation(&x.detach(), gelu)?, w, b)?.reshape(dims)?;
     let y = match residual {
         Some(r) => (y + r.detach())?,
         None => y,
@@ -147,6 +143,22 @@ fn activation(x: &Tensor, gelu: bool) -> Result<Tensor> {
     } else {
         Ok(x.clone())
     }
+}
+
+/// `a W^T + b` over `a`'s rows, `(rows, out)`, outside the graph.
+pub(super) fn product(a: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let y = a.reshape(rows(a)?)?.matmul(&w.detach().t()?)?;
+    match b {
+        Some(b) => y.broadcast_add(&b.detach()),
+        None => Ok(y),
+    }
+}
+
+/// The shape of `x W^T`: `x`'s, with `w`'s `out` as the last dimension.
+pub(super) fn output_dims(x: &Tensor, w: &Tensor) -> Result<Vec<usize>> {
+    let mut dims = x.dims().to_vec();
+    *dims.last_mut().expect("rank >= 1") = w.dim(0)?;
+    Ok(dims)
 }
 
 /// `(rows, in)` of `x`, flattened over all but the last dimension.

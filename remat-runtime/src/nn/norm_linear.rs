@@ -4,7 +4,7 @@ use candle_core::{CustomOp3, Result, Tensor};
 
 use super::attach::{forward_computed, Computed};
 use super::bundle::{bundle, Slot};
-use super::linear::rows;
+use super::linear::{output_dims, product, rows};
 use super::norm::{norm_grads, normalize, sum_rows};
 
 struct LayerNormLinear {
@@ -53,23 +53,16 @@ pub fn layer_norm_linear(
     w: &Tensor,
     b: Option<&Tensor>,
 ) -> Result<Tensor> {
-    let (rows, input) = rows(x)?;
     let (xhat, mean, rstd) = normalize(&x.detach(), eps)?;
     let h = xhat
         .broadcast_mul(&g.detach())?
         .broadcast_add(&beta.detach())?;
     drop(xhat);
-    let y = h.reshape((rows, input))?.matmul(&w.detach().t()?)?;
+    let y = product(&h, w, b)?.reshape(output_dims(x, w)?)?;
     drop(h);
-    let y = match b {
-        Some(b) => y.broadcast_add(&b.detach())?,
-        None => y,
-    };
-    let mut dims = x.dims().to_vec();
-    *dims.last_mut().expect("rank >= 1") = w.dim(0)?;
     let (norm, norm_slot) = bundle(g, beta)?;
     let mut op = LayerNormLinear {
-        out: Computed::new(y.reshape(dims)?),
+        out: Computed::new(y),
         mean,
         rstd,
         gain: g.detach(),

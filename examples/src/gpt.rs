@@ -255,8 +255,9 @@ remat! {
 /// recomputation. Saving `proj` too would cost more bytes than it saves
 /// time: a saved statement keeps a copy of each recomputed value it reads
 /// (`att`, and `proj`'s output for `mlp`'s residual add), about 3 MiB per
-/// block on the bench's shape for one `C x C` matrix product. Saving the attention matmuls too
-/// (PyTorch's "save every matmul") would keep the `(B, H, T, T)` scores.
+/// block on the bench's shape for one `C x C` matrix product. Saving the
+/// attention matmuls too (PyTorch's "save every matmul") would keep the
+/// `(B, H, T, T)` scores.
 pub const SELECTIVE: &[&str] = &["qkv", "fc", "mlp"];
 
 /// How the blocks are checkpointed.

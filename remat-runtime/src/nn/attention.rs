@@ -67,9 +67,9 @@ impl Keys {
 /// FlashAttention does); the backward recomputes the probabilities block by
 /// block. Under causal masking each block of query rows reads only the keys
 /// it may see (about half the work of the full scores for `S = T`); it
-/// needs `S >= T`. The output is a `(B, H, T, D)` view of a `(B, T, H, D)` tensor, so
-/// merging the heads (`y.transpose(1, 2)?.reshape((B, T, H * D))`) is a
-/// view too, not a second copy the graph keeps.
+/// needs `S >= T`. The output is a `(B, H, T, D)` view of a `(B, T, H, D)`
+/// tensor, so merging the heads (`y.transpose(1, 2)?.reshape((B, T, H *
+/// D))`) is a view too, not a second copy the graph keeps.
 ///
 /// ```
 /// use candle_core::{Device, Var};

@@ -2,7 +2,7 @@
 
 use candle_core::op::BackpropOp;
 use candle_core::{
-    CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Storage, Tensor,
+    CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Storage, Tensor, WithDType,
 };
 
 use super::attach::{forward_computed, Computed};
@@ -77,25 +77,11 @@ pub(super) fn value_and_backward(x: &Tensor, dy: &Tensor) -> Result<(Tensor, Ten
     };
     let (value, grad) = match (&*sx, &*sy) {
         (Storage::Cpu(CpuStorage::F32(x)), Storage::Cpu(CpuStorage::F32(dy))) => {
-            let (v, g): (Vec<f32>, Vec<f32>) = x[a1..b1]
-                .iter()
-                .zip(&dy[a2..b2])
-                .map(|(&x, &g)| {
-                    let (v, d) = value_and_derivative(x as f64);
-                    (v as f32, (d * g as f64) as f32)
-                })
-                .unzip();
+            let (v, g) = value_and_grad_pass(&x[a1..b1], &dy[a2..b2]);
             (CpuStorage::F32(v), CpuStorage::F32(g))
         }
         (Storage::Cpu(CpuStorage::F64(x)), Storage::Cpu(CpuStorage::F64(dy))) => {
-            let (v, g): (Vec<f64>, Vec<f64>) = x[a1..b1]
-                .iter()
-                .zip(&dy[a2..b2])
-                .map(|(&x, &g)| {
-                    let (v, d) = value_and_derivative(x);
-                    (v, d * g)
-                })
-                .unzip();
+            let (v, g) = value_and_grad_pass(&x[a1..b1], &dy[a2..b2]);
             (CpuStorage::F64(v), CpuStorage::F64(g))
         }
         _ => {
@@ -114,6 +100,25 @@ pub(super) fn value_and_backward(x: &Tensor, dy: &Tensor) -> Result<(Tensor, Ten
         ),
         Tensor::from_storage(Storage::Cpu(grad), shape, BackpropOp::none(), false),
     ))
+}
+
+/// `dy * gelu'(x)` element by element, computed in f64.
+fn grad_pass<T: WithDType>(x: &[T], dy: &[T]) -> Vec<T> {
+    x.iter()
+        .zip(dy)
+        .map(|(&x, &g)| T::from_f64(derivative(x.to_f64()) * g.to_f64()))
+        .collect()
+}
+
+/// `(gelu(x), dy * gelu'(x))` element by element, computed in f64.
+fn value_and_grad_pass<T: WithDType>(x: &[T], dy: &[T]) -> (Vec<T>, Vec<T>) {
+    x.iter()
+        .zip(dy)
+        .map(|(&x, &g)| {
+            let (v, d) = value_and_derivative(x.to_f64());
+            (T::from_f64(v), T::from_f64(d * g.to_f64()))
+        })
+        .unzip()
 }
 
 /// `(gelu(x), gelu'(x))` from one tanh.
@@ -142,20 +147,12 @@ impl CustomOp2 for GeluGrad {
             candle_core::bail!("remat nn: gelu's backward wants contiguous tensors")
         };
         let out = match (s1, s2) {
-            (CpuStorage::F32(x), CpuStorage::F32(dy)) => CpuStorage::F32(
-                x[a1..b1]
-                    .iter()
-                    .zip(&dy[a2..b2])
-                    .map(|(&x, &g)| (derivative(x as f64) * g as f64) as f32)
-                    .collect(),
-            ),
-            (CpuStorage::F64(x), CpuStorage::F64(dy)) => CpuStorage::F64(
-                x[a1..b1]
-                    .iter()
-                    .zip(&dy[a2..b2])
-                    .map(|(&x, &g)| derivative(x) * g)
-                    .collect(),
-            ),
+            (CpuStorage::F32(x), CpuStorage::F32(dy)) => {
+                CpuStorage::F32(grad_pass(&x[a1..b1], &dy[a2..b2]))
+            }
+            (CpuStorage::F64(x), CpuStorage::F64(dy)) => {
+                CpuStorage::F64(grad_pass(&x[a1..b1], &dy[a2..b2]))
+            }
             _ => candle_core::bail!("remat nn: gelu's one-pass backward is for f32 and f64"),
         };
         Ok((out, l1.shape().clone()))

@@ -30,9 +30,7 @@ struct LayerNorm {
 /// ```
 pub fn layer_norm(x: &Tensor, g: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
     let (xhat, mean, rstd) = normalize(&x.detach(), eps)?;
-    let y = xhat
-        .broadcast_mul(&g.detach())?
-        .broadcast_add(&b.detach())?;
+    let y = scale_shift(&xhat, &g.detach(), &b.detach())?;
     let op = LayerNorm {
         out: Computed::new(y),
         mean,
@@ -49,6 +47,17 @@ pub(super) fn normalize(x: &Tensor, eps: f64) -> Result<(Tensor, Tensor, Tensor)
     let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
     let rstd = (var + eps)?.sqrt()?.recip()?;
     Ok((centered.broadcast_mul(&rstd)?, mean, rstd))
+}
+
+/// `x` normalized again from the mean and `1 / std` of its rows (what a
+/// backward recomputes instead of keeping).
+pub(super) fn renormalize(x: &Tensor, mean: &Tensor, rstd: &Tensor) -> Result<Tensor> {
+    x.detach().broadcast_sub(mean)?.broadcast_mul(rstd)
+}
+
+/// `xhat * g + beta`: a layer norm's gain and bias.
+pub(super) fn scale_shift(xhat: &Tensor, g: &Tensor, beta: &Tensor) -> Result<Tensor> {
+    xhat.broadcast_mul(g)?.broadcast_add(beta)
 }
 
 /// The gradients of `x` and the gain, for a norm whose normalized input is
@@ -89,10 +98,7 @@ impl CustomOp3 for LayerNorm {
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let dy = dy.detach();
-        let xhat = x
-            .detach()
-            .broadcast_sub(&self.mean)?
-            .broadcast_mul(&self.rstd)?;
+        let xhat = renormalize(x, &self.mean, &self.rstd)?;
         let (dx, dg) = norm_grads(&xhat, &self.rstd, &g.detach(), &dy, true)?;
         let db = sum_rows(&dy)?;
         Ok((Some(dx), Some(dg), Some(db)))

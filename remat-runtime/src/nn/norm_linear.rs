@@ -5,7 +5,7 @@ use candle_core::{CustomOp3, Result, Tensor};
 use super::attach::{forward_computed, Computed};
 use super::bundle::{bundle, Slot};
 use super::linear::{output_dims, product, rows};
-use super::norm::{norm_grads, normalize, sum_rows};
+use super::norm::{norm_grads, normalize, renormalize, scale_shift, sum_rows};
 
 struct LayerNormLinear {
     out: Computed,
@@ -54,9 +54,7 @@ pub fn layer_norm_linear(
     b: Option<&Tensor>,
 ) -> Result<Tensor> {
     let (xhat, mean, rstd) = normalize(&x.detach(), eps)?;
-    let h = xhat
-        .broadcast_mul(&g.detach())?
-        .broadcast_add(&beta.detach())?;
+    let h = scale_shift(&xhat, &g.detach(), &beta.detach())?;
     drop(xhat);
     let y = product(&h, w, b)?.reshape(output_dims(x, w)?)?;
     drop(h);
@@ -97,15 +95,8 @@ impl CustomOp3 for LayerNormLinear {
         };
         let dy = dy.detach().reshape((rows, ()))?;
         // The normalized input, recomputed.
-        let xhat = x
-            .detach()
-            .broadcast_sub(&self.mean)?
-            .broadcast_mul(&self.rstd)?;
-        let h = xhat
-            .broadcast_mul(&self.gain)?
-            .broadcast_add(&self.shift)?
-            .reshape((rows, input))?;
-        let db = dy.sum(0)?;
+        let xhat = renormalize(x, &self.mean, &self.rstd)?;
+        let h = scale_shift(&xhat, &self.gain, &self.shift)?.reshape((rows, input))?;
         let dw = dy.t()?.matmul(&h)?;
         drop(h);
         let dh = dy.matmul(&w)?.reshape(x.shape())?;
@@ -113,7 +104,7 @@ impl CustomOp3 for LayerNormLinear {
         let dbeta = sum_rows(&dh)?;
         let norm_grad = self.norm_slot.put(norm, dg, dbeta)?;
         let third_grad = match &self.linear {
-            Some((_, slot)) => slot.put(third, dw, db)?,
+            Some((_, slot)) => slot.put(third, dw, dy.sum(0)?)?,
             None => Some(dw),
         };
         Ok((Some(dx), norm_grad, third_grad))

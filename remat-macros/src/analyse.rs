@@ -7,7 +7,7 @@ use syn::{Expr, Ident};
 
 use crate::errors::Errors;
 use crate::model::{AnnotationKind, Block, StmtKind};
-use crate::usage::{assigned, bound, locals, mentions, moved, single};
+use crate::usage::{assigned, bound, locals, mentions, moved, read_for_value, single};
 
 /// A binding a statement reads.
 #[derive(Debug, Clone)]
@@ -19,6 +19,9 @@ pub(crate) struct Read {
     pub borrowed_param: Option<usize>,
     /// Declared `mut`: the statement may change it, and gives it back.
     pub mutable: bool,
+    /// The statement reads it for its value, where a gradient can flow (not
+    /// only its shape, dtype or device, nor only detached).
+    pub for_value: bool,
 }
 
 /// What the analysis found for one statement.
@@ -107,6 +110,8 @@ struct Reads {
     statements: Vec<Vec<(usize, Span)>>,
     /// Per statement, the `mut` bindings it gives back.
     inouts: Vec<Vec<usize>>,
+    /// Per statement, then the tail: the names it reads for their values.
+    for_value: Vec<Vec<String>>,
     tail: Vec<(usize, Span)>,
 }
 
@@ -150,6 +155,7 @@ impl<'a> Analyser<'a> {
         let block = self.block;
         let mut statements = Vec::new();
         let mut inouts = Vec::new();
+        let mut for_value = Vec::new();
         for (i, stmt) in block.statements.iter().enumerate() {
             let forward_only = self.kinds[i] == Some(AnnotationKind::ForwardOnly);
             let (expr, pat) = match &stmt.kind {
@@ -158,9 +164,11 @@ impl<'a> Analyser<'a> {
                 StmtKind::Item(_) => {
                     statements.push(Vec::new());
                     inouts.push(Vec::new());
+                    for_value.push(Vec::new());
                     continue;
                 }
             };
+            for_value.push(read_for_value(expr));
             let assigned = assigned(expr);
             self.check_assignments(expr, &assigned);
             let reads = self.resolve(expr, i, forward_only);
@@ -197,6 +205,7 @@ impl<'a> Analyser<'a> {
         let tail = match &block.tail {
             Some(t) => {
                 self.check_assignments(t, &assigned(t));
+                for_value.push(read_for_value(t));
                 self.resolve(t, n, false)
             }
             None => Vec::new(),
@@ -204,6 +213,7 @@ impl<'a> Analyser<'a> {
         Reads {
             statements,
             inouts,
+            for_value,
             tail,
         }
     }
@@ -400,14 +410,16 @@ impl<'a> Analyser<'a> {
                 releases[r].push(ident);
             }
         }
-        let to_reads = |ids: &[(usize, Span)]| -> Vec<Read> {
+        let to_reads = |ids: &[(usize, Span)], for_value: Option<&Vec<String>>| -> Vec<Read> {
             ids.iter()
                 .map(|&(b, span)| {
                     let binding = &self.bindings[b];
+                    let name = binding.ident.to_string();
                     Read {
-                        ident: Ident::new(&binding.ident.to_string(), span),
+                        ident: Ident::new(&name, span),
                         borrowed_param: binding.borrowed_param,
                         mutable: binding.mutable,
+                        for_value: for_value.is_none_or(|v| v.contains(&name)),
                     }
                 })
                 .collect()
@@ -425,13 +437,13 @@ impl<'a> Analyser<'a> {
                     .iter()
                     .map(|&b| self.bindings[b].ident.clone())
                     .collect(),
-                reads: to_reads(&reads.statements[i]),
+                reads: to_reads(&reads.statements[i], reads.for_value.get(i)),
                 releases: std::mem::take(&mut releases[i]),
             })
             .collect();
         Analysis {
             statements,
-            tail_reads: to_reads(&reads.tail),
+            tail_reads: to_reads(&reads.tail, reads.for_value.get(n)),
             tail_passthrough,
         }
     }

@@ -42,13 +42,25 @@ fn view(param: &Param, ident: &Ident, copy: &Ident) -> TokenStream {
     }
 }
 
+/// The reads of a statement in the order it declares them: those read for
+/// their values first, then those read only for their shapes or detached.
+fn declared_order(reads: &[Read]) -> Vec<Read> {
+    let (values, others): (Vec<Read>, Vec<Read>) = reads.iter().cloned().partition(|r| r.for_value);
+    values.into_iter().chain(others).collect()
+}
+
 /// The statement (or region) inputs of `reads`: their tensors, in order,
 /// with the check that each owned one can be read, spanned at its mention (a
 /// borrowed parameter's copy is `Clone`: `ToOwned` said so, or reported it).
-fn inputs(reads: &[Read]) -> TokenStream {
+/// A statement's also say how many of the first are read for their values.
+fn inputs(reads: &[Read], statement: bool) -> TokenStream {
     let p = private();
     let mut out = TokenStream::new();
-    for r in reads {
+    let values = reads.iter().filter(|r| r.for_value).count();
+    for (k, r) in reads.iter().enumerate() {
+        if statement && k == values && values < reads.len() {
+            out.extend(quote! { let __remat_values = __remat_inputs.len(); });
+        }
         let ident = &r.ident;
         let span = ident.span();
         match r.borrowed_param {
@@ -63,11 +75,16 @@ fn inputs(reads: &[Read]) -> TokenStream {
             }),
         }
     }
+    let result = match (statement, values < reads.len()) {
+        (false, _) => quote!(__remat_inputs),
+        (true, true) => quote!((__remat_inputs, __remat_values)),
+        (true, false) => quote!((__remat_inputs, ::core::primitive::usize::MAX)),
+    };
     quote! {{
         #[allow(unused_mut)]
         let mut __remat_inputs = ::std::vec::Vec::new();
         #out
-        __remat_inputs
+        #result
     }}
 }
 
@@ -115,8 +132,9 @@ fn statement_call(
 ) -> TokenStream {
     let p = private();
     let method = Ident::new(method, Span::call_site());
-    let inputs = inputs(reads);
-    let rebinds = rebinds(reads, params);
+    let reads = declared_order(reads);
+    let inputs = inputs(&reads, true);
+    let rebinds = rebinds(&reads, params);
     quote_spanned! {span=>
         <_ as ::remat_runtime::rules::StatementValue>::run(
             __remat_ctx,
@@ -205,9 +223,10 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
             ident: param.ident.clone(),
             borrowed_param: param.borrowed().then_some(i),
             mutable: param.mutable,
+            for_value: true,
         })
         .collect();
-    let region_inputs = inputs(&param_reads);
+    let region_inputs = inputs(&param_reads, false);
     let region_rebinds = rebinds(&param_reads, params);
 
     let mut body = TokenStream::new();

@@ -328,3 +328,87 @@ pub(crate) fn locals(expr: &Expr) -> Vec<String> {
 pub(crate) fn binds_mut(pat: &Pat) -> bool {
     bound(pat).iter().any(|(_, mutable)| *mutable)
 }
+
+/// Methods that read a tensor's shape, dtype or device, or give a value
+/// that carries no gradient from it (`detach`, `zeros_like`): a binding
+/// that a statement mentions only as the receiver of these is read without
+/// gradient.
+const WITHOUT_GRADIENT: &[&str] = &[
+    "shape",
+    "dims",
+    "dim",
+    "dims0",
+    "dims1",
+    "dims2",
+    "dims3",
+    "dims4",
+    "dims5",
+    "rank",
+    "elem_count",
+    "dtype",
+    "device",
+    "layout",
+    "stride",
+    "is_contiguous",
+    "is_variable",
+    "track_op",
+    "id",
+    "detach",
+    "zeros_like",
+    "ones_like",
+    "rand_like",
+    "randn_like",
+];
+
+/// The identifiers `expr` mentions for their values, where a gradient can
+/// flow: every mention but the receiver of a method in
+/// [`WITHOUT_GRADIENT`] (`x.shape()`, `x.dims4()?`, `x.detach()`). Nothing,
+/// when the statement's whole value is detached (`... .detach()` last): the
+/// cut is stated.
+pub(crate) fn read_for_value(expr: &Expr) -> Vec<String> {
+    struct Collect(Vec<String>);
+    impl<'ast> Visit<'ast> for Collect {
+        fn visit_expr_method_call(&mut self, m: &'ast syn::ExprMethodCall) {
+            let receiver_is_name = matches!(&*m.receiver, Expr::Path(p)
+                if p.qself.is_none() && p.path.segments.len() == 1);
+            if receiver_is_name && WITHOUT_GRADIENT.contains(&m.method.to_string().as_str()) {
+                for arg in &m.args {
+                    self.visit_expr(arg);
+                }
+            } else {
+                syn::visit::visit_expr_method_call(self, m);
+            }
+        }
+        fn visit_expr_path(&mut self, p: &'ast syn::ExprPath) {
+            if p.qself.is_none() && p.path.segments.len() == 1 {
+                self.0.push(p.path.segments[0].ident.to_string());
+            }
+            syn::visit::visit_expr_path(self, p);
+        }
+        fn visit_macro(&mut self, m: &'ast syn::Macro) {
+            for (name, _) in mentions(&Expr::Macro(syn::ExprMacro {
+                attrs: Vec::new(),
+                mac: m.clone(),
+            })) {
+                self.0.push(name);
+            }
+        }
+    }
+    if detached_whole(expr) {
+        return Vec::new();
+    }
+    let mut c = Collect(Vec::new());
+    c.visit_expr(expr);
+    c.0
+}
+
+/// Whether the value of `expr` is detached last: `(...)?.detach()`.
+fn detached_whole(expr: &Expr) -> bool {
+    match expr {
+        Expr::MethodCall(m) => m.method == "detach",
+        Expr::Paren(p) => detached_whole(&p.expr),
+        Expr::Group(g) => detached_whole(&g.expr),
+        Expr::Try(t) => detached_whole(&t.expr),
+        _ => false,
+    }
+}

@@ -5,6 +5,7 @@ use std::collections::HashSet;
 use candle_core::Tensor;
 
 use crate::backward::Replay;
+use crate::graph::check_cut;
 use crate::random;
 use crate::tape::recorder::{Recorder, Statement};
 use crate::{Inputs, Outputs, Plan, Policy, RematError, Result, StatementInfo};
@@ -138,7 +139,7 @@ impl Ctx {
         inputs: impl Inputs,
         f: impl FnOnce(&[Tensor]) -> std::result::Result<O, E>,
     ) -> Result<O> {
-        self.run(name, Some(policy), false, inputs, f)
+        self.run(name, Some(policy), false, inputs, usize::MAX, f)
     }
 
     /// Runs an *open* statement: one whose policy the region's [`Plan`]
@@ -162,18 +163,22 @@ impl Ctx {
         inputs: impl Inputs,
         f: impl FnOnce(&[Tensor]) -> std::result::Result<O, E>,
     ) -> Result<O> {
-        self.run(name, None, false, inputs, f)
+        self.run(name, None, false, inputs, usize::MAX, f)
     }
 
     /// Every statement method ends here. `declared`: the policy written in
     /// the code, if any; `ferry`: the outputs of a saved statement are
-    /// ferried to the replay.
-    fn run<O: Outputs, E: Into<RematError>>(
+    /// ferried to the replay; `value_inputs`: the first this many inputs are
+    /// read for their values, the rest only for their shapes or detached
+    /// (the `remat!` macro sees which), so that only the first can make an
+    /// untracked output a cut ([`RematError::GradientCut`]).
+    pub(crate) fn run<O: Outputs, E: Into<RematError>>(
         &mut self,
         name: &str,
         declared: Option<Policy>,
         ferry: bool,
         inputs: impl Inputs,
+        value_inputs: usize,
         f: impl FnOnce(&[Tensor]) -> std::result::Result<O, E>,
     ) -> Result<O> {
         let owned = inputs.into_tensors();
@@ -191,7 +196,17 @@ impl Ctx {
             });
         }
         match &mut self.mode {
-            Mode::Plain => f(&owned).map_err(|e| e.in_statement(&self.region, name)),
+            Mode::Plain => {
+                let tracked = owned.iter().take(value_inputs).any(|t| t.track_op());
+                let out = f(&owned).map_err(|e| e.in_statement(&self.region, name))?;
+                if !tracked {
+                    return Ok(out);
+                }
+                let mut tensors = Vec::new();
+                let skeleton = out.split_into(&mut tensors);
+                check_cut(&self.region, name, tracked, &tensors)?;
+                O::join(&mut tensors.into_iter(), &skeleton)
+            }
             Mode::Record(recorder) => {
                 let policy = self.plan.policy(&StatementInfo {
                     region: &self.region,
@@ -204,10 +219,13 @@ impl Ctx {
                     declared,
                     policy,
                     ferry: ferry && policy.keeps_residuals(),
+                    value_inputs,
                 };
                 recorder.statement(statement, inputs, f)
             }
-            Mode::Replay(replay) => replay.statement(&self.region, name, declared, inputs, f),
+            Mode::Replay(replay) => {
+                replay.statement(&self.region, name, declared, inputs, value_inputs, f)
+            }
         }
     }
 
@@ -257,7 +275,7 @@ impl Ctx {
         inputs: impl Inputs,
         f: impl FnOnce(&[Tensor]) -> std::result::Result<O, E>,
     ) -> Result<O> {
-        self.run(name, Some(Policy::Save), true, inputs, f)
+        self.run(name, Some(Policy::Save), true, inputs, usize::MAX, f)
     }
 
     /// Runs a statement whose backward residuals are kept from the forward

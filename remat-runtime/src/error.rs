@@ -71,15 +71,19 @@ pub enum RematError {
         trace: String,
     },
     /// A value a recomputed statement computed again in the replay differs
-    /// from what it computed in the forward (its fingerprint, the sum and
-    /// the sum of magnitudes of a sample of its elements, does not match).
+    /// from what it computed in the forward: its fingerprint, a checksum of
+    /// every element and its position, does not match (bit for bit, or
+    /// within the dtype's tolerance when `bitwise` is false).
     #[error(
         "region `{region}`, statement `{statement}`: output {output} differs between the forward \
-         and the replay (sum and sum of magnitudes of a sample: {forward:?} in the forward, \
-         {replay:?} in the replay), so the gradients would be wrong; a recomputed statement must \
-         compute the same values twice: draw random numbers with `remat_runtime::random` \
-         (candle's `rand`, `randn`, `rand_like` and `candle_nn::ops::dropout` draw anew in the \
-         replay), and do not change parameters between a forward and its backward"
+         and the replay ({}; sum, sum of magnitudes and position-weighted sum: {forward:?} in the \
+         forward, {replay:?} in the replay), so the gradients would be wrong; a recomputed \
+         statement must compute the same values twice: draw random numbers with \
+         `remat_runtime::random` (candle's `rand`, `randn`, `rand_like` and \
+         `candle_nn::ops::dropout` draw anew in the replay), read no state that changes between \
+         the forward and the backward (counters, clocks, tensors changed in place), and do not \
+         change parameters between a forward and its backward",
+        if *.bitwise { "compared bit for bit" } else { "compared within the dtype's tolerance" }
     )]
     ReplayDiverged {
         /// The region's name.
@@ -88,31 +92,64 @@ pub enum RematError {
         statement: String,
         /// Which of its outputs.
         output: usize,
-        /// The fingerprint in the forward.
-        forward: [f32; 2],
-        /// The fingerprint in the replay.
-        replay: [f32; 2],
+        /// Sum, sum of magnitudes and position-weighted sum of the output
+        /// in the forward.
+        forward: [f64; 3],
+        /// The same in the replay.
+        replay: [f64; 3],
+        /// Whether the replay was compared bit for bit (it ran the same
+        /// kernels on the same bits and layouts) or within a tolerance.
+        bitwise: bool,
     },
     /// A parameter the region used changed between the region's forward and
-    /// its backward (its fingerprint does not match).
+    /// its backward (its fingerprint, a checksum of every element, does not
+    /// match bit for bit).
     #[error(
-        "region `{region}`: parameter {index} (shape {shape:?}) changed between the forward and \
-         the backward (sum and sum of magnitudes of a sample: {forward:?} in the forward, \
-         {replay:?} now): an optimizer step or `Var::set` ran before `backward()`, and the \
-         replay would recompute with the new values; run the backward before changing \
-         parameters"
+        "region `{region}`: parameter {index} (shape {shape:?}, first used by statement \
+         `{statement}`) changed between the forward and the backward (sum, sum of magnitudes and \
+         position-weighted sum: {forward:?} in the forward, {replay:?} now): an optimizer step or \
+         `Var::set` ran before `backward()`, and the gradients would mix the old values (kept by \
+         saved statements) with the new ones (read by the replay); run the backward before \
+         changing parameters"
     )]
     ParameterChanged {
         /// The region's name.
         region: String,
+        /// The first statement whose graph used the parameter.
+        statement: String,
         /// Which parameter, in the order the block first used them.
         index: usize,
         /// Its shape.
         shape: Vec<usize>,
-        /// Its fingerprint in the forward.
-        forward: [f32; 2],
-        /// Its fingerprint at the backward.
-        replay: [f32; 2],
+        /// Sum, sum of magnitudes and position-weighted sum in the forward.
+        forward: [f64; 3],
+        /// The same at the backward.
+        replay: [f64; 3],
+    },
+    /// A block input the replay reads changed between the region's forward
+    /// and its backward (its fingerprint, a checksum of every element, does
+    /// not match bit for bit): a tensor changed in place (`slice_set`,
+    /// `Var::set`) after the forward.
+    #[error(
+        "region `{region}`: input {index} of the block (shape {shape:?}, read by statement \
+         `{statement}`) changed between the forward and the backward (sum, sum of magnitudes and \
+         position-weighted sum: {forward:?} in the forward, {replay:?} now); the replay would \
+         recompute with the new values and the gradients would be wrong; do not change a \
+         block's inputs in place before its backward (pass a copy)"
+    )]
+    InputChanged {
+        /// The region's name.
+        region: String,
+        /// The first recomputed statement that reads the input.
+        statement: String,
+        /// Which input of the region, in order.
+        index: usize,
+        /// Its shape.
+        shape: Vec<usize>,
+        /// Sum, sum of magnitudes and position-weighted sum in the forward.
+        forward: [f64; 3],
+        /// The same at the backward.
+        replay: [f64; 3],
     },
     /// The replay finished without running statements the forward ran.
     #[error(
@@ -153,6 +190,27 @@ pub enum RematError {
         region: String,
         /// The statement that read the value.
         statement: String,
+    },
+    /// A statement read a value that needs gradients and gave a
+    /// floating-point output that carries none: an op without a backward
+    /// (candle's fused ops) cut the gradient path, and every gradient
+    /// through that output would be missing without a word.
+    #[error(
+        "region `{region}`, statement `{statement}`: output {output} carries no gradient although \
+         the statement read values that need gradients, so every gradient through it would be \
+         missing; an op without a backward cut the path: candle's `candle_nn::ops::rms_norm`, \
+         `layer_norm`, `softmax_last_dim`, `sdpa`, `rotary_emb::rope`/`rope_i`/`rope_thd` and \
+         `RmsNorm`/`LayerNorm` on contiguous inputs have none: use `remat_runtime::candle_nn`'s \
+         drop-ins (same names and signatures) or `remat_runtime::nn`'s ops; if the cut is \
+         intended, end the statement with `.detach()`"
+    )]
+    GradientCut {
+        /// The region's name.
+        region: String,
+        /// The statement whose output carries no gradient.
+        statement: String,
+        /// Which of its outputs.
+        output: usize,
     },
     /// A backward reached a region whose tape was already released.
     #[error(

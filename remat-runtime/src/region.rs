@@ -208,13 +208,14 @@ impl Region {
             records,
             mut params,
             inputs_read,
+            param_statements,
             fingerprints: output_fingerprints,
         } = recorder.finish(&visible);
         drop(visible);
         let kept_inputs: Vec<Option<Tensor>> = detached
             .iter()
-            .zip(inputs_read)
-            .map(|(t, read)| read.then(|| t.clone()))
+            .zip(&inputs_read)
+            .map(|(t, read)| read.as_ref().map(|_| t.clone()))
             .collect();
         // A `Var` returned as it is keeps its gradient path: it is anchored
         // like every parameter, and the sweep hands it its output's gradient.
@@ -250,17 +251,30 @@ impl Region {
             body(ctx, ins)?.split_into(&mut tensors);
             Ok(tensors)
         });
-        // Parameters first, then the recomputed outputs: one tensor.
+        // Parameters first, then the inputs the replay reads, then the
+        // recomputed outputs: one tensor.
         let fingerprints = match output_fingerprints {
             Some(outputs) => {
+                let read: Vec<(u32, u32)> = inputs_read
+                    .into_iter()
+                    .enumerate()
+                    .filter_map(|(i, r)| Some((i as u32, r?)))
+                    .collect();
                 let mut all = params
                     .iter()
+                    .chain(read.iter().map(|&(i, _)| &detached[i as usize]))
                     .map(fingerprint::of)
                     .collect::<Result<Vec<Tensor>>>()?;
                 all.extend(outputs);
-                (!all.is_empty())
-                    .then(|| Tensor::cat(&all, 0))
-                    .transpose()?
+                let mut statements = param_statements;
+                // A parameter returned as a region output was used by no
+                // statement.
+                statements.resize(params.len(), u32::MAX);
+                Some(fingerprint::Forward {
+                    sums: fingerprint::join(&all)?,
+                    params: statements,
+                    inputs: read,
+                })
             }
             None => None,
         };

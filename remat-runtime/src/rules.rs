@@ -13,7 +13,7 @@
 use candle_core::Tensor;
 
 use crate::__private::Method;
-use crate::{Ctx, Outputs, Result};
+use crate::{Ctx, Outputs, Policy, Result};
 
 /// A value a statement of a `remat!` block can read: every `Clone` type.
 ///
@@ -73,13 +73,15 @@ pub trait Unwrapped {}
 )]
 pub trait StatementValue: Sized {
     /// [`Ctx::open`], [`Ctx::save`], [`Ctx::offload`] or
-    /// [`Ctx::recompute`], by `method`.
+    /// [`Ctx::recompute`], by `method`; `inputs`: the statement's input
+    /// tensors, and how many of the first are read for their values (the
+    /// rest only for their shapes, or detached).
     #[doc(hidden)]
     fn run(
         ctx: &mut Ctx,
         method: Method,
         name: &str,
-        inputs: Vec<Tensor>,
+        inputs: (Vec<Tensor>, usize),
         f: impl FnOnce(&[Tensor]) -> Result<Self>,
     ) -> Result<Self>;
 }
@@ -90,15 +92,16 @@ impl<T: Outputs> StatementValue for T {
         ctx: &mut Ctx,
         method: Method,
         name: &str,
-        inputs: Vec<Tensor>,
+        (inputs, value_inputs): (Vec<Tensor>, usize),
         f: impl FnOnce(&[Tensor]) -> Result<Self>,
     ) -> Result<Self> {
-        match method {
-            Method::Open => ctx.open(name, inputs, f),
-            Method::Save => ctx.save(name, inputs, f),
-            Method::Offload => ctx.offload(name, inputs, f),
-            Method::Recompute => ctx.recompute(name, inputs, f),
-        }
+        let declared = match method {
+            Method::Open => None,
+            Method::Save => Some(Policy::Save),
+            Method::Offload => Some(Policy::Offload),
+            Method::Recompute => Some(Policy::Recompute),
+        };
+        ctx.run(name, declared, false, inputs, value_inputs, f)
     }
 }
 
@@ -109,7 +112,7 @@ impl<T, E> StatementValue for std::result::Result<T, E> {
         _: &mut Ctx,
         _: Method,
         name: &str,
-        _: Vec<Tensor>,
+        _: (Vec<Tensor>, usize),
         _: impl FnOnce(&[Tensor]) -> Result<Self>,
     ) -> Result<Self> {
         Err(candle_core::Error::Msg(format!(

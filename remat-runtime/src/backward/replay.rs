@@ -11,9 +11,9 @@ use std::collections::{HashMap, HashSet};
 use candle_core::{Tensor, TensorId};
 
 use super::sweep::Unit;
-use crate::graph::{check_input, check_reads, make_leaf};
+use crate::graph::{check_cut, check_input, check_reads, make_leaf};
 use crate::inspect::trace::{self, Phase, TraceEvent};
-use crate::tape::fingerprint::{self, Checks, Subject};
+use crate::tape::fingerprint::{self, Checks, Compare, Subject};
 use crate::tape::{Meta, Record};
 use crate::{Outputs, Policy, RematError, Result};
 
@@ -30,6 +30,9 @@ struct Value {
     /// for a recomputed segment, the tracked output kept from the forward for
     /// a saved statement.
     target: Option<Tensor>,
+    /// Its bits are the forward's: a region input, a ferried output, or the
+    /// output of a recomputed statement whose replay was bitwise.
+    bitwise: bool,
 }
 
 /// The block's second run, at the start of the region's backward.
@@ -90,7 +93,7 @@ impl Replay {
         inputs: &[Tensor],
         requires_grad: &[bool],
         params: &[Tensor],
-        fingerprints: Option<Tensor>,
+        fingerprints: Option<fingerprint::Forward>,
         trace: Option<String>,
     ) -> Result<Self> {
         let order = inputs.iter().map(|t| t.id()).collect();
@@ -103,22 +106,41 @@ impl Replay {
                     requires_grad: r,
                     tensor: t.clone(),
                     target: None,
+                    bitwise: true,
                 };
                 (t.id(), v)
             })
             .collect();
-        // Parameters first: a changed parameter is the cause to report.
+        // Parameters first, then inputs: a changed one is the cause to report.
+        let statement = |k: u32| {
+            records
+                .get(k as usize)
+                .map_or_else(|| "(region output)".to_string(), |r| r.name.clone())
+        };
         let checks = match fingerprints {
             Some(forward) => {
-                let replay = params
-                    .iter()
-                    .enumerate()
-                    .map(|(index, p)| {
-                        let shape = p.dims().to_vec();
-                        Ok((Subject::Parameter { index, shape }, fingerprint::of(p)?))
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                Some(Checks { forward, replay })
+                let mut replay = Vec::new();
+                for ((index, p), &k) in params.iter().enumerate().zip(&forward.params) {
+                    let subject = Subject::Parameter {
+                        index,
+                        shape: p.dims().to_vec(),
+                        statement: statement(k),
+                    };
+                    replay.push((subject, fingerprint::of(p)?));
+                }
+                for &(index, k) in &forward.inputs {
+                    let t = &inputs[index as usize];
+                    let subject = Subject::Input {
+                        index: index as usize,
+                        shape: t.dims().to_vec(),
+                        statement: statement(k),
+                    };
+                    replay.push((subject, fingerprint::of(t)?));
+                }
+                Some(Checks {
+                    forward: forward.sums,
+                    replay,
+                })
             }
             None => None,
         };
@@ -196,11 +218,12 @@ impl Replay {
         name: &str,
         declared: Option<Policy>,
         inputs: &[&Tensor],
+        value_inputs: usize,
         f: impl FnOnce(&[Tensor]) -> Result<O>,
     ) -> Result<O> {
         let (k, policy) = self.expect(region, name, declared, inputs)?;
         let out = match policy {
-            Policy::Recompute => self.recompute(region, name, k, inputs, f)?,
+            Policy::Recompute => self.recompute(region, name, k, inputs, value_inputs, f)?,
             Policy::Save | Policy::Offload => self.skip_saved(region, name, k, inputs)?,
         };
         if let Some(label) = &self.trace {
@@ -224,6 +247,7 @@ impl Replay {
         name: &str,
         k: usize,
         inputs: &[&Tensor],
+        value_inputs: usize,
         f: impl FnOnce(&[Tensor]) -> Result<O>,
     ) -> Result<O> {
         for t in inputs {
@@ -247,7 +271,11 @@ impl Replay {
             }
         };
         let mut args = Vec::with_capacity(inputs.len());
+        // The replay computes the forward's bits when every input has the
+        // forward's bits and layout, on the CPU.
+        let mut bitwise = true;
         for (i, t) in inputs.iter().enumerate() {
+            bitwise &= t.device().is_cpu() && self.values.get(&t.id()).is_none_or(|v| v.bitwise);
             match self.values.get(&t.id()) {
                 Some(v) if v.requires_grad && v.unit != Some(u) => {
                     let leaf = match self.open_leaves.get(&t.id()) {
@@ -275,10 +303,13 @@ impl Replay {
                 }
             }
         }
+        bitwise &= fingerprint::layouts(&args) == self.records[k].layouts;
+        let reads_tracked = args.iter().take(value_inputs).any(|t| t.track_op());
         let out = f(&args).map_err(|e| e.in_statement(region, name))?;
         drop(args);
         let mut tensors = Vec::new();
         let skeleton = out.split_into(&mut tensors);
+        check_cut(region, name, reads_tracked, &tensors)?;
         let record = &self.records[k];
         if tensors.len() != record.outputs.len() {
             return Err(RematError::desync(
@@ -312,10 +343,15 @@ impl Replay {
         }
         if let Some(checks) = &mut self.checks {
             for (output, t) in tensors.iter().enumerate() {
+                let compare = if bitwise && t.device().is_cpu() {
+                    Compare::Bitwise
+                } else {
+                    Compare::Within(fingerprint::tolerance(t.dtype()))
+                };
                 let subject = Subject::Output {
                     statement: name.to_string(),
                     output,
-                    tolerance: fingerprint::tolerance(t.dtype()),
+                    compare,
                 };
                 checks.replay.push((subject, fingerprint::of(t)?));
             }
@@ -329,6 +365,7 @@ impl Replay {
                     requires_grad: t.track_op(),
                     tensor: t.clone(),
                     target: Some(t.clone()),
+                    bitwise,
                 };
                 self.values.insert(t.id(), value);
             }
@@ -421,6 +458,7 @@ impl Replay {
                     requires_grad,
                     tensor: value.clone(),
                     target,
+                    bitwise: true,
                 },
             );
             outputs.push(value);

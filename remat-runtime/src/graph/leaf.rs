@@ -45,3 +45,30 @@ pub(crate) fn check_reads(
     }
     Ok(())
 }
+
+/// Checks that a statement that read values needing gradients
+/// (`reads_tracked`) gives no floating-point output that carries none: an
+/// op without a backward would have cut the path without a word. Integer
+/// and boolean outputs (comparisons, `argmax`) carry no gradient by nature.
+/// The forward's, the replay's and a plain run's check.
+pub(crate) fn check_cut(
+    region: &str,
+    statement: &str,
+    reads_tracked: bool,
+    outputs: &[Tensor],
+) -> Result<()> {
+    if !reads_tracked {
+        return Ok(());
+    }
+    match outputs
+        .iter()
+        .position(|t| t.dtype().is_float() && !t.track_op())
+    {
+        Some(output) => Err(RematError::GradientCut {
+            region: region.to_string(),
+            statement: statement.to_string(),
+            output,
+        }),
+        None => Ok(()),
+    }
+}

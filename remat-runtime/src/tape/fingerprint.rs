@@ -1,39 +1,32 @@
-//! Fingerprints: a small, evenly spaced sample of a value, taken in the
-//! forward and compared in the replay. A replay that computes other values
-//! than its forward (a random op outside [`crate::random`], a parameter
-//! changed between the forward and the backward) is then an error that
-//! names the statement, instead of wrong gradients.
+//! Fingerprints: a checksum of every element of a value (and of its
+//! position), taken in the forward and compared in the replay. A replay
+//! that computes other values than its forward (a random op outside
+//! [`crate::random`], a parameter or a block input changed between the
+//! forward and the backward, state read from outside the block) is then an
+//! error that names the statement, instead of wrong gradients.
 //!
-//! Two kinds, both computed on the value's device, so that taking one never
-//! waits for the device; a region's are compared once per replay, in one
-//! transfer to the host:
+//! What is fingerprinted, each on its device ([`checksum`](super::checksum)),
+//! all of a region compared once per replay in one transfer to the host:
 //!
-//! * a recomputed statement's output: `[sum, sum of magnitudes]` of up to
-//!   [`VALUE_SAMPLE`] evenly spaced elements. It matches when both differ
-//!   by at most `tol` times the sum of magnitudes, `tol` set by the dtype
-//!   ([`tolerance`]). The same kernels on the same data agree bit for bit,
-//!   but a replay may see a value as a contiguous leaf copy where the
-//!   forward saw a strided view (a reduction then sums in another order),
-//!   and CUDA kernels with atomics sum in no fixed order: the tolerance
-//!   is 100 times that noise or more. Dropout with p = 0.1 moves these sums
-//!   by about 2 %; a parameter update of 1e-3 (relative) by about 1e-3;
-//! * a parameter: the same two sums, compared exactly: nothing recomputes a
-//!   parameter, and the same kernel summing the same data gives the same
-//!   bits, while an update changes every element.
+//! * every parameter the block used, at the end of the forward: compared
+//!   bit for bit (nothing recomputes a parameter);
+//! * every block input the replay reads (a mask, a bias table): bit for
+//!   bit too;
+//! * every output of a recomputed statement: bit for bit when the replay
+//!   runs the same kernels on the same bits with the same layouts (on the
+//!   CPU, when every input of the statement is bitwise the forward's and
+//!   laid out as in the forward), otherwise within a tolerance set by the
+//!   dtype ([`tolerance`]): a replay may read a value through a contiguous
+//!   leaf copy where the forward read a strided view (a reduction then sums
+//!   in another order), and some CUDA kernels sum in no fixed order.
 //!
-//! The replay collects its own in [`Checks`] and compares them with the
-//! forward's when it ends ([`Checks::compare`]).
-//!
-//! A region's fingerprints are kept in one tensor on its tape (8 bytes per
-//! parameter and per recomputed output), not one per statement.
+//! A region's fingerprints are kept in one tensor on its tape (32 bytes per
+//! parameter, read input and recomputed output), not one per statement.
 
 use candle_core::{DType, Tensor};
 
 use crate::ambient::{scoped, FINGERPRINTS_OFF};
 use crate::{RematError, Result};
-
-/// Elements of a recomputed output summed into its fingerprint.
-pub(crate) const VALUE_SAMPLE: usize = 256;
 
 /// Whether forwards on this thread take fingerprints.
 pub(crate) fn enabled() -> bool {
@@ -42,10 +35,10 @@ pub(crate) fn enabled() -> bool {
 
 /// Runs `f` with the replay check by fingerprints off for the region calls
 /// whose forward runs in it: their replays are not compared with their
-/// forwards. The check costs two sums over a sample of 256 elements per
-/// output of a recomputed statement, in the forward and in the replay, and
-/// the same per parameter; turn it off only when a
-/// measurement says it matters.
+/// forwards. The check reads every element of every parameter, block input
+/// the replay reads and recomputed output once in the forward and once in
+/// the replay (see `docs/performance.md` for what that costs); turn it off
+/// only when a measurement says it matters.
 ///
 /// ```
 /// use candle_core::{DType, Device, Var};
@@ -69,50 +62,91 @@ pub fn without_fingerprints<R>(f: impl FnOnce() -> R) -> R {
     )
 }
 
-/// Up to `n` elements of `t`, evenly spaced in its row-major order, as a
-/// 1-D `f32` tensor with a storage of its own.
-fn sample(t: &Tensor, n: usize) -> Result<Tensor> {
-    let flat = t.detach().flatten_all()?;
-    let elems = flat.elem_count();
-    let sample = if elems > n {
-        let stride = elems / n;
-        flat.narrow(0, 0, n * stride)?
-            .reshape((n, stride))?
-            .narrow(1, 0, 1)?
-            .squeeze(1)?
-    } else {
-        flat
-    };
-    // A new storage of the sample's size in any case: the fingerprint must
-    // not hold the value's storage (`Tensor::copy` would clone all of it).
-    Ok(sample.to_dtype(DType::F32)?.affine(1.0, 0.0)?)
-}
-
-/// The fingerprint of a value (a recomputed output or a parameter):
-/// `[sum, sum of magnitudes]` of its sample, on its device.
+/// The fingerprint of a value: its [`checksum`](super::checksum::of).
 pub(crate) fn of(t: &Tensor) -> Result<Tensor> {
-    let s = sample(t, VALUE_SAMPLE)?;
-    Ok(Tensor::stack(&[s.sum_all()?, s.abs()?.sum_all()?], 0)?)
+    super::checksum::of(t)
 }
 
-/// The relative tolerance of a recomputed output's fingerprint, by its
-/// dtype (outputs are summed as `f32`).
-pub(crate) fn tolerance(dtype: DType) -> f32 {
+/// The forward's fingerprints of a region call, and what each is of.
+#[derive(Clone)]
+pub(crate) struct Forward {
+    /// One after the other: the parameters' (at the end of the forward),
+    /// the read inputs', then every output of every recomputed statement,
+    /// in order.
+    pub sums: Tensor,
+    /// Per parameter: the record of the first statement that used it
+    /// (`u32::MAX`: none, a parameter returned as a region output).
+    pub params: Vec<u32>,
+    /// The region inputs the replay reads: index, and the record of the
+    /// first recomputed statement that reads it.
+    pub inputs: Vec<(u32, u32)>,
+}
+
+/// Fingerprints as one tensor, on the device of the first (a block may use
+/// several devices).
+pub(crate) fn join(parts: &[Tensor]) -> Result<Tensor> {
+    let Some(first) = parts.first() else {
+        return Ok(Tensor::zeros(0, DType::F64, &candle_core::Device::Cpu)?);
+    };
+    let on_one: Vec<Tensor> = parts
+        .iter()
+        .map(|t| t.to_device(first.device()))
+        .collect::<candle_core::Result<_>>()?;
+    Ok(Tensor::cat(&on_one, 0)?)
+}
+
+/// A key of the layouts (shape, strides, offset, device) of the values a
+/// statement runs on: the replay of a statement whose inputs have the
+/// forward's bits and key runs the same kernels on the same memory order.
+pub(crate) fn layouts(args: &[Tensor]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for t in args {
+        let l = t.layout();
+        (l.dims(), l.stride(), l.start_offset(), t.dtype().as_str()).hash(&mut h);
+        format!("{:?}", t.device().location()).hash(&mut h);
+    }
+    h.finish()
+}
+
+/// The relative tolerance of a recomputed output whose replay is not
+/// bitwise the forward's, by its dtype: a bound on how far a legitimate
+/// replay (the same math, summed in another order) moves the sums, relative
+/// to the sum of magnitudes. A reordered reduction moves each element by a
+/// few units in the last place of the values it sums; the bounds are 100
+/// times that or more. Dropout with p = 0.1 moves the sums by about 2 %, a
+/// parameter update of 1e-3 (relative) by about 1e-3.
+pub(crate) fn tolerance(dtype: DType) -> f64 {
     match dtype {
-        DType::F64 => 1e-6,
+        DType::F64 => 1e-9,
         DType::F32 => 1e-5,
         DType::F16 => 1e-3,
         DType::BF16 => 8e-3,
-        // Integers and 8-bit floats: equal, or off by rounding.
-        _ => 1e-5,
+        // Integers: equal; 8-bit floats: rounding.
+        _ => 1e-2,
     }
 }
 
-/// Whether the replay's `[sum, sum of magnitudes]` matches the forward's.
-pub(crate) fn values_match(forward: [f32; 2], replay: [f32; 2], tol: f32) -> bool {
-    let scale = tol * forward[1].abs().max(replay[1].abs());
-    let close = |a: f32, b: f32| a == b || (a.is_nan() && b.is_nan()) || (a - b).abs() <= scale;
-    close(forward[0], replay[0]) && close(forward[1], replay[1])
+/// How a recomputed output is compared with its forward.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Compare {
+    /// Bit for bit: the replay ran the same kernels on the same bits.
+    Bitwise,
+    /// The sums within this fraction of the sum of magnitudes.
+    Within(f64),
+}
+
+/// Whether two fingerprints (see [`super::checksum`]) match under `how`.
+pub(crate) fn matches(forward: &[f64], replay: &[f64], how: Compare) -> bool {
+    let same = |a: f64, b: f64| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+    match how {
+        Compare::Bitwise => forward.iter().zip(replay).all(|(&a, &b)| same(a, b)),
+        Compare::Within(tol) => {
+            let scale = tol * forward[2].abs().max(replay[2].abs());
+            let close = |a: f64, b: f64| same(a, b) || a == b || (a - b).abs() <= scale;
+            [1, 2, 3].iter().all(|&i| close(forward[i], replay[i]))
+        }
+    }
 }
 
 /// What a fingerprint is of, for the error that names it.
@@ -120,12 +154,24 @@ pub(crate) enum Subject {
     Output {
         statement: String,
         output: usize,
-        tolerance: f32,
+        compare: Compare,
     },
     Parameter {
         index: usize,
         shape: Vec<usize>,
+        statement: String,
     },
+    Input {
+        index: usize,
+        shape: Vec<usize>,
+        statement: String,
+    },
+}
+
+/// The sums a checksum reports in errors: sum, sum of magnitudes,
+/// position-weighted sum.
+fn reported(f: &[f64]) -> [f64; 3] {
+    [f[1], f[2], f[3]]
 }
 
 /// The replay's fingerprints, to compare with the forward's when the replay
@@ -140,17 +186,19 @@ pub(crate) struct Checks {
 impl Checks {
     /// Compares the forward's fingerprints with the replay's, in one
     /// transfer to the host for the whole region (no wait on the device
-    /// per statement).
+    /// per statement). The first mismatch in order is reported:
+    /// parameters, then inputs, then outputs, so that a cause is named
+    /// before its effects.
     pub fn compare(self, region: &str) -> Result<()> {
         let Checks {
             forward,
             replay: parts,
         } = self;
-        let replay: Vec<&Tensor> = parts.iter().map(|(_, t)| t).collect();
-        if replay.is_empty() {
+        if parts.is_empty() {
             return Ok(());
         }
-        let replay = Tensor::cat(&replay, 0)?;
+        let replay: Vec<Tensor> = parts.iter().map(|(_, t)| t.clone()).collect();
+        let replay = join(&replay)?.to_device(forward.device())?;
         if replay.elem_count() != forward.elem_count() {
             // The replay ran other statements: an error said so already, unless
             // the tape was taken under another plan.
@@ -160,37 +208,57 @@ impl Checks {
                 format!("{}", replay.elem_count()),
             ));
         }
-        let both = Tensor::stack(&[&forward, &replay], 0)?.to_vec2::<f32>()?;
-        let (forward, replay) = (&both[0], &both[1]);
-        let mut start = 0;
-        for (subject, t) in parts {
-            let end = start + t.elem_count();
-            let (f, r) = (&forward[start..end], &replay[start..end]);
-            start = end;
+        let both = Tensor::stack(&[&forward, &replay], 0)?.to_vec2::<f64>()?;
+        let words = super::checksum::WORDS;
+        for (k, (subject, _)) in parts.into_iter().enumerate() {
+            let (f, r) = (&both[0][k * words..][..words], &both[1][k * words..][..words]);
+            let region = region.to_string();
             match subject {
                 Subject::Output {
                     statement,
                     output,
-                    tolerance,
+                    compare,
                 } => {
-                    if !values_match([f[0], f[1]], [r[0], r[1]], tolerance) {
+                    if !matches(f, r, compare) {
                         return Err(RematError::ReplayDiverged {
-                            region: region.to_string(),
+                            region,
                             statement,
                             output,
-                            forward: [f[0], f[1]],
-                            replay: [r[0], r[1]],
+                            forward: reported(f),
+                            replay: reported(r),
+                            bitwise: compare == Compare::Bitwise,
                         });
                     }
                 }
-                Subject::Parameter { index, shape } => {
-                    if !values_match([f[0], f[1]], [r[0], r[1]], 0.0) {
+                Subject::Parameter {
+                    index,
+                    shape,
+                    statement,
+                } => {
+                    if !matches(f, r, Compare::Bitwise) {
                         return Err(RematError::ParameterChanged {
-                            region: region.to_string(),
+                            region,
+                            statement,
                             index,
                             shape,
-                            forward: [f[0], f[1]],
-                            replay: [r[0], r[1]],
+                            forward: reported(f),
+                            replay: reported(r),
+                        });
+                    }
+                }
+                Subject::Input {
+                    index,
+                    shape,
+                    statement,
+                } => {
+                    if !matches(f, r, Compare::Bitwise) {
+                        return Err(RematError::InputChanged {
+                            region,
+                            statement,
+                            index,
+                            shape,
+                            forward: reported(f),
+                            replay: reported(r),
                         });
                     }
                 }
@@ -203,39 +271,20 @@ impl Checks {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::Device;
 
     #[test]
-    fn a_sample_is_evenly_spaced_and_owns_its_storage() {
-        let t = Tensor::arange(0f32, 1280.0, &Device::Cpu)
-            .unwrap()
-            .reshape((10, 128))
-            .unwrap();
-        let s = sample(&t, VALUE_SAMPLE).unwrap();
-        assert_eq!(&s.to_vec1::<f32>().unwrap()[..3], &[0.0, 5.0, 10.0]);
-        let (storage, _) = s.storage_and_layout();
-        match &*storage {
-            candle_core::Storage::Cpu(s) => {
-                assert_eq!(s.as_slice::<f32>().unwrap().len(), VALUE_SAMPLE)
-            }
-            _ => unreachable!("a CPU tensor"),
-        }
-        let small = Tensor::new(&[1.5f64, -2.0], &Device::Cpu).unwrap();
-        assert_eq!(
-            of(&small).unwrap().to_vec1::<f32>().unwrap(),
-            vec![-0.5, 3.5]
-        );
-    }
-
-    #[test]
-    fn noise_matches_and_changes_do_not() {
-        let f = [0.5f32, 300.0];
-        assert!(values_match(f, [0.5 + 1e-4, 300.0 - 1e-4], 1e-5));
-        assert!(!values_match(f, [0.5 + 0.1, 300.0], 1e-5));
-        assert!(!values_match(f, [0.5, 306.0], 1e-5));
-        assert!(values_match([f32::NAN, 1.0], [f32::NAN, 1.0], 1e-5));
-        // Parameters are compared exactly.
-        assert!(values_match([1.0, 2.0], [1.0, 2.0], 0.0));
-        assert!(!values_match([1.0, 2.0], [1.0, 2.0 + 2.5e-7], 0.0));
+    fn noise_matches_within_and_changes_do_not() {
+        let f = [1.0, 0.5, 300.0, 100.0];
+        let noisy = [7.0, 0.5 + 1e-4, 300.0 - 1e-4, 100.0 + 1e-4];
+        assert!(matches(&f, &noisy, Compare::Within(1e-5)));
+        assert!(!matches(&f, &noisy, Compare::Bitwise));
+        assert!(!matches(&f, &[1.0, 0.6, 300.0, 100.0], Compare::Within(1e-5)));
+        assert!(!matches(&f, &[1.0, 0.5, 300.0, 100.1], Compare::Within(1e-5)));
+        assert!(matches(&f, &f, Compare::Bitwise));
+        let nan = [0.0, f64::NAN, f64::NAN, f64::NAN];
+        assert!(matches(&nan, &nan, Compare::Within(1e-5)));
+        assert!(matches(&nan, &nan, Compare::Bitwise));
+        // The hash off: bitwise refuses.
+        assert!(!matches(&f, &[3.0, 0.5, 300.0, 100.0], Compare::Bitwise));
     }
 }

@@ -5,9 +5,11 @@
 //! * `recorder`: the forward, which runs the block and writes the records;
 //! * `bytes`: the one rule for counting what a tape holds, shared by the
 //!   memory report, the budget planner, the trace and offload;
-//! * `fingerprint`: samples of values the replay must compute again.
+//! * `fingerprint`: what the replay check compares, and how;
+//! * `checksum`: the checksum of every element of a value.
 
 pub(crate) mod bytes;
+pub(crate) mod checksum;
 pub(crate) mod fingerprint;
 pub(crate) mod recorder;
 
@@ -112,6 +114,10 @@ pub(crate) struct Record {
     /// Bit `j`: output `j` needed gradients in the forward (outputs past the
     /// 64th are taken to).
     pub outputs_need_grad: u64,
+    /// For a recomputed statement: the layouts of the values it ran on in
+    /// the forward ([`fingerprint::layouts`]); a replay on the same bits in
+    /// the same layouts computes the same bits (on the CPU).
+    pub layouts: u64,
     /// `Some` exactly for `Save` and `Offload` statements (boxed: most
     /// records of a recomputing tape have none, and every byte of a record
     /// is held for as long as the tape).
@@ -160,10 +166,8 @@ pub(crate) struct Tape {
     pub records: Vec<Record>,
     /// The parameters (`Var`s) the block used, in order of first use.
     pub params: Vec<Tensor>,
-    /// The forward's fingerprints, one after the other: the parameters'
-    /// (at the end of the forward), then every output of every recomputed
-    /// statement, in order (`None` when the forward took none).
-    pub fingerprints: Option<Tensor>,
+    /// The forward's fingerprints (`None` when the forward took none).
+    pub fingerprints: Option<fingerprint::Forward>,
     pub outputs: Vec<Meta>,
     /// The plan the forward ran under: the replay runs under it too.
     pub plan: Plan,

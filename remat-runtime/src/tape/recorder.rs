@@ -20,7 +20,7 @@ use super::bytes::{Counter, Seen};
 use super::fingerprint;
 use super::{Meta, Profile, Record, Saved, Source};
 use crate::ambient::CAPTURES_CHECKED;
-use crate::graph::{check_input, check_reads, make_leaf};
+use crate::graph::{check_cut, check_input, check_reads, make_leaf};
 use crate::inspect::trace::{self, Phase, TraceEvent};
 use crate::{Outputs, Policy, Result};
 
@@ -41,6 +41,8 @@ pub(crate) struct Statement<'a> {
     /// The outputs of a saved statement are ferried to the replay whatever
     /// reads them (`Ctx::save_ferried`).
     pub ferry: bool,
+    /// The first this many inputs are read for their values (`Ctx::run`).
+    pub value_inputs: usize,
 }
 
 /// What the statement's code returned: its tensors (still attached to the
@@ -60,8 +62,11 @@ pub(crate) struct Recorded {
     pub records: Vec<Record>,
     /// The parameters the block used, in order of first use.
     pub params: Vec<Tensor>,
-    /// Per region input: does the replay read it?
-    pub inputs_read: Vec<bool>,
+    /// Per region input: the record of the first recomputed statement that
+    /// reads it (the replay reads it), if any.
+    pub inputs_read: Vec<Option<u32>>,
+    /// Per parameter: the record of the first statement whose graph used it.
+    pub param_statements: Vec<u32>,
     /// The fingerprints of the recomputed outputs, in order, when taken.
     pub fingerprints: Option<Vec<Tensor>>,
 }
@@ -76,8 +81,9 @@ pub(crate) struct Recorder {
     saved_outputs: HashMap<TensorId, (usize, usize)>,
     /// Saved outputs a recomputed statement reads: ferried to the replay.
     ferried: HashSet<(usize, usize)>,
-    /// Every value a recomputed statement reads: what the replay reads.
-    replay_reads: HashSet<TensorId>,
+    /// Every value a recomputed statement reads (what the replay reads),
+    /// with the first record that reads it.
+    replay_reads: HashMap<TensorId, usize>,
     records: Vec<Record>,
     leaf_ids: HashSet<TensorId>,
     /// The leaf copy of each value saved statements read: one per value in
@@ -85,6 +91,8 @@ pub(crate) struct Recorder {
     /// their graphs move to the host whole).
     shared_leaves: HashMap<TensorId, Tensor>,
     params: Vec<Tensor>,
+    /// Per parameter: the record whose graph used it first.
+    param_first: Vec<usize>,
     param_ids: HashSet<TensorId>,
     /// First record of the run of chained saved records that ends with the
     /// last record, if the last record is a saved one with a graph.
@@ -140,11 +148,12 @@ impl Recorder {
             producers: HashMap::new(),
             saved_outputs: HashMap::new(),
             ferried: HashSet::new(),
-            replay_reads: HashSet::new(),
+            replay_reads: HashMap::new(),
             records: Vec::new(),
             leaf_ids: value_leaves.clone(),
             shared_leaves: HashMap::new(),
             params: Vec::new(),
+            param_first: Vec::new(),
             param_ids: HashSet::new(),
             chain: None,
             profile,
@@ -183,8 +192,9 @@ impl Recorder {
                 seconds,
             })
         };
+        let mut layouts = 0;
         let (outputs, saved, ran) = match s.policy {
-            Policy::Recompute => self.recompute(&s, inputs, &needs, run)?,
+            Policy::Recompute => self.recompute(&s, inputs, &needs, &mut layouts, run)?,
             Policy::Save | Policy::Offload => self.save(&s, inputs, &needs, run)?,
         };
         if let (Policy::Recompute, Some(fingerprints)) = (s.policy, &mut self.fingerprints) {
@@ -207,6 +217,7 @@ impl Recorder {
             inputs: inputs.iter().map(|t| Meta::of(t)).collect(),
             outputs: outputs.iter().map(Meta::of).collect(),
             outputs_need_grad,
+            layouts,
             saved,
             profile: self.profile.then(|| {
                 Box::new(Profile {
@@ -226,15 +237,18 @@ impl Recorder {
         s: &Statement,
         inputs: &[&Tensor],
         needs: &[bool],
+        layouts: &mut u64,
         run: impl FnOnce(&[Tensor]) -> Result<Ran<S>>,
     ) -> Result<Taken<S>> {
+        let index = self.records.len();
         for t in inputs {
-            self.replay_reads.insert(t.id());
+            self.replay_reads.entry(t.id()).or_insert(index);
             if let Some(&output) = self.saved_outputs.get(&t.id()) {
                 self.ferried.insert(output);
             }
         }
         let args: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
+        *layouts = fingerprint::layouts(&args);
         let mut ran = run(&args)?;
         self.check_captures(s, &args, &ran.tensors)?;
         let any_input = needs.iter().any(|&n| n);
@@ -292,6 +306,8 @@ impl Recorder {
         }
         let mut ran = run(&args)?;
         self.check_captures(s, &args, &ran.tensors)?;
+        let reads_tracked = needs.iter().take(s.value_inputs).any(|&n| n);
+        check_cut(s.region, s.name, reads_tracked, &ran.tensors)?;
         drop(args);
         let tracked = std::mem::take(&mut ran.tensors);
         let mut outputs = Vec::with_capacity(tracked.len());
@@ -415,6 +431,7 @@ impl Recorder {
                 && self.param_ids.insert(node.id())
             {
                 self.params.push(node.clone());
+                self.param_first.push(self.records.len());
             }
         }
     }
@@ -445,8 +462,9 @@ impl Recorder {
     pub fn finish(mut self, inputs: &[Tensor]) -> Recorded {
         let inputs_read = inputs
             .iter()
-            .map(|t| self.replay_reads.contains(&t.id()))
+            .map(|t| self.replay_reads.get(&t.id()).map(|&k| k as u32))
             .collect();
+        let param_statements = self.param_first.iter().map(|&k| k as u32).collect();
         for (k, record) in self.records.iter_mut().enumerate() {
             if let Some(saved) = record.saved.as_mut() {
                 for (j, ferried) in saved.ferried.iter_mut().enumerate() {
@@ -463,6 +481,7 @@ impl Recorder {
             records: self.records,
             params: self.params,
             inputs_read,
+            param_statements,
             fingerprints: self.fingerprints,
         }
     }

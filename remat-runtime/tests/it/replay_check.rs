@@ -1,0 +1,406 @@
+//! The replay check sees every element: each change between a forward and
+//! its backward that would make a gradient wrong is an error naming the
+//! region and the statement, and no legitimate replay is refused.
+//!
+//! Every case runs in f32 and f64 against an independent computation
+//! (plain candle) where it must pass.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor, Var, D};
+use remat_runtime::{backward, remat, Plan, Region, RematError};
+
+use crate::common::{rel_diff, tensor, var};
+
+const DTYPES: [DType; 2] = [DType::F32, DType::F64];
+
+/// A block reading weight `w` in a statement under `policy`.
+fn linear_tanh(x: &Var, w: &Var, saved: bool) -> Tensor {
+    let wt = w.as_tensor().clone();
+    Region::new("blk")
+        .run(&[x.as_tensor()], move |ctx, ins| {
+            let w = wt.clone();
+            let f = move |t: &[Tensor]| t[0].matmul(&w)?.tanh();
+            let h = if saved {
+                ctx.save("h", &[&ins[0]], f)?
+            } else {
+                ctx.recompute("h", &[&ins[0]], f)?
+            };
+            ctx.recompute("loss", &[&h], |t| t[0].sqr()?.sum_all())
+        })
+        .unwrap()
+}
+
+fn set_element(w: &Var, row: usize, col: usize, value: f64) {
+    let mut v = w.as_tensor().to_dtype(DType::F64).unwrap().to_vec2::<f64>().unwrap();
+    v[row][col] = value;
+    let t = Tensor::new(v, &Device::Cpu).unwrap().to_dtype(w.dtype()).unwrap();
+    w.set(&t).unwrap();
+}
+
+fn swap_elements(w: &Var, a: (usize, usize), b: (usize, usize)) {
+    let mut v = w.as_tensor().to_dtype(DType::F64).unwrap().to_vec2::<f64>().unwrap();
+    let (va, vb) = (v[a.0][a.1], v[b.0][b.1]);
+    v[a.0][a.1] = vb;
+    v[b.0][b.1] = va;
+    let t = Tensor::new(v, &Device::Cpu).unwrap().to_dtype(w.dtype()).unwrap();
+    w.set(&t).unwrap();
+}
+
+fn assert_parameter_changed(e: &RematError, statement_name: &str) {
+    assert!(
+        matches!(e, RematError::ParameterChanged { region, statement, shape, .. }
+            if region == "blk" && statement == statement_name && shape == &[32, 32]),
+        "{e:?}"
+    );
+}
+
+#[test]
+fn one_element_of_a_weight_changed_is_caught_saved_or_recomputed() {
+    for dtype in DTYPES {
+        for saved in [true, false] {
+            for (row, col) in [(0, 0), (17, 5), (31, 31)] {
+                let x = var(&[8, 32], 1, 1.0, dtype);
+                let w = var(&[32, 32], 2, 0.2, dtype);
+                let y = linear_tanh(&x, &w, saved);
+                let old: f64 = w.as_tensor().to_dtype(DType::F64).unwrap().to_vec2::<f64>().unwrap()
+                    [row][col];
+                set_element(&w, row, col, old + 0.25);
+                let e = backward(&y).unwrap_err();
+                assert_parameter_changed(&e, "h");
+                assert!(e.to_string().contains("statement `h`"), "{e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn the_smallest_change_of_one_element_is_caught() {
+    // One unit in the last place of one element of a 32x32 weight.
+    for dtype in DTYPES {
+        let x = var(&[8, 32], 1, 1.0, dtype);
+        let w = var(&[32, 32], 2, 0.2, dtype);
+        let y = linear_tanh(&x, &w, true);
+        let mut v = w.as_tensor().flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap();
+        v[700] = match dtype {
+            DType::F32 => f32::from_bits((v[700] as f32).to_bits() + 1) as f64,
+            _ => f64::from_bits(v[700].to_bits() + 1),
+        };
+        let t = Tensor::from_vec(v, (32, 32), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+        w.set(&t).unwrap();
+        assert_parameter_changed(&backward(&y).unwrap_err(), "h");
+    }
+}
+
+#[test]
+fn two_elements_of_a_weight_swapped_are_caught() {
+    for dtype in DTYPES {
+        for saved in [true, false] {
+            for (a, b) in [((0, 0), (0, 1)), ((3, 7), (7, 3)), ((0, 5), (31, 5))] {
+                let x = var(&[8, 32], 1, 1.0, dtype);
+                let w = var(&[32, 32], 2, 0.2, dtype);
+                let y = linear_tanh(&x, &w, saved);
+                swap_elements(&w, a, b);
+                assert_parameter_changed(&backward(&y).unwrap_err(), "h");
+            }
+        }
+    }
+}
+
+#[test]
+fn an_unchanged_weight_set_again_passes() {
+    // `Var::set` with the same values: no change, no error, plain gradients.
+    for dtype in DTYPES {
+        let x = var(&[8, 32], 1, 1.0, dtype);
+        let w = var(&[32, 32], 2, 0.2, dtype);
+        let y = linear_tanh(&x, &w, true);
+        w.set(&w.as_tensor().copy().unwrap()).unwrap();
+        let g = backward(&y).unwrap();
+        let plain = x.as_tensor().matmul(w.as_tensor()).unwrap().tanh().unwrap().sqr().unwrap().sum_all().unwrap();
+        let pg = plain.backward().unwrap();
+        assert!(rel_diff(g.get(&w).unwrap(), pg.get(&w).unwrap()) < 1e-6);
+        assert!(rel_diff(g.get(&x).unwrap(), pg.get(&x).unwrap()) < 1e-6);
+    }
+}
+
+/// A statement that gives its input reversed along the last dimension on
+/// every call but the first: the same values in another order.
+fn reversing_block(x: &Var, calls: Arc<AtomicUsize>, transposed_input: bool) -> Tensor {
+    Region::new("blk")
+        .run(&[x.as_tensor()], move |ctx, ins| {
+            let calls = calls.clone();
+            let h = ctx.save("h", &[&ins[0]], |t| {
+                let h = t[0].tanh()?;
+                if transposed_input {
+                    h.t()
+                } else {
+                    Ok(h)
+                }
+            })?;
+            let r = ctx.recompute("order", &[&h], move |t| {
+                let n = t[0].dim(D::Minus1)?;
+                if calls.fetch_add(1, Ordering::SeqCst) == 0 {
+                    t[0].exp()
+                } else {
+                    let idx = Tensor::arange(0u32, n as u32, t[0].device())?
+                        .affine(-1.0, (n - 1) as f64)?;
+                    t[0].exp()?.index_select(&idx, D::Minus1)
+                }
+            })?;
+            ctx.save("loss", &[&r], |t| {
+                let n = t[0].dim(D::Minus1)?;
+                let w = Tensor::arange(0f32, n as f32, t[0].device())?.to_dtype(t[0].dtype())?;
+                t[0].broadcast_mul(&w)?.sum_all()
+            })
+        })
+        .unwrap()
+}
+
+#[test]
+fn a_replay_giving_the_same_values_in_another_order_is_caught() {
+    for dtype in DTYPES {
+        // Read in the forward's layout (compared bit for bit) and through a
+        // contiguous copy of a transposed view (compared within tolerance).
+        for transposed in [false, true] {
+            let x = var(&[6, 10], 3, 1.0, dtype);
+            let y = reversing_block(&x, Arc::new(AtomicUsize::new(0)), transposed);
+            let e = backward(&y).unwrap_err();
+            assert!(
+                matches!(&e, RematError::ReplayDiverged { region, statement, output: 0, bitwise, .. }
+                    if region == "blk" && statement == "order" && *bitwise == !transposed),
+                "{dtype:?} transposed {transposed}: {e:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_replay_off_by_one_ulp_is_caught_where_it_is_compared_bit_for_bit() {
+    // A statement that reads a counter and adds a tiny amount on the replay:
+    // bit for bit, any change is caught.
+    for dtype in DTYPES {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let x = var(&[4, 8], 5, 1.0, dtype);
+        let y = Region::new("blk")
+            .run(&[x.as_tensor()], move |ctx, ins| {
+                let calls = calls.clone();
+                let h = ctx.recompute("h", &[&ins[0]], move |t| {
+                    let tiny = if calls.fetch_add(1, Ordering::SeqCst) == 0 { 0.0 } else { 1e-30 };
+                    t[0].tanh()?.affine(1.0, tiny)
+                })?;
+                ctx.save("loss", &[&h], |t| t[0].sqr()?.sum_all())
+            })
+            .unwrap();
+        // 1e-30 added to values of magnitude ~0.5 changes no f32 and no
+        // f64 value: no change, no error.
+        assert!(backward(&y).is_ok(), "{dtype:?}");
+
+        let calls = Arc::new(AtomicUsize::new(0));
+        let y = Region::new("blk")
+            .run(&[x.as_tensor()], move |ctx, ins| {
+                let calls = calls.clone();
+                let h = ctx.recompute("h", &[&ins[0]], move |t| {
+                    let h = t[0].tanh()?;
+                    if calls.fetch_add(1, Ordering::SeqCst) == 0 {
+                        return Ok(h);
+                    }
+                    // The smallest change: one element one ulp up (adding
+                    // the gap to the next value is exact).
+                    let v = h.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+                    let gap = match h.dtype() {
+                        DType::F32 => {
+                            let a = v[13] as f32;
+                            (f32::from_bits(a.to_bits() + 1) - a) as f64
+                        }
+                        _ => f64::from_bits(v[13].to_bits() + 1) - v[13],
+                    };
+                    let mut delta = vec![0.0; v.len()];
+                    delta[13] = gap;
+                    let delta = Tensor::from_vec(delta, h.shape(), h.device())?.to_dtype(h.dtype())?;
+                    h + delta
+                })?;
+                ctx.save("loss", &[&h], |t| t[0].sqr()?.sum_all())
+            })
+            .unwrap();
+        let e = backward(&y).unwrap_err();
+        assert!(
+            matches!(&e, RematError::ReplayDiverged { statement, bitwise: true, .. } if statement == "h"),
+            "{dtype:?}: {e:?}"
+        );
+    }
+}
+
+#[derive(Clone)]
+struct Masked {
+    mask: Tensor,
+}
+
+remat! {
+    fn masked_scores(q: &Tensor, k: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
+        let scores = q.matmul(&k.t()?)?;
+        let s = scores.broadcast_add(mask)?;
+        let p = candle_nn::ops::softmax(&s, D::Minus1)?;
+        let loss = (p.sqr()?.sum_all()? + s.sqr()?.sum_all()?)?;
+        Ok(loss)
+    }
+}
+
+remat! {
+    fn masked_by_field(q: &Tensor, k: &Tensor, m: &Masked) -> candle_core::Result<Tensor> {
+        let scores = q.matmul(&k.t()?)?;
+        let s = scores.broadcast_add(&m.mask)?;
+        let loss = s.exp()?.sum_all()?;
+        Ok(loss)
+    }
+}
+
+fn padding_mask(t: usize, s: usize, dtype: DType) -> Tensor {
+    // 0 on the first s - 2 keys, -1e9 on the last two.
+    let v: Vec<f64> = (0..t * s).map(|i| if i % s >= s - 2 { -1e9 } else { 0.0 }).collect();
+    Tensor::from_vec(v, (t, s), &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
+}
+
+#[test]
+fn one_column_of_a_mask_changed_in_place_is_caught() {
+    for dtype in DTYPES {
+        for plan in [Plan::recompute_all(), Plan::declared()] {
+            for col in [0, 3, 7] {
+                let q = var(&[6, 4], 7, 1.0, dtype);
+                let k = var(&[8, 4], 8, 1.0, dtype);
+                let mask = padding_mask(6, 8, dtype);
+                let y = plan
+                    .scope(|| masked_scores(q.as_tensor(), k.as_tensor(), &mask))
+                    .unwrap();
+                // One column of the mask, in place (candle's `slice_set`
+                // writes into the tensor's own storage).
+                let column = Tensor::full(-1e9, (6, 1), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+                let column = if col == 7 { column.zeros_like().unwrap() } else { column };
+                let m = mask.narrow(1, col, 1).unwrap().contiguous().unwrap();
+                assert!(m.ne(&column).unwrap().sum_all().unwrap().to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap() > 0.0);
+                slice_set_column(&mask, &column, col);
+                let e = backward(&y).unwrap_err();
+                assert!(
+                    matches!(&e, RematError::InputChanged { region, index: 2, statement, .. }
+                        if region == "masked_scores" && statement == "s"),
+                    "{dtype:?} column {col}: {e:?}"
+                );
+                assert!(e.to_string().contains("read by statement `s`"), "{e}");
+            }
+        }
+    }
+}
+
+/// Writes `column` into column `col` of the 2-D `t`, in place.
+fn slice_set_column(t: &Tensor, column: &Tensor, col: usize) {
+    // `slice_set` writes along dimension 0: go through the transpose's
+    // contiguous copy and write it back whole.
+    let mut rows = t.to_dtype(DType::F64).unwrap().to_vec2::<f64>().unwrap();
+    let c = column.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+    for (r, v) in rows.iter_mut().zip(c) {
+        r[col] = v;
+    }
+    let new = Tensor::new(rows, &Device::Cpu).unwrap().to_dtype(t.dtype()).unwrap();
+    t.slice_set(&new, 0, 0).unwrap();
+}
+
+#[test]
+fn a_mask_in_a_field_changed_in_place_is_caught_through_the_outputs() {
+    for dtype in DTYPES {
+        let q = var(&[6, 4], 7, 1.0, dtype);
+        let k = var(&[8, 4], 8, 1.0, dtype);
+        let m = Masked {
+            mask: padding_mask(6, 8, dtype).affine(1e-9, 0.0).unwrap(),
+        };
+        let y = Plan::recompute_all()
+            .scope(|| masked_by_field(q.as_tensor(), k.as_tensor(), &m))
+            .unwrap();
+        let column = Tensor::full(-3.0, (6, 1), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+        slice_set_column(&m.mask, &column, 2);
+        let e = backward(&y).unwrap_err();
+        assert!(
+            matches!(&e, RematError::ReplayDiverged { region, statement, .. }
+                if region == "masked_by_field" && statement == "s"),
+            "{dtype:?}: {e:?}"
+        );
+    }
+}
+
+// A block whose recomputed statements read views across units: a
+// transposed block input, the transpose of a saved output, a narrow.
+remat! {
+    fn views(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+        #[save] let h = x.t()?.matmul(w)?.t()?;
+        let a = h.sum_keepdim(1)?;
+        let b = h.narrow(0, 1, 2)?.exp()?;
+        #[save] let c = b.t()?;
+        let d = (c.sqr()?.sum_all()? + a.tanh()?.sum_all()?)?;
+        let e = x.t()?.sum_keepdim(0)?.sqr()?.sum_all()?;
+        Ok((d + e)?)
+    }
+}
+
+fn plain_views(x: &Tensor, w: &Tensor) -> Tensor {
+    let h = x.t().unwrap().matmul(w).unwrap().t().unwrap();
+    let a = h.sum_keepdim(1).unwrap();
+    let b = h.narrow(0, 1, 2).unwrap().exp().unwrap();
+    let c = b.t().unwrap();
+    let d = (c.sqr().unwrap().sum_all().unwrap() + a.tanh().unwrap().sum_all().unwrap()).unwrap();
+    let e = x.t().unwrap().sum_keepdim(0).unwrap().sqr().unwrap().sum_all().unwrap();
+    (d + e).unwrap()
+}
+
+#[test]
+fn legitimate_replays_over_views_and_copies_pass_in_every_dtype_and_plan() {
+    for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16] {
+        for plan in [Plan::recompute_all(), Plan::declared(), Plan::save_all(), Plan::save_only(["a"])] {
+            // The block's input is itself a view (a transpose).
+            let x0 = var(&[7, 5], 11, 0.5, dtype);
+            let w = var(&[5, 6], 12, 0.5, dtype);
+            let x = x0.as_tensor().t().unwrap();
+            let y = plan.scope(|| views(&x, w.as_tensor())).unwrap();
+            let g = backward(&y).unwrap_or_else(|e| panic!("{dtype:?} {plan}: {e}"));
+            let pg = plain_views(&x, w.as_tensor()).backward().unwrap();
+            // bf16/f16: the same ops in the same order as plain candle.
+            for v in [&x0, &w] {
+                let d = rel_diff(g.get(v).unwrap(), pg.get(v).unwrap());
+                assert!(d < 1e-6, "{dtype:?} {plan}: {d}");
+            }
+        }
+    }
+}
+
+#[test]
+fn repeated_steps_with_parameter_updates_between_them_pass() {
+    // The usual loop: forward, backward, update; the next forward sees the
+    // new weights and its replay checks against them.
+    for dtype in DTYPES {
+        let x = var(&[8, 32], 1, 1.0, dtype);
+        let w = var(&[32, 32], 2, 0.2, dtype);
+        for step in 0..3 {
+            for saved in [true, false] {
+                let y = linear_tanh(&x, &w, saved);
+                let g = backward(&y).unwrap_or_else(|e| panic!("step {step}: {e}"));
+                let gw = g.get(&w).unwrap().clone();
+                w.set(&(w.as_tensor() - (gw * 1e-3).unwrap()).unwrap()).unwrap();
+            }
+        }
+    }
+}
+
+#[test]
+fn a_block_input_unchanged_but_read_through_a_view_passes() {
+    // The input is a narrow of a bigger tensor whose other rows change after
+    // the forward: the block's input itself did not change.
+    for dtype in DTYPES {
+        let big = tensor(&[10, 8], 21, 1.0, dtype);
+        let x = Var::from_tensor(&tensor(&[4, 8], 22, 1.0, dtype)).unwrap();
+        let mask = big.narrow(0, 2, 4).unwrap();
+        let y = Plan::recompute_all()
+            .scope(|| masked_scores(x.as_tensor(), x.as_tensor(), &mask.narrow(1, 0, 4).unwrap()))
+            .unwrap();
+        let other = Tensor::ones((2, 8), dtype, &Device::Cpu).unwrap();
+        big.slice_set(&other, 0, 8).unwrap();
+        assert!(backward(&y).is_ok(), "{dtype:?}");
+    }
+}

@@ -17,11 +17,11 @@
 //! | [`TRACES`] | the stack of traces being recorded | [`Trace::record`](crate::inspect::Trace::record) | [`scoped`] pops |
 //! | [`RANDOM_BASE`], [`RANDOM_OUTSIDE`] | the seed and counter of draws outside statements | [`random::seed`](crate::random::seed) | reseeded only |
 //! | [`RANDOM_STREAMS`] | the stack of statements drawing random numbers | every statement | [`scoped`] pops |
-//! | [`CAPTURES_CHECKED`] | the regions whose first forward looked for undeclared reads | every region call | only grows (one name per region) |
+//! | [`CAPTURES_CHECKED`] | the regions whose first forward looked for undeclared reads, with the outputs it found to be constants | every region call | only grows (one name per region) |
 //! | [`LIVE_CALLS`] | the region calls [`MemoryReport::capture`](crate::MemoryReport::capture) sees | every region call | pruned when calls end |
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::Weak;
 
 use crate::backward::Call;
@@ -50,8 +50,10 @@ thread_local! {
     /// The random stream of each statement running; draws use the last.
     pub(crate) static RANDOM_STREAMS: RefCell<Vec<Stream>> = const { RefCell::new(Vec::new()) };
     /// The regions whose first forward on this thread looked for
-    /// undeclared reads.
-    pub(crate) static CAPTURES_CHECKED: RefCell<HashSet<String>> = RefCell::new(HashSet::new());
+    /// undeclared reads, each with the outputs that forward found to be
+    /// constants (bit `j`: output `j`, a tensor no statement gave and that
+    /// carries no gradient).
+    pub(crate) static CAPTURES_CHECKED: RefCell<HashMap<String, u64>> = RefCell::new(HashMap::new());
     /// Every region call made on this thread that may still hold a tape.
     pub(crate) static LIVE_CALLS: RefCell<Vec<Weak<Call>>> = const { RefCell::new(Vec::new()) };
 }

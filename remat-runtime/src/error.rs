@@ -164,12 +164,15 @@ pub enum RematError {
         /// Every statement the replay did not reach, in order.
         statements: Vec<String>,
     },
-    /// A region output was computed outside any statement: nothing in the
-    /// replay produces it, so its gradient would be lost.
+    /// A region output was computed outside any statement from values that
+    /// need gradients: nothing in the replay produces it, so its gradient
+    /// would be lost. (A constant, which carries no gradient, may be
+    /// returned from anywhere.)
     #[error(
         "region `{region}`: output {index} was computed outside any statement (a tensor op in \
-         the block's body, not in a statement's closure), so its gradient would be lost; compute \
-         it in a statement (`ctx.recompute(\"name\", &[..], |t| ...)`)"
+         the block's body, not in a statement's closure) from values that need gradients, so \
+         its gradient would be lost; compute it in a statement (`ctx.recompute(\"name\", &[..], \
+         |t| ...)`)"
     )]
     OutputOutsideStatement {
         /// The region's name.
@@ -191,14 +194,14 @@ pub enum RematError {
         /// The statement that read the value.
         statement: String,
     },
-    /// A statement read a value that needs gradients and gave a
-    /// floating-point output that carries none: an op without a backward
+    /// A statement read values that need gradients and none of its
+    /// floating-point outputs carries one: an op without a backward
     /// (candle's fused ops) cut the gradient path, and every gradient
-    /// through that output would be missing without a word.
+    /// through the statement would be missing without a word.
     #[error(
         "region `{region}`, statement `{statement}`: output {output} carries no gradient although \
-         the statement read values that need gradients, so every gradient through it would be \
-         missing; an op without a backward cut the path: candle's `candle_nn::ops::rms_norm`, \
+         the statement read values that need gradients (and no other output of it carries one), \
+         so every gradient through it would be missing; an op without a backward cut the path: candle's `candle_nn::ops::rms_norm`, \
          `layer_norm`, `softmax_last_dim`, `sdpa`, `rotary_emb::rope`/`rope_i`/`rope_thd` and \
          `RmsNorm`/`LayerNorm` on contiguous inputs have none: use `remat_runtime::candle_nn`'s \
          drop-ins (same names and signatures) or `remat_runtime::nn`'s ops; if the cut is \

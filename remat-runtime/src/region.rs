@@ -9,7 +9,7 @@ use crate::ctx::{Ctx, Mode};
 use crate::graph::make_leaf;
 use crate::graph::{anchor_chain, Tap};
 use crate::inspect::{memory, trace};
-use crate::tape::recorder::{checks_captures, Recorded, Recorder};
+use crate::tape::recorder::{checks_captures, constant_outputs, Recorded, Recorder};
 use crate::tape::{fingerprint, Body, Meta, Tape, TapeState};
 use crate::{lock, offload, plan, random, Inputs, Outputs, Plan, RematError, Result};
 
@@ -131,8 +131,9 @@ impl Region {
     /// Tensors that need gradients must reach the block as `inputs` or be
     /// parameters (`Var`s); a tracked tensor captured any other way is an
     /// error ([`crate::RematError::ForeignTrackedInput`]). Every output must
-    /// be a statement's output, a region input or a `Var`: a tensor op in
-    /// the body outside any statement is an error
+    /// be a statement's output, a region input, a `Var` or a constant (a
+    /// tensor that carries no gradient): a tensor op on values that need
+    /// gradients outside any statement is an error
     /// ([`crate::RematError::OutputOutsideStatement`]), since nothing in the
     /// replay would produce it. Statements must declare every value they
     /// read that needs gradients ([`crate::RematError::UndeclaredInput`]),
@@ -235,7 +236,26 @@ impl Region {
             // Inert: nothing needs gradients, the outputs are plain values.
             return O::join(&mut outputs.into_iter(), &skeleton);
         }
-        if let Some(index) = (0..outputs.len()).find(|&j| !known[j] && !outputs[j].is_variable()) {
+        // An output that no statement gave is a constant when it carries no
+        // gradient (`Tensor::zeros(..)`: nothing to lose). The first forward
+        // of a statement-API region sees leaves for every value that needs
+        // gradients, so an op on one outside any statement is tracked there
+        // and refused; later forwards accept untracked outputs where that
+        // one found constants. Generated regions give every output from a
+        // statement.
+        let untracked = |j: usize| !known[j] && !outputs[j].is_variable() && !outputs[j].track_op();
+        let mask = (0..outputs.len().min(64))
+            .filter(|&j| untracked(j))
+            .fold(0u64, |m, j| m | 1 << j);
+        let accepted = if self.declares_all_reads {
+            u64::MAX
+        } else {
+            constant_outputs(&self.name, captures.then_some(mask))
+        };
+        let constant: Vec<bool> = (0..outputs.len())
+            .map(|j| untracked(j) && j < 64 && accepted & (1 << j) != 0)
+            .collect();
+        if let Some(index) = (0..outputs.len()).find(|&j| !known[j] && !outputs[j].is_variable() && !constant[j]) {
             return Err(RematError::OutputOutsideStatement {
                 region: self.name.clone(),
                 index,
@@ -298,6 +318,9 @@ impl Region {
             .into_iter()
             .enumerate()
             .map(|(index, t)| {
+                if constant[index] {
+                    return Ok(t);
+                }
                 let tap = Tap {
                     call: call.clone(),
                     index,

@@ -47,10 +47,11 @@ pub(crate) fn check_reads(
 }
 
 /// Checks that a statement that read values needing gradients
-/// (`reads_tracked`) gives no floating-point output that carries none: an
-/// op without a backward would have cut the path without a word. Integer
-/// and boolean outputs (comparisons, `argmax`) carry no gradient by nature.
-/// The forward's, the replay's and a plain run's check.
+/// (`reads_tracked`) does not give only floating-point outputs that carry
+/// none: an op without a backward would have cut the path without a word.
+/// Integer and boolean outputs (comparisons, `argmax`) carry no gradient by
+/// nature; a constant beside a tracked output (`(y, Tensor::zeros(..))`)
+/// is not a cut. The forward's, the replay's and a plain run's check.
 pub(crate) fn check_cut(
     region: &str,
     statement: &str,
@@ -60,15 +61,14 @@ pub(crate) fn check_cut(
     if !reads_tracked {
         return Ok(());
     }
-    match outputs
-        .iter()
-        .position(|t| t.dtype().is_float() && !t.track_op())
-    {
-        Some(output) => Err(RematError::GradientCut {
+    let mut floats = outputs.iter().enumerate().filter(|(_, t)| t.dtype().is_float());
+    let first = floats.clone().next();
+    match first {
+        Some((output, _)) if floats.all(|(_, t)| !t.track_op()) => Err(RematError::GradientCut {
             region: region.to_string(),
             statement: statement.to_string(),
             output,
         }),
-        None => Ok(()),
+        _ => Ok(()),
     }
 }

@@ -27,7 +27,30 @@ use crate::{Outputs, Policy, Result};
 /// Whether this forward of `region` looks for undeclared reads: the first
 /// on this thread does (a block's reads are a property of its code).
 pub(crate) fn checks_captures(region: &str) -> bool {
-    CAPTURES_CHECKED.with(|c| c.borrow_mut().insert(region.to_string()))
+    CAPTURES_CHECKED.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.contains_key(region) {
+            return false;
+        }
+        c.insert(region.to_string(), 0);
+        true
+    })
+}
+
+/// The outputs of `region` that its first forward (which looks at every
+/// value) found to be constants: bit `j` for output `j`. A first forward
+/// records them (`record`), later ones read them.
+pub(crate) fn constant_outputs(region: &str, record: Option<u64>) -> u64 {
+    CAPTURES_CHECKED.with(|c| {
+        let mut c = c.borrow_mut();
+        match record {
+            Some(mask) => {
+                c.insert(region.to_string(), mask);
+                mask
+            }
+            None => c.get(region).copied().unwrap_or(0),
+        }
+    })
 }
 
 /// A statement about to be recorded, as the context decided it.

@@ -7,6 +7,7 @@ mod common;
 
 mod dispatch;
 mod errors;
+mod false_alarms;
 mod features;
 mod finite_differences;
 mod grad_equality;

@@ -1,0 +1,78 @@
+//! No false alarms: a block may return constants (no gradient to lose),
+//! whatever way it builds them.
+
+use candle_core::{DType, Device, Result, Tensor, Var};
+use remat_runtime::{backward, remat, Plan, Region, RematError};
+
+use crate::common::{rel_diff, var};
+
+remat! {
+    fn exp_and_zeros(x: &Tensor) -> Result<(Tensor, Tensor)> {
+        let y = x.exp()?;
+        Ok((y, Tensor::zeros(3, x.dtype(), x.device())?))
+    }
+}
+
+remat! {
+    fn only_zeros(x: &Tensor) -> Result<Tensor> {
+        let z = Tensor::zeros(x.shape(), x.dtype(), x.device())?;
+        Ok(z)
+    }
+}
+
+#[test]
+fn a_block_may_return_constants() {
+    for dtype in [DType::F32, DType::F64] {
+        for plan in [Plan::recompute_all(), Plan::save_all(), Plan::off()] {
+            let x = var(&[4, 5], 1, 1.0, dtype);
+            let (y, z) = plan.scope(|| exp_and_zeros(x.as_tensor())).unwrap();
+            assert_eq!(z.dims(), &[3]);
+            let g = backward(&(y.sum_all().unwrap() + z.sum_all().unwrap()).unwrap()).unwrap();
+            let expected = x.as_tensor().exp().unwrap();
+            assert!(rel_diff(g.get(&x).unwrap(), &expected) < 1e-6, "{plan}");
+            let z = plan.scope(|| only_zeros(x.as_tensor())).unwrap();
+            assert_eq!(z.to_dtype(DType::F64).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap(), 0.0);
+        }
+    }
+}
+
+#[test]
+fn the_statement_api_may_return_constants_but_not_ops_on_tracked_values() {
+    for dtype in [DType::F32, DType::F64] {
+        let x = var(&[4, 5], 2, 1.0, dtype);
+        // A constant beside a statement's output, on the region's first
+        // forward (which looks at every value) and on later ones.
+        for _ in 0..2 {
+            let (y, z): (Tensor, Tensor) = Region::new("api")
+                .run(&[x.as_tensor()], move |ctx, ins| {
+                    let y = ctx.recompute("sq", &[&ins[0]], |t| t[0].sqr())?;
+                    Ok((y, Tensor::ones(2, dtype, &Device::Cpu)?))
+                })
+                .unwrap();
+            assert_eq!(z.to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap(), vec![1.0, 1.0]);
+            let g = backward(&(y.sum_all().unwrap() + z.sum_all().unwrap()).unwrap()).unwrap();
+            let expected = (x.as_tensor() * 2.0).unwrap();
+            assert!(rel_diff(g.get(&x).unwrap(), &expected) < 1e-12);
+        }
+        // An op on the input outside any statement loses its gradient: the
+        // region's first forward sees it (its inputs are leaves there).
+        let w = Var::ones(3, dtype, &Device::Cpu).unwrap();
+        let e = Region::new("outside")
+            .run(&[x.as_tensor()], |_ctx, ins| Ok(ins[0].exp()?))
+            .unwrap_err();
+        assert!(matches!(e, RematError::OutputOutsideStatement { index: 0, .. }), "{e:?}");
+        // So is an op on a parameter, on any forward.
+        let wt = w.as_tensor().clone();
+        for _ in 0..2 {
+            let wt = wt.clone();
+            let e = Region::new("outside.param")
+                .run(&[x.as_tensor()], move |ctx, ins| {
+                    let y = ctx.recompute("sq", &[&ins[0]], |t| t[0].sqr())?;
+                    Ok((y, wt.exp()?))
+                })
+                .map(|_: (Tensor, Tensor)| ())
+                .unwrap_err();
+            assert!(matches!(e, RematError::OutputOutsideStatement { index: 1, .. }), "{e:?}");
+        }
+    }
+}

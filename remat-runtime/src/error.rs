@@ -106,9 +106,8 @@ pub enum RematError {
     /// match bit for bit).
     #[error(
         "region `{region}`: parameter {index} (shape {shape:?}, first used by statement \
-         `{statement}`) changed between the forward and the backward (sum, sum of magnitudes and \
-         position-weighted sum: {forward:?} in the forward, {replay:?} now): an optimizer step or \
-         `Var::set` ran before `backward()`, and the gradients would mix the old values (kept by \
+         `{statement}`) changed between the forward and the backward (its checksum over every \
+         element differs): an optimizer step or `Var::set` ran before `backward()`, and the gradients would mix the old values (kept by \
          saved statements) with the new ones (read by the replay); run the backward before \
          changing parameters"
     )]
@@ -121,10 +120,6 @@ pub enum RematError {
         index: usize,
         /// Its shape.
         shape: Vec<usize>,
-        /// Sum, sum of magnitudes and position-weighted sum in the forward.
-        forward: [f64; 3],
-        /// The same at the backward.
-        replay: [f64; 3],
     },
     /// A block input the replay reads changed between the region's forward
     /// and its backward (its fingerprint, a checksum of every element, does
@@ -132,9 +127,8 @@ pub enum RematError {
     /// `Var::set`) after the forward.
     #[error(
         "region `{region}`: input {index} of the block (shape {shape:?}, read by statement \
-         `{statement}`) changed between the forward and the backward (sum, sum of magnitudes and \
-         position-weighted sum: {forward:?} in the forward, {replay:?} now); the replay would \
-         recompute with the new values and the gradients would be wrong; do not change a \
+         `{statement}`) changed between the forward and the backward (its checksum over every \
+         element differs); the replay would recompute with the new values and the gradients would be wrong; do not change a \
          block's inputs in place before its backward (pass a copy)"
     )]
     InputChanged {
@@ -146,10 +140,6 @@ pub enum RematError {
         index: usize,
         /// Its shape.
         shape: Vec<usize>,
-        /// Sum, sum of magnitudes and position-weighted sum in the forward.
-        forward: [f64; 3],
-        /// The same at the backward.
-        replay: [f64; 3],
     },
     /// The replay finished without running statements the forward ran.
     #[error(

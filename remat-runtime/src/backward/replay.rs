@@ -271,13 +271,16 @@ impl Replay {
             }
         };
         let mut args = Vec::with_capacity(inputs.len());
-        // The replay computes the forward's bits when every input has the
-        // forward's bits and layout, on the CPU.
+        // The replay computes the forward's bits when every input it reads
+        // for its value has the forward's bits and layout, on the CPU.
         let mut bitwise = true;
         for (i, t) in inputs.iter().enumerate() {
-            bitwise &= t.device().is_cpu() && self.values.get(&t.id()).is_none_or(|v| v.bitwise);
+            bitwise &= i >= value_inputs
+                || (t.device().is_cpu() && self.values.get(&t.id()).is_none_or(|v| v.bitwise));
             match self.values.get(&t.id()) {
-                Some(v) if v.requires_grad && v.unit != Some(u) => {
+                // Read for its value: a leaf, so that the gradient through it
+                // reaches its unit (one copy, shared by the units reading it).
+                Some(v) if v.requires_grad && v.unit != Some(u) && i < value_inputs => {
                     let leaf = match self.open_leaves.get(&t.id()) {
                         Some(leaf) => leaf.clone(),
                         None => {
@@ -296,6 +299,7 @@ impl Replay {
                     };
                     args.push(leaf);
                 }
+                // Read for its shape or detached: as it is, no copy.
                 Some(_) => args.push((*t).clone()),
                 None => {
                     check_input(region, name, i, t)?;
@@ -303,7 +307,7 @@ impl Replay {
                 }
             }
         }
-        bitwise &= fingerprint::layouts(&args) == self.records[k].layouts;
+        bitwise &= fingerprint::layouts(&args[..value_inputs.min(args.len())]) == self.records[k].layouts;
         let reads_tracked = args.iter().take(value_inputs).any(|t| t.track_op());
         let out = f(&args).map_err(|e| e.in_statement(region, name))?;
         drop(args);

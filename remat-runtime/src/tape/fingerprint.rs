@@ -241,8 +241,6 @@ impl Checks {
                             statement,
                             index,
                             shape,
-                            forward: reported(f),
-                            replay: reported(r),
                         });
                     }
                 }
@@ -257,8 +255,6 @@ impl Checks {
                             statement,
                             index,
                             shape,
-                            forward: reported(f),
-                            replay: reported(r),
                         });
                     }
                 }

@@ -271,7 +271,7 @@ impl Recorder {
             }
         }
         let args: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
-        *layouts = fingerprint::layouts(&args);
+        *layouts = fingerprint::layouts(&args[..s.value_inputs.min(args.len())]);
         let mut ran = run(&args)?;
         self.check_captures(s, &args, &ran.tensors)?;
         let any_input = needs.iter().any(|&n| n);
@@ -301,7 +301,9 @@ impl Recorder {
         let mut leaves = Vec::with_capacity(inputs.len());
         let mut args = Vec::with_capacity(inputs.len());
         let mut chained = false;
-        for (t, &need) in inputs.iter().zip(needs) {
+        for (i, (t, &need)) in inputs.iter().zip(needs).enumerate() {
+            // An input read for its shape or detached needs no leaf.
+            let need = need && i < s.value_inputs;
             if let Some(tracked) = (need && !offload).then(|| self.chainable(t)).flatten() {
                 // Continue the previous saved statement's graph: no leaf
                 // copy, and the two records form one unit.

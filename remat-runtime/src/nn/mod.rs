@@ -17,8 +17,8 @@
 //! | [`layer_norm_linear`] (`layer_norm(x) W^T + b`) | mean and 1/std per row (the normalized input is recomputed) | the norm's eight tensors, its output and the product |
 //! | [`rms_norm`] | 1/rms per row | about five full-size tensors |
 //! | [`softmax_last_dim`] | its output | (no backward in candle) |
-//! | [`attention`] | output, log-sum-exp per row | scores and probabilities, `(B, H, T, T)` each |
-//! | [`attention_qkv`] (over the packed `(B, T, 3C)` projection) | output, log-sum-exp per row | the same, and its backward builds a zero-padded `(B, T, 3C)` gradient for each of q, k, v |
+//! | [`attention`] | output, one normalizer (1 / sum of exponentials) per row | scores and probabilities, `(B, H, T, T)` each |
+//! | [`attention_qkv`] (over the packed `(B, T, 3C)` projection) | output, one normalizer (1 / sum of exponentials) per row | the same, and its backward builds a zero-padded `(B, T, 3C)` gradient for each of q, k, v |
 //! | [`cross_entropy`] | log-sum-exp per row | log-probabilities and more, `(N, V)` each |
 //! | [`rope`], [`rope_i`] | nothing (the rotation's tables) | (no backward in candle) |
 //! | [`swiglu`] | nothing | `silu(a)` and the sigmoid |

@@ -5,6 +5,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod attention_masks;
 mod dispatch;
 mod errors;
 mod false_alarms;

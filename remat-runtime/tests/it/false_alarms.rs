@@ -76,3 +76,47 @@ fn the_statement_api_may_return_constants_but_not_ops_on_tracked_values() {
         }
     }
 }
+
+remat! {
+    /// Saved statements whose outputs are views of the block's input.
+    fn saved_views(x: &Tensor) -> Result<(bool, bool)> {
+        #[save] let t = x.t()?;
+        #[save] let n = x.narrow(1, 1, 2)?;
+        let seen = (t.is_contiguous(), n.is_contiguous());
+        Ok(seen)
+    }
+}
+
+#[test]
+fn saved_views_stay_views() {
+    // The block sees the views its saved statements made, not copies.
+    let x = var(&[4, 5], 3, 1.0, DType::F32);
+    for plan in [Plan::declared(), Plan::save_all()] {
+        let seen = plan.scope(|| saved_views(x.as_tensor())).unwrap();
+        assert_eq!(seen, (false, false), "{plan}");
+    }
+    // The statement API, after the region's first forward (which hands the
+    // block copies of every value that needs gradients, to look for
+    // undeclared reads): views.
+    for call in 0..2 {
+        let y: (Tensor, Tensor) = Region::new("views")
+            .run(&[x.as_tensor()], move |ctx, ins| {
+                let t = ctx.save("t", &[&ins[0]], |t| t[0].t())?;
+                let n = ctx.save("n", &[&ins[0]], |t| t[0].narrow(1, 1, 2))?;
+                if !ctx.is_replay() {
+                    let copies = call == 0;
+                    assert_eq!((t.is_contiguous(), n.is_contiguous()), (copies, copies));
+                }
+                let a = ctx.recompute("a", &[&t], |t| t[0].exp())?;
+                let b = ctx.recompute("b", &[&n], |t| t[0].sqr())?;
+                Ok((a, b))
+            })
+            .unwrap();
+        let g = backward(&(y.0.sum_all().unwrap() + y.1.sum_all().unwrap()).unwrap()).unwrap();
+        let plain = (x.as_tensor().t().unwrap().exp().unwrap().sum_all().unwrap()
+            + x.as_tensor().narrow(1, 1, 2).unwrap().sqr().unwrap().sum_all().unwrap())
+        .unwrap();
+        let pg = plain.backward().unwrap();
+        assert!(rel_diff(g.get(&x).unwrap(), pg.get(&x).unwrap()) < 1e-6);
+    }
+}

@@ -85,6 +85,11 @@ pub(crate) fn check_return(expr: &Expr, errors: &mut Errors, in_tail: bool) {
     }
     impl<'ast> Visit<'ast> for Returns<'_> {
         fn visit_expr_return(&mut self, r: &'ast syn::ExprReturn) {
+            // `return Err(..)` (and `bail!`) aborts the region on bad input:
+            // there is nothing to replay, so it is safe.
+            if returns_err(r) {
+                return;
+            }
             let msg = if self.in_tail {
                 "`return` in a remat! block: give the result as the tail expression instead"
             } else {
@@ -98,6 +103,15 @@ pub(crate) fn check_return(expr: &Expr, errors: &mut Errors, in_tail: bool) {
         fn visit_item(&mut self, _: &'ast syn::Item) {}
     }
     Returns { errors, in_tail }.visit_expr(expr);
+}
+
+/// `return Err(..)`.
+fn returns_err(r: &syn::ExprReturn) -> bool {
+    let Some(value) = &r.expr else { return false };
+    let Expr::Call(call) = &**value else {
+        return false;
+    };
+    matches!(&*call.func, Expr::Path(p) if p.path.segments.last().is_some_and(|s| s.ident == "Err"))
 }
 
 /// An annotation on the block's result (its tail expression).

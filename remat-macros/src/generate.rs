@@ -122,12 +122,14 @@ fn rebinds(reads: &[Read], params: &[Param]) -> TokenStream {
 /// A statement computing `body` (which ends by giving `__remat_value`) from
 /// `reads`, through the statement method `method`; the closure's result is
 /// `__remat_value` and the `mut` bindings it gives back.
+#[allow(clippy::too_many_arguments)]
 fn statement_call(
     span: Span,
     method: &str,
     name: &str,
     reads: &[Read],
     params: &[Param],
+    ret: &syn::Type,
     body: TokenStream,
 ) -> TokenStream {
     let p = private();
@@ -135,13 +137,15 @@ fn statement_call(
     let reads = declared_order(reads);
     let inputs = inputs(&reads, true);
     let rebinds = rebinds(&reads, params);
+    // The closure fails with the block's own error type, so that `?`,
+    // `bail!` and `return Err(..)` in a statement work as in the function.
     quote_spanned! {span=>
         <_ as ::remat_runtime::rules::StatementValue>::run(
             __remat_ctx,
             #p::Method::#method,
             #name,
             #inputs,
-            |__remat_args| {
+            |__remat_args| -> ::core::result::Result<_, #p::ErrorOf<#ret>> {
                 #rebinds
                 #body
             },
@@ -196,7 +200,15 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
     let p = private();
     let func = &block.func;
     let (attrs, vis, sig) = (&func.attrs, &func.vis, &func.sig);
-    let region = sig.ident.to_string();
+    let name = sig.ident.to_string();
+    // A method's region is named after its type too (`DecoderLayer::forward`).
+    let (region, receiver) = match &block.receiver {
+        Some(this) => (
+            quote! { &#p::method_region::<Self>(#name) },
+            quote! { let #this = self; },
+        ),
+        None => (quote! { #name }, quote! {}),
+    };
     let params = &block.params;
 
     // The region keeps its own copy of every parameter (the body runs again
@@ -277,6 +289,7 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
                     name,
                     &sa.reads,
                     params,
+                    &block.ret,
                     quote_spanned! {span=>
                         let __remat_value #annotation = #init;
                         #checks
@@ -320,6 +333,7 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
                     name,
                     &sa.reads,
                     params,
+                    &block.ret,
                     quote! { #(#attrs)* #e; #given },
                 );
                 body.extend(match inouts.len() {
@@ -341,9 +355,10 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
                     "(return)",
                     &analysis.tail_reads,
                     params,
+                    &block.ret,
                     quote! {
                         let __remat_value: #ret = #tail;
-                        #p::tail(__remat_value)
+                        __remat_value
                     },
                 );
                 quote! { ::core::result::Result::Ok(#call) }
@@ -360,6 +375,7 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
                 CheckPlain as _, CheckTensors as _, CheckUnwrapped as _, CheckValue as _,
                 Unreadable as _, ViaClone as _, ViaResult as _, ViaTensor as _,
             };
+            #receiver
             #copies
             let __remat_inputs = #region_inputs;
             // Statement bodies are wrapped as `Ok(body)`, and bodies end in `?`.

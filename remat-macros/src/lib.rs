@@ -4,7 +4,8 @@
 //!
 //! * `model`: what a block is once parsed (function, parameters,
 //!   statements, annotations);
-//! * `parse`: the token stream to the model, with syntax errors collected;
+//! * `parse`: the token stream to the model, with syntax errors collected
+//!   (`receiver`: a method's `self`);
 //!   `attributes` reads our annotations, `checks` refuses what the replay
 //!   could not run faithfully;
 //! * `analyse`: names, static dataflow (who reads which binding), early
@@ -23,6 +24,7 @@ mod errors;
 mod generate;
 mod model;
 mod parse;
+mod receiver;
 mod usage;
 
 use proc_macro2::TokenStream;

@@ -90,6 +90,9 @@ pub(crate) struct Statement {
 pub(crate) struct Block {
     /// Whether parsing this block reported errors.
     pub failed: bool,
+    /// A method's receiver (`&self`, `self`): the binding its `self` became
+    /// in the body (`receiver::this`), bound to `self` first thing.
+    pub receiver: Option<syn::Ident>,
     pub func: ItemFn,
     pub params: Vec<Param>,
     pub statements: Vec<Statement>,

@@ -34,8 +34,12 @@ pub(crate) fn parse(input: TokenStream, errors: &mut Errors) -> syn::Result<Vec<
     Ok(items.into_iter().map(|f| parse_fn(f, errors)).collect())
 }
 
-fn parse_fn(func: ItemFn, errors: &mut Errors) -> Block {
+fn parse_fn(mut func: ItemFn, errors: &mut Errors) -> Block {
     let before = errors.len();
+    let mut receiver = None;
+    if func.sig.receiver().is_some() {
+        crate::receiver::rename_self(&mut func.block);
+    }
     let sig = &func.sig;
     if let Some(a) = &sig.asyncness {
         errors.push(
@@ -46,11 +50,29 @@ fn parse_fn(func: ItemFn, errors: &mut Errors) -> Block {
     let mut params = Vec::new();
     for arg in &sig.inputs {
         match arg {
-            FnArg::Receiver(r) => errors.push_spanned(
-                r,
-                "remat! does not support methods: write the block as a free function taking the \
-                 values it needs, and call it from the method",
-            ),
+            FnArg::Receiver(r) if r.reference.is_some() && r.mutability.is_some() => errors
+                .push_spanned(
+                    r,
+                    "a remat! method takes `&self`, not `&mut self`: the block runs twice (the \
+                     forward, and its replay in the backward), so a change to `self` would happen \
+                     twice. State that must change once per step (running statistics, a counter, \
+                     a cache) goes in a shared field (`Arc<Mutex<..>>`, an atomic in an `Arc`) \
+                     changed by a `#[forward_only]` statement, which the replay skips",
+                ),
+            FnArg::Receiver(r) => {
+                let span = r.self_token.span;
+                let this = crate::receiver::this(span);
+                let passing = match &r.reference {
+                    Some(_) => Passing::Ref(syn::parse_quote_spanned!(span=> Self)),
+                    None => Passing::Value,
+                };
+                params.push(Param {
+                    ident: this.clone(),
+                    mutable: r.mutability.is_some(),
+                    passing,
+                });
+                receiver = Some(this);
+            }
             FnArg::Typed(t) => {
                 let (ident, mutable) = match &*t.pat {
                     Pat::Ident(p) if p.by_ref.is_none() && p.subpat.is_none() => {
@@ -133,6 +155,7 @@ fn parse_fn(func: ItemFn, errors: &mut Errors) -> Block {
     }
     Block {
         failed: errors.len() > before,
+        receiver,
         func,
         params,
         statements,

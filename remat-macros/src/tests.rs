@@ -138,3 +138,16 @@ fn borrowed_parameters_and_mut_bindings() {
         }
     }));
 }
+
+#[test]
+fn method_with_self() {
+    // A layer's forward: `self` is a borrowed parameter (the region keeps a
+    // clone of `Self`), named after its type at run time.
+    insta::assert_snapshot!(pretty(quote! {
+        fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+            let h = self.norm.forward(xs)?;
+            #[save] let y = self.proj.forward(&h)?;
+            Ok((xs + y)?)
+        }
+    }));
+}

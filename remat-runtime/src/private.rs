@@ -193,7 +193,25 @@ pub fn region(name: &str) -> crate::Region {
     crate::Region::new(name).declaring_all_reads()
 }
 
-/// Converts the error of a block's tail expression.
-pub fn tail<T, E: Into<RematError>>(r: std::result::Result<T, E>) -> Result<T> {
-    r.map_err(Into::into)
+/// The name of a method's region: `Type::method`, the type without its
+/// module path (`DecoderLayer::forward`, `Block<f32>::forward`).
+pub fn method_region<T: ?Sized>(method: &str) -> String {
+    let full = std::any::type_name::<T>();
+    let (path, generics) = full.split_at(full.find('<').unwrap_or(full.len()));
+    let ty = path.rsplit("::").next().unwrap_or(path);
+    format!("{ty}{generics}::{method}")
+}
+
+/// The error type of a block's function (`candle_core::Error` for
+/// `candle_core::Result<T>`): its statements fail with it.
+pub type ErrorOf<R> = <R as ResultError>::Error;
+
+/// See [`ErrorOf`].
+pub trait ResultError {
+    /// The error type.
+    type Error;
+}
+
+impl<T, E> ResultError for std::result::Result<T, E> {
+    type Error = E;
 }

@@ -255,7 +255,9 @@ impl Region {
         let constant: Vec<bool> = (0..outputs.len())
             .map(|j| untracked(j) && j < 64 && accepted & (1 << j) != 0)
             .collect();
-        if let Some(index) = (0..outputs.len()).find(|&j| !known[j] && !outputs[j].is_variable() && !constant[j]) {
+        if let Some(index) =
+            (0..outputs.len()).find(|&j| !known[j] && !outputs[j].is_variable() && !constant[j])
+        {
             return Err(RematError::OutputOutsideStatement {
                 region: self.name.clone(),
                 index,

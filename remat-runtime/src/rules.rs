@@ -13,7 +13,7 @@
 use candle_core::Tensor;
 
 use crate::__private::Method;
-use crate::{Ctx, Outputs, Policy, Result};
+use crate::{Ctx, Outputs, Policy, RematError, Result};
 
 /// A value a statement of a `remat!` block can read: every `Clone` type.
 ///
@@ -77,23 +77,23 @@ pub trait StatementValue: Sized {
     /// tensors, and how many of the first are read for their values (the
     /// rest only for their shapes, or detached).
     #[doc(hidden)]
-    fn run(
+    fn run<E: Into<RematError>>(
         ctx: &mut Ctx,
         method: Method,
         name: &str,
         inputs: (Vec<Tensor>, usize),
-        f: impl FnOnce(&[Tensor]) -> Result<Self>,
+        f: impl FnOnce(&[Tensor]) -> std::result::Result<Self, E>,
     ) -> Result<Self>;
 }
 
 #[diagnostic::do_not_recommend]
 impl<T: Outputs> StatementValue for T {
-    fn run(
+    fn run<E2: Into<RematError>>(
         ctx: &mut Ctx,
         method: Method,
         name: &str,
         (inputs, value_inputs): (Vec<Tensor>, usize),
-        f: impl FnOnce(&[Tensor]) -> Result<Self>,
+        f: impl FnOnce(&[Tensor]) -> std::result::Result<Self, E2>,
     ) -> Result<Self> {
         let declared = match method {
             Method::Open => None,
@@ -108,12 +108,12 @@ impl<T: Outputs> StatementValue for T {
 /// A `Result` value: reported by the [`Unwrapped`] check at the same
 /// statement, so that a missing `?` is one error, not two. Never runs.
 impl<T, E> StatementValue for std::result::Result<T, E> {
-    fn run(
+    fn run<E2: Into<RematError>>(
         _: &mut Ctx,
         _: Method,
         name: &str,
         _: (Vec<Tensor>, usize),
-        _: impl FnOnce(&[Tensor]) -> Result<Self>,
+        _: impl FnOnce(&[Tensor]) -> std::result::Result<Self, E2>,
     ) -> Result<Self> {
         Err(candle_core::Error::Msg(format!(
             "statement `{name}` of a remat! block gives a `Result`: add `?`"

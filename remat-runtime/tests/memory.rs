@@ -72,8 +72,7 @@ fn exact_memory_of_an_eight_block_stack() {
     assert_eq!(live(), base, "plain candle step leaked");
     let recompute = step(&blocks, &x, &full, true, base);
     assert_eq!(live(), base, "full-recompute step leaked");
-    let unchecked =
-        remat_runtime::without_fingerprints(|| step(&blocks, &x, &full, true, base));
+    let unchecked = remat_runtime::without_fingerprints(|| step(&blocks, &x, &full, true, base));
     assert_eq!(live(), base, "unchecked full-recompute step leaked");
     let saved = step(&blocks, &x, &save, true, base);
     assert_eq!(live(), base, "save-all step leaked");
@@ -114,12 +113,18 @@ fn exact_memory_of_an_eight_block_stack() {
     // fingerprints (32 bytes per parameter, read input and recomputed
     // output: 4 + 1 + 3 per region here) and which statements they name.
     let check = recompute.held_after_forward - unchecked.held_after_forward;
-    println!("the replay check holds {check} B ({} B per region)", check / BLOCKS);
+    println!(
+        "the replay check holds {check} B ({} B per region)",
+        check / BLOCKS
+    );
     assert!(unchecked.held_after_forward * 10 < plain.held_after_forward);
     // One tensor per region: its 8 fingerprints and candle's own structure
     // of a tensor (shape, strides, storage handles: about 300 B); one
     // tensor per fingerprint would be 8 times that structure.
-    assert!(check <= BLOCKS * (8 * 32 + 320), "the check holds {check} B");
+    assert!(
+        check <= BLOCKS * (8 * 32 + 320),
+        "the check holds {check} B"
+    );
     // The sweep frees each unit after its backward: the peak stays far below
     // what a plain step reaches.
     assert!(recompute.peak_over_base < plain.peak_over_base);

@@ -307,7 +307,8 @@ impl Replay {
                 }
             }
         }
-        bitwise &= fingerprint::layouts(&args[..value_inputs.min(args.len())]) == self.records[k].layouts;
+        bitwise &=
+            fingerprint::layouts(&args[..value_inputs.min(args.len())]) == self.records[k].layouts;
         let reads_tracked = args.iter().take(value_inputs).any(|t| t.track_op());
         let out = f(&args).map_err(|e| e.in_statement(region, name))?;
         drop(args);

@@ -61,7 +61,10 @@ pub(crate) fn check_cut(
     if !reads_tracked {
         return Ok(());
     }
-    let mut floats = outputs.iter().enumerate().filter(|(_, t)| t.dtype().is_float());
+    let mut floats = outputs
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| t.dtype().is_float());
     let first = floats.clone().next();
     match first {
         Some((output, _)) if floats.all(|(_, t)| !t.track_op()) => Err(RematError::GradientCut {

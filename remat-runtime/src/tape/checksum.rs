@@ -80,9 +80,8 @@ impl Sums {
     }
 
     fn finish(&self) -> [f64; WORDS] {
-        let total = |s: &[f64; LANES]| {
-            ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]))
-        };
+        let total =
+            |s: &[f64; LANES]| ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
         let hash = u64::from(self.h0) | (u64::from(self.h1 & 0x1f_ffff) << 32);
         [
             hash as f64,
@@ -105,9 +104,7 @@ fn fmix(mut x: u32) -> u32 {
 
 /// The precision a block of elements is summed in: `f32` for elements of
 /// up to 32 bits, `f64` for wider ones.
-trait Acc:
-    Copy + Default + std::ops::Add<Output = Self> + std::ops::Mul<Output = Self> + Send
-{
+trait Acc: Copy + Default + std::ops::Add<Output = Self> + std::ops::Mul<Output = Self> + Send {
     fn abs(self) -> Self;
     /// The weight of a position's key: its top 24 bits over 2^24 (exact).
     fn weight(key: u32) -> Self;
@@ -405,7 +402,9 @@ mod tests {
     #[test]
     fn every_element_and_its_position_count() {
         let dev = Device::Cpu;
-        let base: Vec<f32> = (0..300_000u64).map(|i| ((i * 7919) % 1000) as f32 / 7.0).collect();
+        let base: Vec<f32> = (0..300_000u64)
+            .map(|i| ((i * 7919) % 1000) as f32 / 7.0)
+            .collect();
         let t = Tensor::new(base.as_slice(), &dev).unwrap();
         let c = words(&t);
         // One element, one ulp.
@@ -432,16 +431,34 @@ mod tests {
     #[test]
     fn every_dtype_and_views() {
         let dev = Device::Cpu;
-        let x = Tensor::arange(0f64, 24.0, &dev).unwrap().reshape((2, 3, 4)).unwrap();
-        for dtype in [DType::F64, DType::F32, DType::F16, DType::BF16, DType::U32, DType::I64, DType::U8] {
+        let x = Tensor::arange(0f64, 24.0, &dev)
+            .unwrap()
+            .reshape((2, 3, 4))
+            .unwrap();
+        for dtype in [
+            DType::F64,
+            DType::F32,
+            DType::F16,
+            DType::BF16,
+            DType::U32,
+            DType::I64,
+            DType::U8,
+        ] {
             let t = x.to_dtype(dtype).unwrap();
             let c = words(&t);
             assert_eq!(c[1], 276.0, "{dtype:?}");
             let narrow = t.narrow(2, 1, 2).unwrap();
-            assert_eq!(words(&narrow), words(&narrow.contiguous().unwrap()), "{dtype:?}");
+            assert_eq!(
+                words(&narrow),
+                words(&narrow.contiguous().unwrap()),
+                "{dtype:?}"
+            );
             let changed = (t.to_dtype(DType::F64).unwrap() + 0.0)
                 .unwrap()
-                .slice_assign(&[0..1, 0..1, 0..1], &Tensor::ones((1, 1, 1), DType::F64, &dev).unwrap())
+                .slice_assign(
+                    &[0..1, 0..1, 0..1],
+                    &Tensor::ones((1, 1, 1), DType::F64, &dev).unwrap(),
+                )
                 .unwrap()
                 .to_dtype(dtype)
                 .unwrap();
@@ -471,7 +488,10 @@ mod tests {
             for k in 1..WORDS {
                 // The CPU sums blocks of 256 elements in f32 first.
                 let scale = cpu[2].abs().max(1.0);
-                assert!((cpu[k] - device[k]).abs() <= 1e-6 * scale, "{k}: {cpu:?} {device:?}");
+                assert!(
+                    (cpu[k] - device[k]).abs() <= 1e-6 * scale,
+                    "{k}: {cpu:?} {device:?}"
+                );
             }
         }
     }

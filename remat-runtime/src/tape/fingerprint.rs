@@ -211,7 +211,10 @@ impl Checks {
         let both = Tensor::stack(&[&forward, &replay], 0)?.to_vec2::<f64>()?;
         let words = super::checksum::WORDS;
         for (k, (subject, _)) in parts.into_iter().enumerate() {
-            let (f, r) = (&both[0][k * words..][..words], &both[1][k * words..][..words]);
+            let (f, r) = (
+                &both[0][k * words..][..words],
+                &both[1][k * words..][..words],
+            );
             let region = region.to_string();
             match subject {
                 Subject::Output {
@@ -274,8 +277,16 @@ mod tests {
         let noisy = [7.0, 0.5 + 1e-4, 300.0 - 1e-4, 100.0 + 1e-4];
         assert!(matches(&f, &noisy, Compare::Within(1e-5)));
         assert!(!matches(&f, &noisy, Compare::Bitwise));
-        assert!(!matches(&f, &[1.0, 0.6, 300.0, 100.0], Compare::Within(1e-5)));
-        assert!(!matches(&f, &[1.0, 0.5, 300.0, 100.1], Compare::Within(1e-5)));
+        assert!(!matches(
+            &f,
+            &[1.0, 0.6, 300.0, 100.0],
+            Compare::Within(1e-5)
+        ));
+        assert!(!matches(
+            &f,
+            &[1.0, 0.5, 300.0, 100.1],
+            Compare::Within(1e-5)
+        ));
         assert!(matches(&f, &f, Compare::Bitwise));
         let nan = [0.0, f64::NAN, f64::NAN, f64::NAN];
         assert!(matches(&nan, &nan, Compare::Within(1e-5)));

@@ -31,7 +31,15 @@ fn a_block_may_return_constants() {
             let expected = x.as_tensor().exp().unwrap();
             assert!(rel_diff(g.get(&x).unwrap(), &expected) < 1e-6, "{plan}");
             let z = plan.scope(|| only_zeros(x.as_tensor())).unwrap();
-            assert_eq!(z.to_dtype(DType::F64).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap(), 0.0);
+            assert_eq!(
+                z.to_dtype(DType::F64)
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .to_scalar::<f64>()
+                    .unwrap(),
+                0.0
+            );
         }
     }
 }
@@ -49,7 +57,10 @@ fn the_statement_api_may_return_constants_but_not_ops_on_tracked_values() {
                     Ok((y, Tensor::ones(2, dtype, &Device::Cpu)?))
                 })
                 .unwrap();
-            assert_eq!(z.to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap(), vec![1.0, 1.0]);
+            assert_eq!(
+                z.to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap(),
+                vec![1.0, 1.0]
+            );
             let g = backward(&(y.sum_all().unwrap() + z.sum_all().unwrap()).unwrap()).unwrap();
             let expected = (x.as_tensor() * 2.0).unwrap();
             assert!(rel_diff(g.get(&x).unwrap(), &expected) < 1e-12);
@@ -60,7 +71,10 @@ fn the_statement_api_may_return_constants_but_not_ops_on_tracked_values() {
         let e = Region::new("outside")
             .run(&[x.as_tensor()], |_ctx, ins| Ok(ins[0].exp()?))
             .unwrap_err();
-        assert!(matches!(e, RematError::OutputOutsideStatement { index: 0, .. }), "{e:?}");
+        assert!(
+            matches!(e, RematError::OutputOutsideStatement { index: 0, .. }),
+            "{e:?}"
+        );
         // So is an op on a parameter, on any forward.
         let wt = w.as_tensor().clone();
         for _ in 0..2 {
@@ -72,7 +86,10 @@ fn the_statement_api_may_return_constants_but_not_ops_on_tracked_values() {
                 })
                 .map(|_: (Tensor, Tensor)| ())
                 .unwrap_err();
-            assert!(matches!(e, RematError::OutputOutsideStatement { index: 1, .. }), "{e:?}");
+            assert!(
+                matches!(e, RematError::OutputOutsideStatement { index: 1, .. }),
+                "{e:?}"
+            );
         }
     }
 }
@@ -114,7 +131,13 @@ fn saved_views_stay_views() {
             .unwrap();
         let g = backward(&(y.0.sum_all().unwrap() + y.1.sum_all().unwrap()).unwrap()).unwrap();
         let plain = (x.as_tensor().t().unwrap().exp().unwrap().sum_all().unwrap()
-            + x.as_tensor().narrow(1, 1, 2).unwrap().sqr().unwrap().sum_all().unwrap())
+            + x.as_tensor()
+                .narrow(1, 1, 2)
+                .unwrap()
+                .sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap())
         .unwrap();
         let pg = plain.backward().unwrap();
         assert!(rel_diff(g.get(&x).unwrap(), pg.get(&x).unwrap()) < 1e-6);

@@ -82,7 +82,9 @@ fn error_of<E: std::fmt::Display + 'static>(
     match y {
         Err(e) => {
             let text = e.to_string();
-            let typed = (&e as &dyn std::any::Any).downcast_ref::<RematError>().cloned();
+            let typed = (&e as &dyn std::any::Any)
+                .downcast_ref::<RematError>()
+                .cloned();
             (typed, text)
         }
         Ok(y) => {
@@ -93,7 +95,11 @@ fn error_of<E: std::fmt::Display + 'static>(
     }
 }
 
-fn assert_cut((typed, text): (Option<RematError>, String), region_name: &str, statement_name: &str) {
+fn assert_cut(
+    (typed, text): (Option<RematError>, String),
+    region_name: &str,
+    statement_name: &str,
+) {
     if let Some(e) = &typed {
         assert!(
             matches!(e, RematError::GradientCut { region, statement, output: 0 }
@@ -138,7 +144,11 @@ fn the_same_layer_with_differentiable_ops_matches_plain_candle() {
             let y = plan.scope(|| slow_norm_layer(x.as_tensor(), &p)).unwrap();
             let g = backward(&y.sqr().unwrap().sum_all().unwrap()).unwrap();
             let h = candle_nn::ops::rms_norm_slow(x.as_tensor(), p.norm.as_tensor(), 1e-6).unwrap();
-            let up = h.broadcast_matmul(p.up.as_tensor()).unwrap().silu().unwrap();
+            let up = h
+                .broadcast_matmul(p.up.as_tensor())
+                .unwrap()
+                .silu()
+                .unwrap();
             let down = up.broadcast_matmul(p.down.as_tensor()).unwrap();
             let plain = (x.as_tensor() + down).unwrap();
             let pg = plain.sqr().unwrap().sum_all().unwrap().backward().unwrap();
@@ -158,15 +168,16 @@ fn rope_and_layer_norm_without_backward_are_errors_too() {
             let cos = Tensor::ones((4, 4), dtype, &Device::Cpu).unwrap();
             let sin = Tensor::zeros((4, 4), dtype, &Device::Cpu).unwrap();
             let region = Region::new("rope");
-            let y = region.plan(plan.clone()).run(&[x.as_tensor()], move |ctx, ins| {
-                let (cos, sin) = (cos.clone(), sin.clone());
-                let r = ctx.open("rotated", &[&ins[0]], move |t| {
-                    candle_nn::rotary_emb::rope(&t[0].contiguous()?, &cos, &sin)
-                })?;
-                ctx.open("loss", &[&r], |t| t[0].sqr()?.sum_all())
-            });
+            let y = region
+                .plan(plan.clone())
+                .run(&[x.as_tensor()], move |ctx, ins| {
+                    let (cos, sin) = (cos.clone(), sin.clone());
+                    let r = ctx.open("rotated", &[&ins[0]], move |t| {
+                        candle_nn::rotary_emb::rope(&t[0].contiguous()?, &cos, &sin)
+                    })?;
+                    ctx.open("loss", &[&r], |t| t[0].sqr()?.sum_all())
+                });
             assert_cut(error_of(y), "rope", "rotated");
-
         }
     }
     for dtype in NORM_DTYPES {
@@ -174,13 +185,15 @@ fn rope_and_layer_norm_without_backward_are_errors_too() {
             let x = var(&[1, 2, 4, 8], 7, 1.0, dtype);
             let g = Tensor::ones(8, dtype, &Device::Cpu).unwrap();
             let b = Tensor::zeros(8, dtype, &Device::Cpu).unwrap();
-            let y = Region::new("ln").plan(plan.clone()).run(&[x.as_tensor()], move |ctx, ins| {
-                let (g, b) = (g.clone(), b.clone());
-                let n = ctx.open("normed", &[&ins[0]], move |t| {
-                    candle_nn::ops::layer_norm(&t[0], &g, &b, 1e-5)
-                })?;
-                ctx.open("loss", &[&n], |t| t[0].sqr()?.sum_all())
-            });
+            let y = Region::new("ln")
+                .plan(plan.clone())
+                .run(&[x.as_tensor()], move |ctx, ins| {
+                    let (g, b) = (g.clone(), b.clone());
+                    let n = ctx.open("normed", &[&ins[0]], move |t| {
+                        candle_nn::ops::layer_norm(&t[0], &g, &b, 1e-5)
+                    })?;
+                    ctx.open("loss", &[&n], |t| t[0].sqr()?.sum_all())
+                });
             assert_cut(error_of(y), "ln", "normed");
         }
     }
@@ -189,7 +202,13 @@ fn rope_and_layer_norm_without_backward_are_errors_too() {
 /// A causal mask built from an input's shape.
 fn causal(t: usize, dtype: DType, device: &Device) -> Result<Tensor> {
     let v: Vec<f64> = (0..t * t)
-        .map(|i| if i % t > i / t { f64::NEG_INFINITY } else { 0.0 })
+        .map(|i| {
+            if i % t > i / t {
+                f64::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
         .collect();
     Tensor::from_vec(v, (t, t), device)?.to_dtype(dtype)
 }
@@ -275,7 +294,9 @@ fn the_statement_api_reports_cuts_in_declared_inputs_only() {
         let y = Region::new("api")
             .run(&[x.as_tensor()], move |ctx, ins| {
                 let shape = xt.shape().clone();
-                let z = ctx.recompute("zeros", &[], move |_| Tensor::ones(shape.clone(), dtype, &Device::Cpu))?;
+                let z = ctx.recompute("zeros", &[], move |_| {
+                    Tensor::ones(shape.clone(), dtype, &Device::Cpu)
+                })?;
                 ctx.recompute("loss", &[&ins[0], &z], |t| (&t[0] * &t[1])?.sum_all())
             })
             .unwrap();

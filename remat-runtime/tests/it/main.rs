@@ -15,6 +15,7 @@ mod grad_equality;
 mod gradient_cuts;
 mod macro_blocks;
 mod memory_report;
+mod methods;
 mod misuse;
 mod nn;
 mod offload;

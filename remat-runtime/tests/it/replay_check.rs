@@ -33,18 +33,34 @@ fn linear_tanh(x: &Var, w: &Var, saved: bool) -> Tensor {
 }
 
 fn set_element(w: &Var, row: usize, col: usize, value: f64) {
-    let mut v = w.as_tensor().to_dtype(DType::F64).unwrap().to_vec2::<f64>().unwrap();
+    let mut v = w
+        .as_tensor()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .to_vec2::<f64>()
+        .unwrap();
     v[row][col] = value;
-    let t = Tensor::new(v, &Device::Cpu).unwrap().to_dtype(w.dtype()).unwrap();
+    let t = Tensor::new(v, &Device::Cpu)
+        .unwrap()
+        .to_dtype(w.dtype())
+        .unwrap();
     w.set(&t).unwrap();
 }
 
 fn swap_elements(w: &Var, a: (usize, usize), b: (usize, usize)) {
-    let mut v = w.as_tensor().to_dtype(DType::F64).unwrap().to_vec2::<f64>().unwrap();
+    let mut v = w
+        .as_tensor()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .to_vec2::<f64>()
+        .unwrap();
     let (va, vb) = (v[a.0][a.1], v[b.0][b.1]);
     v[a.0][a.1] = vb;
     v[b.0][b.1] = va;
-    let t = Tensor::new(v, &Device::Cpu).unwrap().to_dtype(w.dtype()).unwrap();
+    let t = Tensor::new(v, &Device::Cpu)
+        .unwrap()
+        .to_dtype(w.dtype())
+        .unwrap();
     w.set(&t).unwrap();
 }
 
@@ -64,8 +80,12 @@ fn one_element_of_a_weight_changed_is_caught_saved_or_recomputed() {
                 let x = var(&[8, 32], 1, 1.0, dtype);
                 let w = var(&[32, 32], 2, 0.2, dtype);
                 let y = linear_tanh(&x, &w, saved);
-                let old: f64 = w.as_tensor().to_dtype(DType::F64).unwrap().to_vec2::<f64>().unwrap()
-                    [row][col];
+                let old: f64 = w
+                    .as_tensor()
+                    .to_dtype(DType::F64)
+                    .unwrap()
+                    .to_vec2::<f64>()
+                    .unwrap()[row][col];
                 set_element(&w, row, col, old + 0.25);
                 let e = backward(&y).unwrap_err();
                 assert_parameter_changed(&e, "h");
@@ -82,12 +102,22 @@ fn the_smallest_change_of_one_element_is_caught() {
         let x = var(&[8, 32], 1, 1.0, dtype);
         let w = var(&[32, 32], 2, 0.2, dtype);
         let y = linear_tanh(&x, &w, true);
-        let mut v = w.as_tensor().flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap();
+        let mut v = w
+            .as_tensor()
+            .flatten_all()
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap();
         v[700] = match dtype {
             DType::F32 => f32::from_bits((v[700] as f32).to_bits() + 1) as f64,
             _ => f64::from_bits(v[700].to_bits() + 1),
         };
-        let t = Tensor::from_vec(v, (32, 32), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+        let t = Tensor::from_vec(v, (32, 32), &Device::Cpu)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
         w.set(&t).unwrap();
         assert_parameter_changed(&backward(&y).unwrap_err(), "h");
     }
@@ -117,7 +147,16 @@ fn an_unchanged_weight_set_again_passes() {
         let y = linear_tanh(&x, &w, true);
         w.set(&w.as_tensor().copy().unwrap()).unwrap();
         let g = backward(&y).unwrap();
-        let plain = x.as_tensor().matmul(w.as_tensor()).unwrap().tanh().unwrap().sqr().unwrap().sum_all().unwrap();
+        let plain = x
+            .as_tensor()
+            .matmul(w.as_tensor())
+            .unwrap()
+            .tanh()
+            .unwrap()
+            .sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap();
         let pg = plain.backward().unwrap();
         assert!(rel_diff(g.get(&w).unwrap(), pg.get(&w).unwrap()) < 1e-6);
         assert!(rel_diff(g.get(&x).unwrap(), pg.get(&x).unwrap()) < 1e-6);
@@ -186,7 +225,11 @@ fn a_replay_off_by_one_ulp_is_caught_where_it_is_compared_bit_for_bit() {
             .run(&[x.as_tensor()], move |ctx, ins| {
                 let calls = calls.clone();
                 let h = ctx.recompute("h", &[&ins[0]], move |t| {
-                    let tiny = if calls.fetch_add(1, Ordering::SeqCst) == 0 { 0.0 } else { 1e-30 };
+                    let tiny = if calls.fetch_add(1, Ordering::SeqCst) == 0 {
+                        0.0
+                    } else {
+                        1e-30
+                    };
                     t[0].tanh()?.affine(1.0, tiny)
                 })?;
                 ctx.save("loss", &[&h], |t| t[0].sqr()?.sum_all())
@@ -217,7 +260,8 @@ fn a_replay_off_by_one_ulp_is_caught_where_it_is_compared_bit_for_bit() {
                     };
                     let mut delta = vec![0.0; v.len()];
                     delta[13] = gap;
-                    let delta = Tensor::from_vec(delta, h.shape(), h.device())?.to_dtype(h.dtype())?;
+                    let delta =
+                        Tensor::from_vec(delta, h.shape(), h.device())?.to_dtype(h.dtype())?;
                     h + delta
                 })?;
                 ctx.save("loss", &[&h], |t| t[0].sqr()?.sum_all())
@@ -257,8 +301,13 @@ remat! {
 
 fn padding_mask(t: usize, s: usize, dtype: DType) -> Tensor {
     // 0 on the first s - 2 keys, -1e9 on the last two.
-    let v: Vec<f64> = (0..t * s).map(|i| if i % s >= s - 2 { -1e9 } else { 0.0 }).collect();
-    Tensor::from_vec(v, (t, s), &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
+    let v: Vec<f64> = (0..t * s)
+        .map(|i| if i % s >= s - 2 { -1e9 } else { 0.0 })
+        .collect();
+    Tensor::from_vec(v, (t, s), &Device::Cpu)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
 }
 
 #[test]
@@ -274,10 +323,27 @@ fn one_column_of_a_mask_changed_in_place_is_caught() {
                     .unwrap();
                 // One column of the mask, in place (candle's `slice_set`
                 // writes into the tensor's own storage).
-                let column = Tensor::full(-1e9, (6, 1), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
-                let column = if col == 7 { column.zeros_like().unwrap() } else { column };
+                let column = Tensor::full(-1e9, (6, 1), &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap();
+                let column = if col == 7 {
+                    column.zeros_like().unwrap()
+                } else {
+                    column
+                };
                 let m = mask.narrow(1, col, 1).unwrap().contiguous().unwrap();
-                assert!(m.ne(&column).unwrap().sum_all().unwrap().to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap() > 0.0);
+                assert!(
+                    m.ne(&column)
+                        .unwrap()
+                        .sum_all()
+                        .unwrap()
+                        .to_dtype(DType::F64)
+                        .unwrap()
+                        .to_scalar::<f64>()
+                        .unwrap()
+                        > 0.0
+                );
                 slice_set_column(&mask, &column, col);
                 let e = backward(&y).unwrap_err();
                 assert!(
@@ -296,11 +362,20 @@ fn slice_set_column(t: &Tensor, column: &Tensor, col: usize) {
     // `slice_set` writes along dimension 0: go through the transpose's
     // contiguous copy and write it back whole.
     let mut rows = t.to_dtype(DType::F64).unwrap().to_vec2::<f64>().unwrap();
-    let c = column.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+    let c = column
+        .to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f64>()
+        .unwrap();
     for (r, v) in rows.iter_mut().zip(c) {
         r[col] = v;
     }
-    let new = Tensor::new(rows, &Device::Cpu).unwrap().to_dtype(t.dtype()).unwrap();
+    let new = Tensor::new(rows, &Device::Cpu)
+        .unwrap()
+        .to_dtype(t.dtype())
+        .unwrap();
     t.slice_set(&new, 0, 0).unwrap();
 }
 
@@ -315,7 +390,10 @@ fn a_mask_in_a_field_changed_in_place_is_caught_through_the_outputs() {
         let y = Plan::recompute_all()
             .scope(|| masked_by_field(q.as_tensor(), k.as_tensor(), &m))
             .unwrap();
-        let column = Tensor::full(-3.0, (6, 1), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+        let column = Tensor::full(-3.0, (6, 1), &Device::Cpu)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
         slice_set_column(&m.mask, &column, 2);
         let e = backward(&y).unwrap_err();
         assert!(
@@ -346,14 +424,27 @@ fn plain_views(x: &Tensor, w: &Tensor) -> Tensor {
     let b = h.narrow(0, 1, 2).unwrap().exp().unwrap();
     let c = b.t().unwrap();
     let d = (c.sqr().unwrap().sum_all().unwrap() + a.tanh().unwrap().sum_all().unwrap()).unwrap();
-    let e = x.t().unwrap().sum_keepdim(0).unwrap().sqr().unwrap().sum_all().unwrap();
+    let e = x
+        .t()
+        .unwrap()
+        .sum_keepdim(0)
+        .unwrap()
+        .sqr()
+        .unwrap()
+        .sum_all()
+        .unwrap();
     (d + e).unwrap()
 }
 
 #[test]
 fn legitimate_replays_over_views_and_copies_pass_in_every_dtype_and_plan() {
     for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16] {
-        for plan in [Plan::recompute_all(), Plan::declared(), Plan::save_all(), Plan::save_only(["a"])] {
+        for plan in [
+            Plan::recompute_all(),
+            Plan::declared(),
+            Plan::save_all(),
+            Plan::save_only(["a"]),
+        ] {
             // The block's input is itself a view (a transpose).
             let x0 = var(&[7, 5], 11, 0.5, dtype);
             let w = var(&[5, 6], 12, 0.5, dtype);
@@ -382,7 +473,8 @@ fn repeated_steps_with_parameter_updates_between_them_pass() {
                 let y = linear_tanh(&x, &w, saved);
                 let g = backward(&y).unwrap_or_else(|e| panic!("step {step}: {e}"));
                 let gw = g.get(&w).unwrap().clone();
-                w.set(&(w.as_tensor() - (gw * 1e-3).unwrap()).unwrap()).unwrap();
+                w.set(&(w.as_tensor() - (gw * 1e-3).unwrap()).unwrap())
+                    .unwrap();
             }
         }
     }

@@ -1,0 +1,522 @@
+//! `remat!` on methods, as candle users write layers: an inherent
+//! `forward(&self, ...)`, `impl Module`, `impl ModuleT`, with `self`'s
+//! fields read anywhere in the body (macros included). Each block runs
+//! under full recompute, save-all and off, against plain candle written
+//! separately.
+
+use candle_core::{DType, Device, Module, ModuleT, Result, Tensor, Var, D};
+use candle_nn::{Linear, VarBuilder, VarMap};
+use remat_runtime::{backward, nn, remat, Plan};
+
+use crate::common::max_abs;
+
+fn plans() -> [Plan; 3] {
+    [Plan::off(), Plan::recompute_all(), Plan::save_all()]
+}
+
+/// A Qwen2-style decoder layer: GQA attention with q/k/v biases, RMS norms,
+/// a SwiGLU MLP; parameters under Hugging Face's names.
+#[derive(Clone)]
+struct DecoderLayer {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    gate_up: Linear,
+    down_proj: Linear,
+    input_layernorm: Tensor,
+    post_attention_layernorm: Tensor,
+    heads: usize,
+    kv_heads: usize,
+    eps: f64,
+}
+
+impl DecoderLayer {
+    fn new(
+        vb: VarBuilder,
+        hidden: usize,
+        inter: usize,
+        heads: usize,
+        kv_heads: usize,
+    ) -> Result<Self> {
+        let d = hidden / heads;
+        let init = candle_nn::Init::Randn {
+            mean: 0.0,
+            stdev: 0.2,
+        };
+        let ones = candle_nn::Init::Const(1.0);
+        Ok(DecoderLayer {
+            q_proj: candle_nn::linear(hidden, heads * d, vb.pp("self_attn.q_proj"))?,
+            k_proj: candle_nn::linear(hidden, kv_heads * d, vb.pp("self_attn.k_proj"))?,
+            v_proj: candle_nn::linear(hidden, kv_heads * d, vb.pp("self_attn.v_proj"))?,
+            o_proj: Linear::new(
+                vb.get_with_hints((hidden, heads * d), "self_attn.o_proj.weight", init)?,
+                None,
+            ),
+            gate_up: Linear::new(
+                vb.get_with_hints((2 * inter, hidden), "mlp.gate_up.weight", init)?,
+                None,
+            ),
+            down_proj: Linear::new(
+                vb.get_with_hints((hidden, inter), "mlp.down_proj.weight", init)?,
+                None,
+            ),
+            input_layernorm: vb.get_with_hints(hidden, "input_layernorm.weight", ones)?,
+            post_attention_layernorm: vb.get_with_hints(
+                hidden,
+                "post_attention_layernorm.weight",
+                ones,
+            )?,
+            heads,
+            kv_heads,
+            eps: 1e-6,
+        })
+    }
+
+    fn split(&self, x: &Tensor, heads: usize) -> Result<Tensor> {
+        let (b, t, c) = x.dims3()?;
+        x.reshape((b, t, heads, c / heads))?.transpose(1, 2)
+    }
+
+    remat! {
+        /// The layer's forward, checkpointed where it stands.
+        fn forward(&self, xs: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+            let (b, t, c) = xs.dims3()?;
+            if c % self.heads != 0 {
+                candle_core::bail!("hidden size {c} is not a multiple of {} heads", self.heads);
+            }
+            let h = nn::rms_norm(xs, &self.input_layernorm, self.eps)?;
+            let q = self.split(&self.q_proj.forward(&h)?, self.heads)?;
+            let k = self.split(&self.k_proj.forward(&h)?, self.kv_heads)?;
+            let v = self.split(&self.v_proj.forward(&h)?, self.kv_heads)?;
+            let att = nn::attention(&q, &k, &v, true, mask)?;
+            let att = att.transpose(1, 2)?.reshape((b, t, c))?;
+            let x = (xs + self.o_proj.forward(&att)?)?;
+            let h2 = nn::rms_norm(&x, &self.post_attention_layernorm, self.eps)?;
+            let mlp = self.down_proj.forward(&nn::swiglu(&self.gate_up.forward(&h2)?)?)?;
+            Ok((x + mlp)?)
+        }
+    }
+
+    /// The same layer in plain candle (composed ops only).
+    fn plain(&self, xs: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+        let (b, t, c) = xs.dims3()?;
+        let h = candle_nn::ops::rms_norm_slow(xs, &self.input_layernorm, self.eps as f32)?;
+        let q = self.split(&self.q_proj.forward(&h)?, self.heads)?;
+        let k = self.split(&self.k_proj.forward(&h)?, self.kv_heads)?;
+        let v = self.split(&self.v_proj.forward(&h)?, self.kv_heads)?;
+        let rep = self.heads / self.kv_heads;
+        let (k, v) = (repeat_kv(&k, rep)?, repeat_kv(&v, rep)?);
+        let d = c / self.heads;
+        let mut s = (q.contiguous()?.matmul(&k.t()?.contiguous()?)? / (d as f64).sqrt())?;
+        if let Some(m) = mask {
+            s = s.broadcast_add(m)?;
+        }
+        s = s.broadcast_add(&causal(t, s.dtype())?)?;
+        let p = candle_nn::ops::softmax(&s, D::Minus1)?;
+        let att = p
+            .matmul(&v.contiguous()?)?
+            .transpose(1, 2)?
+            .reshape((b, t, c))?;
+        let x = (xs + self.o_proj.forward(&att)?)?;
+        let h2 =
+            candle_nn::ops::rms_norm_slow(&x, &self.post_attention_layernorm, self.eps as f32)?;
+        let gu = self.gate_up.forward(&h2)?;
+        let inter = gu.dim(D::Minus1)? / 2;
+        let gate = gu.narrow(D::Minus1, 0, inter)?;
+        let up = gu.narrow(D::Minus1, inter, inter)?;
+        let mlp = self
+            .down_proj
+            .forward(&(candle_nn::ops::silu(&gate)? * up)?)?;
+        x + mlp
+    }
+}
+
+fn repeat_kv(x: &Tensor, n: usize) -> Result<Tensor> {
+    let (b, h, t, d) = x.dims4()?;
+    x.unsqueeze(2)?
+        .expand((b, h, n, t, d))?
+        .reshape((b, h * n, t, d))
+}
+
+fn causal(t: usize, dtype: DType) -> Result<Tensor> {
+    let v: Vec<f32> = (0..t * t)
+        .map(|i| {
+            if i % t > i / t {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    Tensor::from_vec(v, (t, t), &Device::Cpu)?.to_dtype(dtype)
+}
+
+/// A BERT-style encoder layer (post-norm) as a `Module`.
+#[derive(Clone)]
+struct BertLayer {
+    qkv: Linear,
+    out: Linear,
+    ln1: (Tensor, Tensor),
+    up: Linear,
+    down: Linear,
+    ln2: (Tensor, Tensor),
+    heads: usize,
+}
+
+impl Module for BertLayer {
+    remat! {
+        fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+            let (b, t, c) = xs.dims3()?;
+            let qkv = self.qkv.forward(xs)?;
+            let d = c / self.heads;
+            let q = qkv.narrow(2, 0, c)?.reshape((b, t, self.heads, d))?.transpose(1, 2)?;
+            let k = qkv.narrow(2, c, c)?.reshape((b, t, self.heads, d))?.transpose(1, 2)?;
+            let v = qkv.narrow(2, 2 * c, c)?.reshape((b, t, self.heads, d))?.transpose(1, 2)?;
+            let att = nn::attention(&q, &k, &v, false, None)?.transpose(1, 2)?.reshape((b, t, c))?;
+            let x = nn::layer_norm(&(xs + self.out.forward(&att)?)?, &self.ln1.0, &self.ln1.1, 1e-12)?;
+            let ffn = self.down.forward(&self.up.forward(&x)?.gelu()?)?;
+            Ok(nn::layer_norm(&(&x + ffn)?, &self.ln2.0, &self.ln2.1, 1e-12)?)
+        }
+    }
+}
+
+impl BertLayer {
+    fn plain(&self, xs: &Tensor) -> Result<Tensor> {
+        let (b, t, c) = xs.dims3()?;
+        let qkv = self.qkv.forward(xs)?;
+        let d = c / self.heads;
+        let split = |i: usize| -> Result<Tensor> {
+            qkv.narrow(2, i * c, c)?
+                .reshape((b, t, self.heads, d))?
+                .transpose(1, 2)?
+                .contiguous()
+        };
+        let (q, k, v) = (split(0)?, split(1)?, split(2)?);
+        let s = (q.matmul(&k.t()?.contiguous()?)? / (d as f64).sqrt())?;
+        let p = candle_nn::ops::softmax(&s, D::Minus1)?;
+        let att = p.matmul(&v)?.transpose(1, 2)?.reshape((b, t, c))?;
+        let x = candle_nn::ops::layer_norm_slow(
+            &(xs + self.out.forward(&att)?)?,
+            &self.ln1.0,
+            &self.ln1.1,
+            1e-12,
+        )?;
+        let ffn = self.down.forward(&self.up.forward(&x)?.gelu()?)?;
+        candle_nn::ops::layer_norm_slow(&(&x + ffn)?, &self.ln2.0, &self.ln2.1, 1e-12)
+    }
+}
+
+/// A ViT-style MLP block as a `ModuleT`: dropout when training.
+#[derive(Clone)]
+struct MlpBlock {
+    fc1: Linear,
+    fc2: Linear,
+    p: f64,
+}
+
+impl ModuleT for MlpBlock {
+    remat! {
+        fn forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
+            let h = self.fc1.forward(xs)?.gelu()?;
+            let h = if train { nn::dropout(&h, self.p)? } else { h };
+            Ok((xs + self.fc2.forward(&h)?)?)
+        }
+    }
+}
+
+fn linear(vm: &VarMap, name: &str, i: usize, o: usize, bias: bool, dtype: DType) -> Linear {
+    let vb = VarBuilder::from_varmap(vm, dtype, &Device::Cpu);
+    let init = candle_nn::Init::Randn {
+        mean: 0.0,
+        stdev: 0.3,
+    };
+    let w = vb
+        .get_with_hints((o, i), &format!("{name}.weight"), init)
+        .unwrap();
+    let b = bias.then(|| vb.get_with_hints(o, &format!("{name}.bias"), init).unwrap());
+    Linear::new(w, b)
+}
+
+/// A loss that weighs every output element by a fixed pseudo-random weight
+/// (a sum of squares of a normalized output would be constant).
+fn loss(y: &Tensor) -> Tensor {
+    let n = y.elem_count();
+    let w: Vec<f64> = (0..n)
+        .map(|i| ((i * 7919 % 97) as f64 / 48.5) - 1.0)
+        .collect();
+    let w = Tensor::from_vec(w, y.shape(), y.device())
+        .unwrap()
+        .to_dtype(y.dtype())
+        .unwrap();
+    (y * w).unwrap().sum_all().unwrap()
+}
+
+/// Every variable's gradient under `plan`, against the plain loss's.
+fn check(
+    vm: &VarMap,
+    x: &Var,
+    plan: &Plan,
+    run: impl Fn() -> Result<Tensor>,
+    plain: impl Fn() -> Result<Tensor>,
+    tol: f64,
+) {
+    let y = plan.scope(&run).unwrap();
+    let g = backward(&loss(&y)).unwrap();
+    let pg = loss(&plain().unwrap()).backward().unwrap();
+    let mut vars = vm.all_vars();
+    vars.push(x.clone());
+    assert!(vars.len() > 2);
+    // Relative to the largest gradient element of the layer: some gradients
+    // are 0 analytically (a key bias under softmax), where both sides hold
+    // rounding noise only.
+    let scale = vars
+        .iter()
+        .map(|v| max_abs(&pg.get(v).unwrap().to_dtype(DType::F64).unwrap()))
+        .fold(0f64, f64::max);
+    for v in &vars {
+        let a = g
+            .get(v)
+            .unwrap_or_else(|| panic!("{plan}: a variable got no gradient"));
+        let b = pg.get(v).unwrap();
+        let d =
+            max_abs(&(a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap()).unwrap());
+        assert!(
+            d <= tol * scale,
+            "{plan}: {:?} {d} vs scale {scale}",
+            v.dims()
+        );
+    }
+}
+
+#[test]
+fn an_inherent_forward_method_matches_plain_candle() {
+    for dtype in [DType::F32, DType::F64] {
+        // Relative to the largest gradient: f32, the same math reassociated
+        // (fused norms, attention by blocks); f64, rounding.
+        let tol = if dtype == DType::F32 { 1e-5 } else { 1e-12 };
+        let vm = VarMap::new();
+        let vb = VarBuilder::from_varmap(&vm, dtype, &Device::Cpu);
+        let layer = DecoderLayer::new(vb.pp("model.layers.0"), 16, 24, 4, 2).unwrap();
+        let x = Var::from_tensor(
+            &Tensor::randn(0f32, 1.0, (2, 5, 16), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap(),
+        )
+        .unwrap();
+        let pad: Vec<f32> = (0..5).map(|i| if i == 4 { -1e9 } else { 0.0 }).collect();
+        let pad = Tensor::new(pad, &Device::Cpu)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        for mask in [None, Some(&pad)] {
+            for plan in plans() {
+                check(
+                    &vm,
+                    &x,
+                    &plan,
+                    || layer.forward(x.as_tensor(), mask),
+                    || layer.plain(x.as_tensor(), mask),
+                    tol,
+                );
+            }
+        }
+        // `bail!` in the block: an error, from the forward, in the user's words.
+        let mut odd = layer.clone();
+        odd.heads = 3;
+        let e = odd.forward(x.as_tensor(), None).unwrap_err();
+        assert!(e.to_string().contains("not a multiple of 3 heads"), "{e}");
+    }
+}
+
+#[test]
+fn a_module_forward_matches_plain_candle() {
+    for dtype in [DType::F32, DType::F64] {
+        let tol = if dtype == DType::F32 { 1e-5 } else { 1e-12 };
+        let vm = VarMap::new();
+        let c = 12;
+        let vb = VarBuilder::from_varmap(&vm, dtype, &Device::Cpu);
+        let ones = candle_nn::Init::Const(1.0);
+        let zeros = candle_nn::Init::Const(0.0);
+        let layer = BertLayer {
+            qkv: linear(&vm, "attention.qkv", c, 3 * c, true, dtype),
+            out: linear(&vm, "attention.output.dense", c, c, true, dtype),
+            ln1: (
+                vb.get_with_hints(c, "attention.output.LayerNorm.weight", ones)
+                    .unwrap(),
+                vb.get_with_hints(c, "attention.output.LayerNorm.bias", zeros)
+                    .unwrap(),
+            ),
+            up: linear(&vm, "intermediate.dense", c, 2 * c, true, dtype),
+            down: linear(&vm, "output.dense", 2 * c, c, true, dtype),
+            ln2: (
+                vb.get_with_hints(c, "output.LayerNorm.weight", ones)
+                    .unwrap(),
+                vb.get_with_hints(c, "output.LayerNorm.bias", zeros)
+                    .unwrap(),
+            ),
+            heads: 3,
+        };
+        let x = Var::from_tensor(
+            &Tensor::randn(0f32, 1.0, (2, 4, c), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap(),
+        )
+        .unwrap();
+        for plan in plans() {
+            // Through the trait, as a model calls it.
+            check(
+                &vm,
+                &x,
+                &plan,
+                || x.as_tensor().apply(&layer),
+                || layer.plain(x.as_tensor()),
+                tol,
+            );
+        }
+    }
+}
+
+#[test]
+fn a_module_t_forward_matches_plain_candle_in_eval_and_replays_its_dropout() {
+    for dtype in [DType::F32, DType::F64] {
+        let tol = if dtype == DType::F32 { 1e-5 } else { 1e-12 };
+        let vm = VarMap::new();
+        let block = MlpBlock {
+            fc1: linear(&vm, "fc1", 8, 16, true, dtype),
+            fc2: linear(&vm, "fc2", 16, 8, true, dtype),
+            p: 0.25,
+        };
+        let x = Var::from_tensor(
+            &Tensor::randn(0f32, 1.0, (3, 8), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap(),
+        )
+        .unwrap();
+        let plain = || -> Result<Tensor> {
+            let h = block.fc1.forward(x.as_tensor())?.gelu()?;
+            x.as_tensor() + block.fc2.forward(&h)?
+        };
+        for plan in plans() {
+            check(
+                &vm,
+                &x,
+                &plan,
+                || block.forward_t(x.as_tensor(), false),
+                plain,
+                tol,
+            );
+            // Training: the replay draws the forward's dropout mask (a
+            // redrawn mask would be ReplayDiverged).
+            remat_runtime::random::seed(7);
+            let y = plan.scope(|| block.forward_t(x.as_tensor(), true)).unwrap();
+            assert!(backward(&y.sum_all().unwrap()).is_ok(), "{plan}");
+        }
+    }
+}
+
+#[test]
+fn a_method_region_is_named_after_its_type() {
+    let vm = VarMap::new();
+    let block = MlpBlock {
+        fc1: linear(&vm, "fc1", 4, 4, true, DType::F32),
+        fc2: linear(&vm, "fc2", 4, 4, true, DType::F32),
+        p: 0.0,
+    };
+    let x = Var::randn(0f32, 1.0, (2, 4), &Device::Cpu).unwrap();
+    let _y = block.forward_t(x.as_tensor(), false).unwrap();
+    let report = remat_runtime::MemoryReport::capture();
+    assert!(
+        report
+            .entries
+            .iter()
+            .all(|e| e.region.starts_with("MlpBlock::forward_t")),
+        "{report}"
+    );
+}
+
+/// BatchNorm-style running statistics: state that must change once per
+/// step, in the forward, never again in the replay.
+#[derive(Clone)]
+struct BatchNorm {
+    gamma: Var,
+    beta: Var,
+    running_mean: std::sync::Arc<std::sync::Mutex<Tensor>>,
+    updates: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    momentum: f64,
+}
+
+impl BatchNorm {
+    fn update(&self, mean: &Tensor) -> Result<()> {
+        let mut running = self.running_mean.lock().unwrap();
+        *running = ((&*running * (1.0 - self.momentum))? + (mean.detach() * self.momentum)?)?;
+        self.updates
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    }
+
+    remat! {
+        fn forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
+            let mean = xs.mean_keepdim(0)?;
+            #[forward_only]
+            if train {
+                self.update(&mean.squeeze(0)?)?;
+            }
+            let centered = xs.broadcast_sub(&mean)?;
+            let var = centered.sqr()?.mean_keepdim(0)?;
+            let normed = centered.broadcast_div(&(var + 1e-5)?.sqrt()?)?;
+            let y = normed.broadcast_mul(self.gamma.as_tensor())?.broadcast_add(self.beta.as_tensor())?;
+            Ok(y)
+        }
+    }
+}
+
+#[test]
+fn running_statistics_change_once_per_step_under_every_plan() {
+    for plan in plans() {
+        let dev = Device::Cpu;
+        let bn = BatchNorm {
+            gamma: Var::ones(3, DType::F64, &dev).unwrap(),
+            beta: Var::zeros(3, DType::F64, &dev).unwrap(),
+            running_mean: std::sync::Arc::new(std::sync::Mutex::new(
+                Tensor::zeros(3, DType::F64, &dev).unwrap(),
+            )),
+            updates: Default::default(),
+            momentum: 0.1,
+        };
+        let x = Var::from_tensor(
+            &Tensor::arange(0f64, 12.0, &dev)
+                .unwrap()
+                .reshape((4, 3))
+                .unwrap(),
+        )
+        .unwrap();
+        for step in 1..=3 {
+            let y = plan.scope(|| bn.forward_t(x.as_tensor(), true)).unwrap();
+            backward(&loss(&y)).unwrap();
+            // One update per step, forward only: the replay did not update.
+            assert_eq!(
+                bn.updates.load(std::sync::atomic::Ordering::SeqCst),
+                step,
+                "{plan}"
+            );
+        }
+        // mean of the columns: 4.5, 5.5, 6.5; after three updates from 0 with
+        // momentum 0.1: m * (1 - 0.9^3).
+        let running = bn.running_mean.lock().unwrap().to_vec1::<f64>().unwrap();
+        let factor = 1.0 - 0.9f64.powi(3);
+        for (r, m) in running.iter().zip([4.5, 5.5, 6.5]) {
+            assert!((r - m * factor).abs() < 1e-12, "{plan}: {running:?}");
+        }
+        // Evaluation does not update.
+        let _ = plan.scope(|| bn.forward_t(x.as_tensor(), false)).unwrap();
+        assert_eq!(
+            bn.updates.load(std::sync::atomic::Ordering::SeqCst),
+            3,
+            "{plan}"
+        );
+    }
+}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds, on a machine without a GPU, what a GPU machine without cargo or a
 # network runs: the CUDA integration tests of remat-runtime and the examples'
-# bench, train_gpt and llama, built
+# bench, train_gpt and qwen2, built
 # with `--features cuda` for the H100/H200 (sm_90) and a CUDA 13.0 driver,
 # compressed into gpu-package/ (git-ignored) with the script that runs them:
 #
@@ -21,7 +21,7 @@
 #        every policy, offload and budget=0.25/0.5/0.75 included, at GPT-2
 #        small (12 layers, d_model 768, 12 heads, T 1024, B 8; 2 warm-up + 10
 #        measured steps each): estimated 3-5 minutes, each step cut at 9
-#   bash gpu-package/run.sh exec llama --device cuda      # one program
+#   bash gpu-package/run.sh exec qwen2 --device cuda      # one program
 #
 # Results: $OUT/summary.txt (exit code and seconds of each step; 124 = cut),
 # $OUT/<step>.txt (each starting with its command), $OUT/bench/, $OUT/torch/,
@@ -65,7 +65,7 @@ export PATH="$root/bin:$PATH" CUDA_HOME="$root" CUDA_PATH="$root"
 
 # What to build: "crate target-kind target-name packaged-name".
 targets=("remat-runtime test cuda cuda-tests" "examples bin bench bench"
-  "examples bin train_gpt train_gpt" "examples bin llama llama")
+  "examples bin train_gpt train_gpt" "examples bin qwen2 qwen2")
 
 # The CUDA libraries candle links (cudarc's and candle-kernels' build
 # scripts), by link name, with the sonames of CUDA 13 (driver 580 and

@@ -156,7 +156,7 @@ pub fn clip_grad_norm(grads: &mut GradStore, vars: &[Var], max_norm: f64) -> Res
 }
 
 /// AdamW (weight decay 0.01) with [`learning_rate`]'s schedule and
-/// [`clip_grad_norm`], as `train_gpt` and `llama` use it.
+/// [`clip_grad_norm`], as `train_gpt` and `qwen2` use it.
 pub struct Optim {
     adamw: AdamW,
     vars: Vec<Var>,

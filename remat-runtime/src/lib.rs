@@ -63,6 +63,7 @@
 
 mod ambient;
 mod backward;
+pub mod candle_nn;
 mod ctx;
 mod error;
 mod graph;

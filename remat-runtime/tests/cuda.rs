@@ -169,6 +169,19 @@ fn nn_ops_on_cuda_match_the_cpu() {
     let angles = tensor(&[8, 2], 4, 3.0, DType::F32);
     let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
     let targets = Tensor::new(&[1u32, 0, 3, 2, 5, 4, 7, 6], &Device::Cpu).unwrap();
+    // Attention masks (tracked): query row 3 at -1e9 on every key (uniform),
+    // row 5 at -inf on every key (output 0, no NaN); key padding with -inf
+    // on key 0, which under causal masking leaves query row 0 no key.
+    let mut rows = vec![0f32; 70 * 70];
+    for j in 0..70 {
+        rows[3 * 70 + j] = -1e9;
+        rows[5 * 70 + j] = f32::NEG_INFINITY;
+    }
+    let padding = Tensor::from_vec(rows, (1, 1, 70, 70), &Device::Cpu).unwrap();
+    let mut keys = vec![0f32; 70];
+    keys[0] = f32::NEG_INFINITY;
+    keys[69] = -1e9;
+    let key_padding = Tensor::from_vec(keys, 70, &Device::Cpu).unwrap();
     let cases: Vec<(&str, Vec<Tensor>, usize, Box<Op>)> = vec![
         (
             "linear",
@@ -266,6 +279,23 @@ fn nn_ops_on_cuda_match_the_cpu() {
             Box::new(|t| nn::attention(&t[0], &t[1], &t[2], true, None)),
         ),
         (
+            "attention (tracked mask: a -1e9 row, a -inf row)",
+            vec![
+                tensor(&[1, 4, 70, 4], 1, 1.0, DType::F32),
+                tensor(&[1, 2, 70, 4], 2, 1.0, DType::F32),
+                tensor(&[1, 2, 70, 4], 3, 1.0, DType::F32),
+                padding,
+            ],
+            4,
+            Box::new(|t| nn::attention(&t[0], &t[1], &t[2], false, Some(&t[3]))),
+        ),
+        (
+            "attention_qkv (tracked key padding, causal)",
+            vec![tensor(&[1, 70, 3 * 2 * 4], 1, 1.0, DType::F32), key_padding],
+            2,
+            Box::new(|t| nn::attention_qkv(&t[0], 2, true, Some(&t[1]))),
+        ),
+        (
             "cross_entropy",
             vec![tensor(&[8, 9], 1, 1.0, DType::F32), targets],
             1,
@@ -318,6 +348,127 @@ fn nn_ops_on_cuda_match_the_cpu() {
             let mut ins: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
             ins.extend(inputs[trained..].iter().map(|t| t.to_device(d).unwrap()));
             let y = op(&ins).unwrap();
+            let w = tensor(y.dims(), 9, 1.0, DType::F32).to_device(d).unwrap();
+            let g = (&y * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            let gs: Vec<Tensor> = vars
+                .iter()
+                .map(|v| g.get(v).unwrap().to_device(&Device::Cpu).unwrap())
+                .collect();
+            (y.to_device(&Device::Cpu).unwrap(), gs)
+        };
+        let (y, gs) = run(&dev);
+        let (y_cpu, gs_cpu) = run(&Device::Cpu);
+        assert!(rel_diff(&y, &y_cpu) <= 1e-4, "{name}: forward");
+        for (g, r) in gs.iter().zip(&gs_cpu) {
+            assert!(rel_diff(g, r) <= 1e-4, "{name}: gradient");
+        }
+    }
+}
+
+/// Each `remat_runtime::candle_nn` drop-in on the GPU against the same op
+/// on the CPU: forward and gradients of a weighted sum, 1e-4 relative (the
+/// GPU reductions sum in other orders); softmax and the rotations also
+/// equal candle's fused CUDA kernels bit for bit, since they run them.
+#[test]
+fn drop_ins_on_cuda_match_the_cpu() {
+    use candle_core::Module;
+    use remat_runtime::candle_nn::{ops, rotary_emb, LayerNorm, RmsNorm};
+    type Op = dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>;
+    /// The name, the inputs, how many of them are trained, the op, and
+    /// candle's fused op if it is the same kernel.
+    type Case = (&'static str, Vec<Tensor>, usize, Box<Op>, Option<Box<Op>>);
+    let dev = cuda();
+    let angles = tensor(&[8, 2], 4, 3.0, DType::F32);
+    let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
+    let x = || tensor(&[2, 8, 16], 1, 1.0, DType::F32);
+    let gain = || (tensor(&[16], 2, 0.3, DType::F32) + 1.0).unwrap();
+    let bias = || tensor(&[16], 3, 0.3, DType::F32);
+    let cases: Vec<Case> = vec![
+        (
+            "ops::rms_norm",
+            vec![x(), gain()],
+            2,
+            Box::new(|t| ops::rms_norm(&t[0], &t[1], 1e-6)),
+            None,
+        ),
+        (
+            "ops::layer_norm",
+            vec![x(), gain(), bias()],
+            3,
+            Box::new(|t| ops::layer_norm(&t[0], &t[1], &t[2], 1e-5)),
+            None,
+        ),
+        (
+            "RmsNorm",
+            vec![x(), gain()],
+            2,
+            Box::new(|t| RmsNorm::new(t[1].clone(), 1e-6).forward(&t[0])),
+            None,
+        ),
+        (
+            "LayerNorm",
+            vec![x(), gain(), bias()],
+            3,
+            Box::new(|t| LayerNorm::new(t[1].clone(), t[2].clone(), 1e-5).forward(&t[0])),
+            None,
+        ),
+        (
+            "ops::softmax_last_dim",
+            vec![x()],
+            1,
+            Box::new(|t| ops::softmax_last_dim(&t[0])),
+            Some(Box::new(|t| candle_nn::ops::softmax_last_dim(&t[0]))),
+        ),
+        (
+            "rotary_emb::rope",
+            vec![
+                tensor(&[1, 2, 8, 4], 1, 1.0, DType::F32),
+                cos.clone(),
+                sin.clone(),
+            ],
+            1,
+            Box::new(|t| rotary_emb::rope(&t[0], &t[1], &t[2])),
+            Some(Box::new(|t| {
+                candle_nn::rotary_emb::rope(&t[0], &t[1], &t[2])
+            })),
+        ),
+        (
+            "rotary_emb::rope_i",
+            vec![
+                tensor(&[1, 2, 8, 4], 1, 1.0, DType::F32),
+                cos.clone(),
+                sin.clone(),
+            ],
+            1,
+            Box::new(|t| rotary_emb::rope_i(&t[0], &t[1], &t[2])),
+            Some(Box::new(|t| {
+                candle_nn::rotary_emb::rope_i(&t[0], &t[1], &t[2])
+            })),
+        ),
+        (
+            "rotary_emb::rope_thd",
+            vec![tensor(&[1, 8, 2, 4], 1, 1.0, DType::F32), cos, sin],
+            1,
+            Box::new(|t| rotary_emb::rope_thd(&t[0], &t[1], &t[2])),
+            Some(Box::new(|t| {
+                candle_nn::rotary_emb::rope_thd(&t[0], &t[1], &t[2])
+            })),
+        ),
+    ];
+    for (name, inputs, trained, op, fused) in cases {
+        let run = |d: &Device| {
+            let vars: Vec<Var> = inputs[..trained]
+                .iter()
+                .map(|t| Var::from_tensor(&t.to_device(d).unwrap()).unwrap())
+                .collect();
+            let mut ins: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+            ins.extend(inputs[trained..].iter().map(|t| t.to_device(d).unwrap()));
+            let y = op(&ins).unwrap();
+            if let (Some(fused), true) = (&fused, d.is_cuda()) {
+                let want = fused(&ins).unwrap().to_device(&Device::Cpu).unwrap();
+                let got = y.to_device(&Device::Cpu).unwrap();
+                assert_eq!(rel_diff(&got, &want), 0.0, "{name}: candle's fused kernel");
+            }
             let w = tensor(y.dims(), 9, 1.0, DType::F32).to_device(d).unwrap();
             let g = (&y * &w).unwrap().sum_all().unwrap().backward().unwrap();
             let gs: Vec<Tensor> = vars

@@ -12,7 +12,7 @@
 # small), train (train_gpt under selective and offload), torch (PyTorch's
 # reference at the bench's shape), all (the four). Every call first writes
 # env.txt (nvidia-smi, the libraries each binary resolves, torch's version).
-# `exec` runs one binary of the package (e.g. llama, if packaged) with ARGS.
+# `exec` runs one binary of the package (e.g. qwen2, if packaged) with ARGS.
 #
 # --device cuda (default) takes the CUDA libraries from the pip packages of
 # python3's PyTorch and libcuda.so.1 from the driver. --device cpu runs the

@@ -7,6 +7,7 @@ mod common;
 
 mod attention_masks;
 mod dispatch;
+mod dropin;
 mod errors;
 mod false_alarms;
 mod features;

@@ -10,10 +10,10 @@
 //! 1. **The `use` lines**: `ops`, `rotary_emb`, `rms_norm` and `RmsNorm`
 //!    come from [`remat_runtime::candle_nn`], whose ops have a backward;
 //!    with candle-nn's, only `lm_head` would train.
-//! 2. **The layer's forward is a `remat!` block** ([`decoder_layer`], a
-//!    free function: the macro does not take methods yet), with the three
-//!    projections and the MLP's products as statements of their own, so
-//!    that a plan can save them by name ([`SELECTIVE`]).
+//! 2. **The layer's forward is a `remat!` block** ([`DecoderLayer::forward`],
+//!    a method as in candle-transformers), with the three projections and
+//!    the MLP's products as statements of their own, so that a plan can
+//!    save them by name ([`SELECTIVE`]).
 //! 3. **No KV cache**: it serves generation (one token at a time), and a
 //!    forward that appends to it would append twice when the block is
 //!    replayed in the backward. `Attention` takes `&self`, and there is no
@@ -249,7 +249,7 @@ impl Attention {
     }
 
     /// candle-transformers' `Attention::forward` between the projections
-    /// and `o_proj` (which [`decoder_layer`] runs as statements of their
+    /// and `o_proj` (which [`DecoderLayer::forward`] runs as statements of their
     /// own): heads, rotary embedding, the key/value heads repeated, softmax
     /// attention, heads merged. `(B, T, ...)` in, `(B, T, hidden)` out.
     pub fn attend(
@@ -328,25 +328,27 @@ impl DecoderLayer {
     }
 }
 
-remat! {
-    /// `DecoderLayer::forward`: pre-norm attention and MLP, each added to
-    /// the residual stream. Each `let` is a statement a plan saves or
-    /// recomputes by its name (`h`, `q`, `k`, `v`, `attn`, `o`, `xs`, `h#2`,
-    /// `gate`, `up`, `mlp`, `down`).
-    pub fn decoder_layer(xs: &Tensor, layer: &DecoderLayer, attention_mask: Option<&Tensor>) -> Result<Tensor> {
-        let h = layer.input_layernorm.forward(xs)?;
-        let q = layer.self_attn.q_proj.forward(&h)?;
-        let k = layer.self_attn.k_proj.forward(&h)?;
-        let v = layer.self_attn.v_proj.forward(&h)?;
-        let attn = layer.self_attn.attend(&q, &k, &v, attention_mask)?;
-        let o = layer.self_attn.o_proj.forward(&attn)?;
-        let xs = (xs + o)?;
-        let h = layer.post_attention_layernorm.forward(&xs)?;
-        let gate = layer.mlp.gate_proj.forward(&h)?;
-        let up = layer.mlp.up_proj.forward(&h)?;
-        let mlp = (gate.apply(&layer.mlp.act_fn)? * up)?;
-        let down = layer.mlp.down_proj.forward(&mlp)?;
-        Ok((xs + down)?)
+impl DecoderLayer {
+    remat! {
+        /// Pre-norm attention and MLP, each added to the residual stream.
+        /// Each `let` is a statement a plan saves or recomputes by its name
+        /// (`h`, `q`, `k`, `v`, `attn`, `o`, `xs`, `h#2`, `gate`, `up`,
+        /// `mlp`, `down`); the region is `DecoderLayer::forward`.
+        pub fn forward(&self, xs: &Tensor, attention_mask: Option<&Tensor>) -> Result<Tensor> {
+            let h = self.input_layernorm.forward(xs)?;
+            let q = self.self_attn.q_proj.forward(&h)?;
+            let k = self.self_attn.k_proj.forward(&h)?;
+            let v = self.self_attn.v_proj.forward(&h)?;
+            let attn = self.self_attn.attend(&q, &k, &v, attention_mask)?;
+            let o = self.self_attn.o_proj.forward(&attn)?;
+            let xs = (xs + o)?;
+            let h = self.post_attention_layernorm.forward(&xs)?;
+            let gate = self.mlp.gate_proj.forward(&h)?;
+            let up = self.mlp.up_proj.forward(&h)?;
+            let mlp = (gate.apply(&self.mlp.act_fn)? * up)?;
+            let down = self.mlp.down_proj.forward(&mlp)?;
+            Ok((xs + down)?)
+        }
     }
 }
 
@@ -432,7 +434,7 @@ impl Model {
         let attention_mask = self.causal_mask(seq_len)?;
         let mut xs = self.embed_tokens.forward(input_ids)?;
         for layer in self.layers.iter() {
-            xs = decoder_layer(&xs, layer, Some(&attention_mask))?
+            xs = layer.forward(&xs, Some(&attention_mask))?
         }
         xs.apply(&self.norm)
     }

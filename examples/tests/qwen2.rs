@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Module, Tensor, D};
 use examples::data::Corpus;
 use examples::gpt::Checkpointing;
-use examples::qwen2::{self, decoder_layer, named_vars, Config, DecoderLayer, Loaded, SELECTIVE};
+use examples::qwen2::{self, named_vars, Config, DecoderLayer, Loaded, SELECTIVE};
 use examples::rng::Rng;
 use examples::train::{Optim, Options};
 use remat_runtime::Plan;
@@ -433,9 +433,7 @@ fn a_decoder_layer_computes_what_candle_s_composed_ops_compute() {
     let mask = examples::gpt::causal_mask(16, &Device::Cpu).unwrap();
     let layer = &loaded.model.base_model.layers[1];
     for plan in [Plan::off(), Plan::recompute_all()] {
-        let got = plan
-            .scope(|| decoder_layer(&x, layer, Some(&mask)))
-            .unwrap();
+        let got = plan.scope(|| layer.forward(&x, Some(&mask))).unwrap();
         let want = reference_layer(&x, layer, &loaded.config, &mask);
         // The fused ops against the composed ones: 1e-5 relative, as each
         // op in remat-runtime/tests/it/nn.rs.
@@ -458,7 +456,7 @@ fn selective_saves_the_outputs_of_the_matrix_products() {
     let saved: Vec<&str> = report
         .entries
         .iter()
-        .filter(|e| e.region == "decoder_layer" && e.call == 0 && e.bytes > 0)
+        .filter(|e| e.region == "DecoderLayer::forward" && e.call == 0 && e.bytes > 0)
         .map(|e| e.statement.as_str())
         .filter(|s| !s.starts_with('('))
         .collect();

@@ -402,7 +402,7 @@ fn print_first_step(r: &Run, bar: &ProgressBar) {
             .report
             .entries
             .iter()
-            .filter(|e| e.region == "decoder_layer" && e.call == 0)
+            .filter(|e| e.region == "DecoderLayer::forward" && e.call == 0)
             .cloned()
             .collect(),
     };

@@ -169,6 +169,9 @@ impl<'a> Analyser<'a> {
                 }
             };
             for_value.push(read_for_value(expr));
+            if pat.is_some() && self.kinds[i] != Some(AnnotationKind::Plain) {
+                self.check_reference_alias(expr);
+            }
             let assigned = assigned(expr);
             self.check_assignments(expr, &assigned);
             let reads = self.resolve(expr, i, forward_only);
@@ -215,6 +218,29 @@ impl<'a> Analyser<'a> {
             inouts,
             for_value,
             tail,
+        }
+    }
+
+    /// Refuses `let residual = xs;` with `xs` a borrowed parameter (`&Tensor`):
+    /// a statement gives owned values, and rustc would suggest `&xs`.
+    fn check_reference_alias(&mut self, init: &Expr) {
+        let Expr::Path(p) = init else { return };
+        if p.qself.is_some() || p.path.segments.len() != 1 {
+            return;
+        }
+        let name = p.path.segments[0].ident.to_string();
+        let Some(&b) = self.current.get(&name) else {
+            return;
+        };
+        if self.bindings[b].borrowed_param.is_some() {
+            self.errors.push(
+                p.path.segments[0].ident.span(),
+                format!(
+                    "`{name}` is a reference (a borrowed parameter), and a statement gives owned \
+                     values: write `{name}.clone()` (cloning a tensor shares its storage, nothing \
+                     is copied), or use `{name}` where you use this binding"
+                ),
+            );
         }
     }
 
@@ -331,7 +357,12 @@ impl<'a> Analyser<'a> {
             name
         };
         for (i, stmt) in block.statements.iter().enumerate() {
-            if !names[i].is_empty() || self.kinds[i] == Some(AnnotationKind::ForwardOnly) {
+            if !names[i].is_empty()
+                || matches!(
+                    self.kinds[i],
+                    Some(AnnotationKind::ForwardOnly | AnnotationKind::Plain)
+                )
+            {
                 continue;
             }
             names[i] = match &stmt.kind {

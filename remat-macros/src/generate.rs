@@ -256,6 +256,10 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
         let allow_mut = (!inouts.is_empty()).then(|| quote!(#[allow(unused_mut)]));
         match (&stmt.kind, sa.kind) {
             (StmtKind::Item(item), _) => body.extend(quote! { #item }),
+            (StmtKind::Let { pat, init }, Some(AnnotationKind::Plain)) => body.extend(quote! {
+                #(#attrs)* let #pat = #init;
+                #release
+            }),
             (StmtKind::Let { pat, init }, Some(AnnotationKind::ForwardOnly)) => {
                 body.extend(quote! {
                     if !__remat_ctx.is_replay() {

@@ -12,6 +12,10 @@ pub(crate) enum AnnotationKind {
     Offload,
     Recompute,
     ForwardOnly,
+    /// Not written by users: a `let` that binds a closure (`let f = |t|
+    /// ...;`) or a guard (`let _enter = span.enter();`), which runs as it is
+    /// in the forward and in the replay, outside any statement.
+    Plain,
 }
 
 impl AnnotationKind {
@@ -31,6 +35,7 @@ impl AnnotationKind {
             AnnotationKind::Offload => "#[offload]",
             AnnotationKind::Recompute => "#[recompute]",
             AnnotationKind::ForwardOnly => "#[forward_only]",
+            AnnotationKind::Plain => "(plain code)",
         }
     }
 }

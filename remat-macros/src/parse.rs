@@ -9,7 +9,7 @@ use syn::{Expr, FnArg, ItemFn, Pat, Stmt, Type};
 use crate::attributes::{annotations, expr_attrs, strip_attrs};
 use crate::checks::{check_nested, check_return, check_statement_expr, check_tail_annotation};
 use crate::errors::Errors;
-use crate::model::{Block, Param, Passing, Statement, StmtKind};
+use crate::model::{Annotation, AnnotationKind, Block, Param, Passing, Statement, StmtKind};
 
 struct Items(Vec<ItemFn>);
 
@@ -186,6 +186,7 @@ fn parse_statement(stmt: &Stmt, errors: &mut Errors) -> Option<Statement> {
             }
             check_nested(&init.expr, errors);
             check_return(&init.expr, errors, false);
+            let annotation = annotation.or_else(|| plain(&local.pat, &init.expr));
             Some(Statement {
                 kind: StmtKind::Let {
                     pat: local.pat.clone(),
@@ -225,6 +226,20 @@ fn parse_statement(stmt: &Stmt, errors: &mut Errors) -> Option<Statement> {
             attrs: Vec::new(),
         }),
     }
+}
+
+/// An unannotated `let` that runs as plain code in the forward and the
+/// replay rather than as a statement: one binding a closure (a helper
+/// called by later statements), or a guard bound to a name starting with
+/// `_` (`let _enter = self.span.enter();`, kept to the block's end).
+fn plain(pat: &Pat, init: &Expr) -> Option<Annotation> {
+    let guard = crate::usage::single(pat).is_some_and(|i| i.to_string().starts_with('_'));
+    let closure = matches!(init, Expr::Closure(_));
+    (guard || closure).then(|| Annotation {
+        kind: AnnotationKind::Plain,
+        name: None,
+        tokens: TokenStream::new(),
+    })
 }
 
 /// `T` of `Option<&T>` (any path ending in `Option`), lifetime elided.

@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Module, ModuleT, Result, Tensor, Var, D};
 use candle_nn::{Linear, VarBuilder, VarMap};
 use remat_runtime::{backward, nn, remat, Plan};
 
-use crate::common::max_abs;
+use crate::common::{causal_mask, max_abs};
 
 fn plans() -> [Plan; 3] {
     [Plan::off(), Plan::recompute_all(), Plan::save_all()]
@@ -112,7 +112,7 @@ impl DecoderLayer {
         if let Some(m) = mask {
             s = s.broadcast_add(m)?;
         }
-        s = s.broadcast_add(&causal(t, s.dtype())?)?;
+        s = s.broadcast_add(&causal_mask(t, s.dtype()))?;
         let p = candle_nn::ops::softmax(&s, D::Minus1)?;
         let att = p
             .matmul(&v.contiguous()?)?
@@ -137,19 +137,6 @@ fn repeat_kv(x: &Tensor, n: usize) -> Result<Tensor> {
     x.unsqueeze(2)?
         .expand((b, h, n, t, d))?
         .reshape((b, h * n, t, d))
-}
-
-fn causal(t: usize, dtype: DType) -> Result<Tensor> {
-    let v: Vec<f32> = (0..t * t)
-        .map(|i| {
-            if i % t > i / t {
-                f32::NEG_INFINITY
-            } else {
-                0.0
-            }
-        })
-        .collect();
-    Tensor::from_vec(v, (t, t), &Device::Cpu)?.to_dtype(dtype)
 }
 
 /// A BERT-style encoder layer (post-norm) as a `Module`.

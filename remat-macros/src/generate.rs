@@ -122,7 +122,6 @@ fn rebinds(reads: &[Read], params: &[Param]) -> TokenStream {
 /// A statement computing `body` (which ends by giving `__remat_value`) from
 /// `reads`, through the statement method `method`; the closure's result is
 /// `__remat_value` and the `mut` bindings it gives back.
-#[allow(clippy::too_many_arguments)]
 fn statement_call(
     span: Span,
     method: &str,

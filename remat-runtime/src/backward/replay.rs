@@ -275,9 +275,10 @@ impl Replay {
         // for its value has the forward's bits and layout, on the CPU.
         let mut bitwise = true;
         for (i, t) in inputs.iter().enumerate() {
-            bitwise &= i >= value_inputs
-                || (t.device().is_cpu() && self.values.get(&t.id()).is_none_or(|v| v.bitwise));
-            match self.values.get(&t.id()) {
+            let value = self.values.get(&t.id());
+            bitwise &=
+                i >= value_inputs || (t.device().is_cpu() && value.is_none_or(|v| v.bitwise));
+            match value {
                 // Read for its value: a leaf, so that the gradient through it
                 // reaches its unit (one copy, shared by the units reading it).
                 Some(v) if v.requires_grad && v.unit != Some(u) && i < value_inputs => {
@@ -307,8 +308,7 @@ impl Replay {
                 }
             }
         }
-        bitwise &=
-            fingerprint::layouts(&args[..value_inputs.min(args.len())]) == self.records[k].layouts;
+        bitwise &= fingerprint::layouts(args.iter().take(value_inputs)) == self.records[k].layouts;
         let reads_tracked = args.iter().take(value_inputs).any(|t| t.track_op());
         let out = f(&args).map_err(|e| e.in_statement(region, name))?;
         drop(args);

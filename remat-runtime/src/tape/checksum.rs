@@ -29,6 +29,10 @@ use crate::Result;
 
 /// Numbers in one checksum.
 pub(crate) const WORDS: usize = 4;
+/// Where each number stands in a checksum (the hash is at 0).
+pub(crate) const SUM: usize = 1;
+pub(crate) const MAGNITUDES: usize = 2;
+pub(crate) const WEIGHTED: usize = 3;
 
 /// Elements per chunk of the parallel pass: chunks start at positions that
 /// are multiples of it, whatever the layout.

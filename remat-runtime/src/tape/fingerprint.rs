@@ -25,6 +25,7 @@
 
 use candle_core::{DType, Tensor};
 
+use super::checksum::{MAGNITUDES, SUM, WEIGHTED};
 use crate::ambient::{scoped, FINGERPRINTS_OFF};
 use crate::{RematError, Result};
 
@@ -98,13 +99,13 @@ pub(crate) fn join(parts: &[Tensor]) -> Result<Tensor> {
 /// A key of the layouts (shape, strides, offset, device) of the values a
 /// statement runs on: the replay of a statement whose inputs have the
 /// forward's bits and key runs the same kernels on the same memory order.
-pub(crate) fn layouts(args: &[Tensor]) -> u64 {
+pub(crate) fn layouts<'a>(args: impl IntoIterator<Item = &'a Tensor>) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
     for t in args {
         let l = t.layout();
         (l.dims(), l.stride(), l.start_offset(), t.dtype().as_str()).hash(&mut h);
-        format!("{:?}", t.device().location()).hash(&mut h);
+        t.device().location().hash(&mut h);
     }
     h.finish()
 }
@@ -142,9 +143,11 @@ pub(crate) fn matches(forward: &[f64], replay: &[f64], how: Compare) -> bool {
     match how {
         Compare::Bitwise => forward.iter().zip(replay).all(|(&a, &b)| same(a, b)),
         Compare::Within(tol) => {
-            let scale = tol * forward[2].abs().max(replay[2].abs());
+            let scale = tol * forward[MAGNITUDES].abs().max(replay[MAGNITUDES].abs());
             let close = |a: f64, b: f64| same(a, b) || a == b || (a - b).abs() <= scale;
-            [1, 2, 3].iter().all(|&i| close(forward[i], replay[i]))
+            [SUM, MAGNITUDES, WEIGHTED]
+                .iter()
+                .all(|&i| close(forward[i], replay[i]))
         }
     }
 }
@@ -171,7 +174,7 @@ pub(crate) enum Subject {
 /// The sums a checksum reports in errors: sum, sum of magnitudes,
 /// position-weighted sum.
 fn reported(f: &[f64]) -> [f64; 3] {
-    [f[1], f[2], f[3]]
+    [f[SUM], f[MAGNITUDES], f[WEIGHTED]]
 }
 
 /// The replay's fingerprints, to compare with the forward's when the replay

@@ -215,9 +215,15 @@ impl Recorder {
                 seconds,
             })
         };
-        let mut layouts = 0;
+        // What a recomputed statement reads for its values, and how it is
+        // laid out: a replay on the same bits in the same layouts computes
+        // the same bits.
+        let layouts = match s.policy {
+            Policy::Recompute => fingerprint::layouts(inputs.iter().take(s.value_inputs).copied()),
+            Policy::Save | Policy::Offload => 0,
+        };
         let (outputs, saved, ran) = match s.policy {
-            Policy::Recompute => self.recompute(&s, inputs, &needs, &mut layouts, run)?,
+            Policy::Recompute => self.recompute(&s, inputs, &needs, run)?,
             Policy::Save | Policy::Offload => self.save(&s, inputs, &needs, run)?,
         };
         if let (Policy::Recompute, Some(fingerprints)) = (s.policy, &mut self.fingerprints) {
@@ -260,7 +266,6 @@ impl Recorder {
         s: &Statement,
         inputs: &[&Tensor],
         needs: &[bool],
-        layouts: &mut u64,
         run: impl FnOnce(&[Tensor]) -> Result<Ran<S>>,
     ) -> Result<Taken<S>> {
         let index = self.records.len();
@@ -271,7 +276,6 @@ impl Recorder {
             }
         }
         let args: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
-        *layouts = fingerprint::layouts(&args[..s.value_inputs.min(args.len())]);
         let mut ran = run(&args)?;
         self.check_captures(s, &args, &ran.tensors)?;
         let any_input = needs.iter().any(|&n| n);

@@ -32,36 +32,38 @@ fn linear_tanh(x: &Var, w: &Var, saved: bool) -> Tensor {
         .unwrap()
 }
 
+/// `t`'s elements as rows of `f64`, changed by `change`, as a new tensor of
+/// `t`'s dtype.
+fn edited(t: &Tensor, change: impl FnOnce(&mut Vec<Vec<f64>>)) -> Tensor {
+    let mut rows = t.to_dtype(DType::F64).unwrap().to_vec2::<f64>().unwrap();
+    change(&mut rows);
+    Tensor::new(rows, &Device::Cpu)
+        .unwrap()
+        .to_dtype(t.dtype())
+        .unwrap()
+}
+
 fn set_element(w: &Var, row: usize, col: usize, value: f64) {
-    let mut v = w
-        .as_tensor()
-        .to_dtype(DType::F64)
-        .unwrap()
-        .to_vec2::<f64>()
+    w.set(&edited(w.as_tensor(), |v| v[row][col] = value))
         .unwrap();
-    v[row][col] = value;
-    let t = Tensor::new(v, &Device::Cpu)
-        .unwrap()
-        .to_dtype(w.dtype())
-        .unwrap();
-    w.set(&t).unwrap();
 }
 
 fn swap_elements(w: &Var, a: (usize, usize), b: (usize, usize)) {
-    let mut v = w
-        .as_tensor()
-        .to_dtype(DType::F64)
-        .unwrap()
-        .to_vec2::<f64>()
-        .unwrap();
-    let (va, vb) = (v[a.0][a.1], v[b.0][b.1]);
-    v[a.0][a.1] = vb;
-    v[b.0][b.1] = va;
-    let t = Tensor::new(v, &Device::Cpu)
-        .unwrap()
-        .to_dtype(w.dtype())
-        .unwrap();
-    w.set(&t).unwrap();
+    let swapped = edited(w.as_tensor(), |v| {
+        let (va, vb) = (v[a.0][a.1], v[b.0][b.1]);
+        v[a.0][a.1] = vb;
+        v[b.0][b.1] = va;
+    });
+    w.set(&swapped).unwrap();
+}
+
+/// The next value above `v` in `dtype` (f32 or f64): one unit in the last
+/// place.
+fn next_up(v: f64, dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => f32::from_bits((v as f32).to_bits() + 1) as f64,
+        _ => f64::from_bits(v.to_bits() + 1),
+    }
 }
 
 fn assert_parameter_changed(e: &RematError, statement_name: &str) {
@@ -102,23 +104,13 @@ fn the_smallest_change_of_one_element_is_caught() {
         let x = var(&[8, 32], 1, 1.0, dtype);
         let w = var(&[32, 32], 2, 0.2, dtype);
         let y = linear_tanh(&x, &w, true);
-        let mut v = w
+        let old = w
             .as_tensor()
-            .flatten_all()
-            .unwrap()
             .to_dtype(DType::F64)
             .unwrap()
-            .to_vec1::<f64>()
-            .unwrap();
-        v[700] = match dtype {
-            DType::F32 => f32::from_bits((v[700] as f32).to_bits() + 1) as f64,
-            _ => f64::from_bits(v[700].to_bits() + 1),
-        };
-        let t = Tensor::from_vec(v, (32, 32), &Device::Cpu)
-            .unwrap()
-            .to_dtype(dtype)
-            .unwrap();
-        w.set(&t).unwrap();
+            .to_vec2::<f64>()
+            .unwrap()[21][28];
+        set_element(&w, 21, 28, next_up(old, dtype));
         assert_parameter_changed(&backward(&y).unwrap_err(), "h");
     }
 }
@@ -251,13 +243,7 @@ fn a_replay_off_by_one_ulp_is_caught_where_it_is_compared_bit_for_bit() {
                     // The smallest change: one element one ulp up (adding
                     // the gap to the next value is exact).
                     let v = h.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
-                    let gap = match h.dtype() {
-                        DType::F32 => {
-                            let a = v[13] as f32;
-                            (f32::from_bits(a.to_bits() + 1) - a) as f64
-                        }
-                        _ => f64::from_bits(v[13].to_bits() + 1) - v[13],
-                    };
+                    let gap = next_up(v[13], h.dtype()) - v[13];
                     let mut delta = vec![0.0; v.len()];
                     delta[13] = gap;
                     let delta =
@@ -359,9 +345,8 @@ fn one_column_of_a_mask_changed_in_place_is_caught() {
 
 /// Writes `column` into column `col` of the 2-D `t`, in place.
 fn slice_set_column(t: &Tensor, column: &Tensor, col: usize) {
-    // `slice_set` writes along dimension 0: go through the transpose's
-    // contiguous copy and write it back whole.
-    let mut rows = t.to_dtype(DType::F64).unwrap().to_vec2::<f64>().unwrap();
+    // `slice_set` writes along dimension 0: write the whole tensor back with
+    // the column changed.
     let c = column
         .to_dtype(DType::F64)
         .unwrap()
@@ -369,13 +354,11 @@ fn slice_set_column(t: &Tensor, column: &Tensor, col: usize) {
         .unwrap()
         .to_vec1::<f64>()
         .unwrap();
-    for (r, v) in rows.iter_mut().zip(c) {
-        r[col] = v;
-    }
-    let new = Tensor::new(rows, &Device::Cpu)
-        .unwrap()
-        .to_dtype(t.dtype())
-        .unwrap();
+    let new = edited(t, |rows| {
+        for (r, v) in rows.iter_mut().zip(c) {
+            r[col] = v;
+        }
+    });
     t.slice_set(&new, 0, 0).unwrap();
 }
 

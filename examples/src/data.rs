@@ -77,6 +77,13 @@ impl Corpus {
             .chars()
             .filter_map(|c| vocab.binary_search(&c).ok().map(|i| i as u32))
             .collect();
+        Self::split(&tokens, vocab)
+    }
+
+    /// Tokens split as characters are: every tenth piece of 1000 tokens (of
+    /// a tenth of the tokens, for fewer than 10 000) held out; `vocab` the
+    /// characters they index (empty where a tokenizer is the vocabulary).
+    pub fn split(tokens: &[u32], vocab: Vec<char>) -> Self {
         let (mut train, mut held_out) = (Vec::new(), Vec::new());
         let piece = PIECE.min(tokens.len() / 10).max(1);
         for (i, piece) in tokens.chunks(piece).enumerate() {

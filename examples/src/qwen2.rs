@@ -724,18 +724,5 @@ pub fn read_tensors(path: &Path) -> Result<HashMap<String, Tensor>> {
 /// 1000 tokens (of a tenth of the tokens, for fewer than 10 000) held out.
 /// The corpus's `vocab` stays empty: the tokenizer is the vocabulary.
 pub fn split(tokens: &[u32]) -> Corpus {
-    let (mut train, mut held_out) = (Vec::new(), Vec::new());
-    let piece = 1000.min(tokens.len() / 10).max(1);
-    for (i, piece) in tokens.chunks(piece).enumerate() {
-        if i % 10 == 9 {
-            held_out.extend_from_slice(piece);
-        } else {
-            train.extend_from_slice(piece);
-        }
-    }
-    Corpus {
-        vocab: Vec::new(),
-        train,
-        held_out,
-    }
+    Corpus::split(tokens, Vec::new())
 }

@@ -30,9 +30,8 @@
 //!   refuse, they match its composed `*_slow` versions to rounding).
 //! * **dtypes**: in bf16 and f16 the norms compute in f32 and round once,
 //!   as candle's kernels and its composed `*_slow` versions compute their
-//!   statistics in f32 (the graph then keeps the f32 input and output of
-//!   the norm, 8 bytes per element, until the backward). f64 works too
-//!   (candle's fused norms refuse it).
+//!   statistics in f32 (the graph keeps the bf16 input and f32 row
+//!   statistics). f64 works too (candle's fused norms refuse it).
 //! * **layouts**: any layout is accepted (candle's fused ops refuse
 //!   non-contiguous inputs); [`rotary_emb::rope_thd`] returns a contiguous
 //!   tensor as candle's does.

@@ -13,7 +13,7 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 
-use candle_core::{bail, DType, Result, Tensor};
+use candle_core::{bail, Result, Tensor};
 
 use crate::nn;
 
@@ -144,24 +144,16 @@ pub(super) fn norm(
     remove_mean: bool,
     eps: f64,
 ) -> Result<Tensor> {
-    let dtype = x.dtype();
-    let work = match dtype {
-        DType::F32 | DType::F64 => dtype,
-        _ => DType::F32,
-    };
-    let x = x.to_dtype(work)?;
-    let alpha = alpha.to_dtype(work)?;
-    let beta = beta.map(|b| b.to_dtype(work)).transpose()?;
-    let y = match (remove_mean, beta) {
-        (true, Some(beta)) => nn::layer_norm(&x, &alpha, &beta, eps)?,
-        (true, None) => nn::layer_norm(&x, &alpha, &alpha.zeros_like()?, eps)?,
+    // `nn`'s norms compute bf16 and f16 in f32 themselves.
+    match (remove_mean, beta) {
+        (true, Some(beta)) => nn::layer_norm(x, alpha, beta, eps),
+        (true, None) => nn::layer_norm(x, alpha, &alpha.zeros_like()?, eps),
         (false, beta) => {
-            let y = nn::rms_norm(&x, &alpha, eps)?;
+            let y = nn::rms_norm(x, alpha, eps)?;
             match beta {
-                Some(beta) => y.broadcast_add(&beta)?,
-                None => y,
+                Some(beta) => y.broadcast_add(beta),
+                None => Ok(y),
             }
         }
-    };
-    y.to_dtype(dtype)
+    }
 }

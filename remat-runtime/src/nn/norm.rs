@@ -1,12 +1,12 @@
 //! Layer norm and RMS norm over the last dimension.
 
-use candle_core::{CustomOp2, CustomOp3, Result, Tensor, D};
+use candle_core::{CustomOp2, CustomOp3, DType, Result, Tensor, D};
 
 use super::attach::{forward_computed, Computed};
 
 struct LayerNorm {
     out: Computed,
-    /// Per row, `(.., 1)`.
+    /// Per row, `(.., 1)`, in the dtype the norm computes in (`work_dtype`).
     mean: Tensor,
     /// Per row, `1 / sqrt(var + eps)`, `(.., 1)`.
     rstd: Tensor,
@@ -29,14 +29,31 @@ struct LayerNorm {
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn layer_norm(x: &Tensor, g: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
-    let (xhat, mean, rstd) = normalize(&x.detach(), eps)?;
-    let y = scale_shift(&xhat, &g.detach(), &b.detach())?;
+    let work = work_dtype(x.dtype());
+    let (xhat, mean, rstd) = normalize(&x.detach().to_dtype(work)?, eps)?;
+    let y = scale_shift(
+        &xhat,
+        &g.detach().to_dtype(work)?,
+        &b.detach().to_dtype(work)?,
+    )?
+    .to_dtype(x.dtype())?;
     let op = LayerNorm {
         out: Computed::new(y),
         mean,
         rstd,
     };
     x.apply_op3(g, b, op)
+}
+
+/// The dtype a norm computes in: `f32` for bf16 and f16, whose 8 or 11
+/// bits lose a row's statistics (as candle's kernels do), the input's
+/// otherwise. The graph still keeps the input as it is; the row
+/// statistics, one or two numbers per row, are kept in this dtype.
+fn work_dtype(dtype: DType) -> DType {
+    match dtype {
+        DType::BF16 | DType::F16 => DType::F32,
+        other => other,
+    }
 }
 
 /// `(x - mean) / sqrt(var + eps)` over the last dimension, with the mean
@@ -52,7 +69,10 @@ pub(super) fn normalize(x: &Tensor, eps: f64) -> Result<(Tensor, Tensor, Tensor)
 /// `x` normalized again from the mean and `1 / std` of its rows (what a
 /// backward recomputes instead of keeping).
 pub(super) fn renormalize(x: &Tensor, mean: &Tensor, rstd: &Tensor) -> Result<Tensor> {
-    x.detach().broadcast_sub(mean)?.broadcast_mul(rstd)
+    x.detach()
+        .to_dtype(mean.dtype())?
+        .broadcast_sub(mean)?
+        .broadcast_mul(rstd)
 }
 
 /// `xhat * g + beta`: a layer norm's gain and bias.
@@ -93,15 +113,20 @@ impl CustomOp3 for LayerNorm {
         &self,
         x: &Tensor,
         g: &Tensor,
-        _: &Tensor,
+        b: &Tensor,
         _: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let dy = dy.detach();
+        let work = self.rstd.dtype();
+        let dy = dy.detach().to_dtype(work)?;
         let xhat = renormalize(x, &self.mean, &self.rstd)?;
-        let (dx, dg) = norm_grads(&xhat, &self.rstd, &g.detach(), &dy, true)?;
+        let (dx, dg) = norm_grads(&xhat, &self.rstd, &g.detach().to_dtype(work)?, &dy, true)?;
         let db = sum_rows(&dy)?;
-        Ok((Some(dx), Some(dg), Some(db)))
+        Ok((
+            Some(dx.to_dtype(x.dtype())?),
+            Some(dg.to_dtype(g.dtype())?),
+            Some(db.to_dtype(b.dtype())?),
+        ))
     }
 }
 
@@ -126,11 +151,14 @@ struct RmsNorm {
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn rms_norm(x: &Tensor, g: &Tensor, eps: f64) -> Result<Tensor> {
-    let xd = x.detach();
+    let xd = x.detach().to_dtype(work_dtype(x.dtype()))?;
     let rstd = (xd.sqr()?.mean_keepdim(D::Minus1)? + eps)?
         .sqrt()?
         .recip()?;
-    let y = xd.broadcast_mul(&rstd)?.broadcast_mul(&g.detach())?;
+    let y = xd
+        .broadcast_mul(&rstd)?
+        .broadcast_mul(&g.detach().to_dtype(xd.dtype())?)?
+        .to_dtype(x.dtype())?;
     let op = RmsNorm {
         out: Computed::new(y),
         rstd,
@@ -147,8 +175,10 @@ impl CustomOp2 for RmsNorm {
         _: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let xhat = x.detach().broadcast_mul(&self.rstd)?;
-        let (dx, dg) = norm_grads(&xhat, &self.rstd, &g.detach(), &dy.detach(), false)?;
-        Ok((Some(dx), Some(dg)))
+        let work = self.rstd.dtype();
+        let xhat = x.detach().to_dtype(work)?.broadcast_mul(&self.rstd)?;
+        let (g32, dy32) = (g.detach().to_dtype(work)?, dy.detach().to_dtype(work)?);
+        let (dx, dg) = norm_grads(&xhat, &self.rstd, &g32, &dy32, false)?;
+        Ok((Some(dx.to_dtype(x.dtype())?), Some(dg.to_dtype(g.dtype())?)))
     }
 }

@@ -14,14 +14,27 @@ use crate::usage::{assigned, bound, locals, mentions, moved, read_for_value, sin
 pub(crate) struct Read {
     /// The name, spanned at its first mention in the statement.
     pub ident: Ident,
-    /// The parameter it is, if it is a borrowed one (`&T`, `Option<&T>`):
-    /// the statement reads the region's own copy and sees a reference.
-    pub borrowed_param: Option<usize>,
+    /// A reference: a borrowed parameter (`&T`, `Option<&T>`), or an alias
+    /// of one or of a binding (`let residual = xs;`, `let r = &h;`). The
+    /// statement reads what it refers to and sees a reference again.
+    pub borrowed: Option<Borrowed>,
     /// Declared `mut`: the statement may change it, and gives it back.
     pub mutable: bool,
     /// The statement reads it for its value, where a gradient can flow (not
     /// only its shape, dtype or device, nor only detached).
     pub for_value: bool,
+    /// Bound by plain code (a closure, a guard), whose type may not be
+    /// `Clone`: the read is checked where it is written.
+    pub plain_code: bool,
+}
+
+/// What a reference binding refers to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Borrowed {
+    /// The parameter of this index (or an alias of it): passed as it is.
+    Param(usize),
+    /// An owned binding, by `let r = &h;`: `&T` with `T` sized.
+    Binding,
 }
 
 /// What the analysis found for one statement.
@@ -38,7 +51,10 @@ pub(crate) struct StatementAnalysis {
     /// moves: dropped after it (a later read of a moved binding is then
     /// rustc's "use of moved value", as without the macro).
     pub releases: Vec<Ident>,
-    /// The `mut` bindings it reads, given back as outputs after its value.
+    /// The `mut` bindings it reads and may change.
+    pub changes: Vec<Ident>,
+    /// Those of `changes` read again later: given back as outputs after its
+    /// value.
     pub inouts: Vec<Ident>,
 }
 
@@ -71,10 +87,19 @@ fn passthrough(tail: &Expr, reads: &[usize], bindings: &[Binding]) -> Option<Ide
         .map(|b| b.ident.clone())
 }
 
+/// Plain code whose value is `Clone` by construction: a copy (`let x =
+/// y.clone();`) or what a tensor tells of itself (`let dev = x.device();`).
+fn copies(kind: &StmtKind) -> bool {
+    matches!(kind, StmtKind::Let { init: Expr::MethodCall(m), .. }
+        if crate::parse::PLAIN_METHODS.iter().any(|p| m.method == p))
+}
+
 struct Binding {
     ident: Ident,
-    /// For a parameter passed by reference, its index.
-    borrowed_param: Option<usize>,
+    /// A reference: see [`Read::borrowed`].
+    borrowed: Option<Borrowed>,
+    /// The binding a `let r = &h;` alias refers to: alive as long as `r`.
+    refers_to: Option<usize>,
     mutable: bool,
     /// The statement that bound it; `None` for parameters.
     producer: Option<usize>,
@@ -108,7 +133,8 @@ struct Analyser<'a> {
 /// mention), and which the tail reads.
 struct Reads {
     statements: Vec<Vec<(usize, Span)>>,
-    /// Per statement, the `mut` bindings it gives back.
+    /// Per statement, the `mut` bindings it may change (their new
+    /// bindings).
     inouts: Vec<Vec<usize>>,
     /// Per statement, then the tail: the names it reads for their values.
     for_value: Vec<Vec<String>>,
@@ -123,7 +149,8 @@ impl<'a> Analyser<'a> {
             .enumerate()
             .map(|(i, p)| Binding {
                 ident: p.ident.clone(),
-                borrowed_param: p.borrowed().then_some(i),
+                borrowed: p.borrowed().then_some(Borrowed::Param(i)),
+                refers_to: None,
                 mutable: p.mutable,
                 producer: None,
                 last_reader: None,
@@ -169,8 +196,15 @@ impl<'a> Analyser<'a> {
                 }
             };
             for_value.push(read_for_value(expr));
-            if pat.is_some() && self.kinds[i] != Some(AnnotationKind::Plain) {
-                self.check_reference_alias(expr);
+            let alias = match pat {
+                Some(p) if matches!(self.kinds[i], None | Some(AnnotationKind::Plain)) => {
+                    single(p).and(self.alias(expr))
+                }
+                _ => None,
+            };
+            if alias.is_some() {
+                // Plain code: a reference is not a statement's value.
+                self.kinds[i] = Some(AnnotationKind::Plain);
             }
             let assigned = assigned(expr);
             self.check_assignments(expr, &assigned);
@@ -190,15 +224,20 @@ impl<'a> Analyser<'a> {
                         && (!moved.contains(&b) || assigned.iter().any(|(n, _)| *n == name))
                         && !rebound.contains(&name)
                     {
-                        given.push(b);
                         let ident = self.bindings[b].ident.clone();
                         self.bind(ident, true, i);
+                        given.push(self.bindings.len() - 1);
                     }
                 }
             }
             if let Some(pat) = pat {
                 for (ident, mutable) in bound(pat) {
                     self.bind(ident, mutable, i);
+                }
+                if let Some((borrowed, refers_to)) = alias {
+                    let b = self.bindings.len() - 1;
+                    self.bindings[b].borrowed = Some(borrowed);
+                    self.bindings[b].refers_to = refers_to;
                 }
             }
             statements.push(reads);
@@ -221,26 +260,21 @@ impl<'a> Analyser<'a> {
         }
     }
 
-    /// Refuses `let residual = xs;` with `xs` a borrowed parameter (`&Tensor`):
-    /// a statement gives owned values, and rustc would suggest `&xs`.
-    fn check_reference_alias(&mut self, init: &Expr) {
-        let Expr::Path(p) = init else { return };
-        if p.qself.is_some() || p.path.segments.len() != 1 {
-            return;
-        }
-        let name = p.path.segments[0].ident.to_string();
-        let Some(&b) = self.current.get(&name) else {
-            return;
+    /// `let a = b;` with `b` a reference (a borrowed parameter, or an alias
+    /// of one), or `let r = &h;` with `h` a binding: what the new binding
+    /// refers to, and the binding that must outlive it.
+    fn alias(&self, init: &Expr) -> Option<(Borrowed, Option<usize>)> {
+        let (reference, target) = match init {
+            Expr::Reference(r) if r.mutability.is_none() => (true, &*r.expr),
+            e => (false, e),
         };
-        if self.bindings[b].borrowed_param.is_some() {
-            self.errors.push(
-                p.path.segments[0].ident.span(),
-                format!(
-                    "`{name}` is a reference (a borrowed parameter), and a statement gives owned \
-                     values: write `{name}.clone()` (cloning a tensor shares its storage, nothing \
-                     is copied), or use `{name}` where you use this binding"
-                ),
-            );
+        let Expr::Path(p) = target else { return None };
+        let ident = p.path.get_ident().filter(|_| p.qself.is_none())?;
+        let &b = self.current.get(&ident.to_string())?;
+        match (self.bindings[b].borrowed, reference) {
+            (Some(borrowed), _) => Some((borrowed, self.bindings[b].refers_to)),
+            (None, true) => Some((Borrowed::Binding, Some(b))),
+            (None, false) => None,
         }
     }
 
@@ -249,7 +283,8 @@ impl<'a> Analyser<'a> {
         self.current.insert(ident.to_string(), self.bindings.len());
         self.bindings.push(Binding {
             ident,
-            borrowed_param: None,
+            borrowed: None,
+            refers_to: None,
             mutable,
             producer: Some(producer),
             last_reader: None,
@@ -263,7 +298,7 @@ impl<'a> Analyser<'a> {
         for (name, span) in moved(expr) {
             if let Some(&b) = self.current.get(&name) {
                 let binding = &mut self.bindings[b];
-                if binding.borrowed_param.is_none() && binding.moved_by.is_none() {
+                if binding.borrowed.is_none() && binding.moved_by.is_none() {
                     binding.moved_by = Some((i, span));
                     out.push(b);
                 }
@@ -315,6 +350,9 @@ impl<'a> Analyser<'a> {
                 }
             }
             self.bindings[b].last_reader = Some(reader);
+            if let Some(target) = self.bindings[b].refers_to {
+                self.bindings[target].last_reader = Some(reader);
+            }
             out.push((b, span));
         }
         out
@@ -430,7 +468,7 @@ impl<'a> Analyser<'a> {
         let n = block.statements.len();
         let mut releases: Vec<Vec<Ident>> = vec![Vec::new(); n];
         for b in &self.bindings {
-            if b.borrowed_param.is_some() {
+            if b.borrowed.is_some() {
                 continue;
             }
             let release = match (b.moved_by, b.last_reader) {
@@ -448,9 +486,14 @@ impl<'a> Analyser<'a> {
                     let name = binding.ident.to_string();
                     Read {
                         ident: Ident::new(&name, span),
-                        borrowed_param: binding.borrowed_param,
+                        borrowed: binding.borrowed,
                         mutable: binding.mutable,
                         for_value: for_value.is_none_or(|v| v.contains(&name)),
+                        plain_code: binding.borrowed.is_none()
+                            && binding.producer.is_some_and(|p| {
+                                self.kinds[p] == Some(AnnotationKind::Plain)
+                                    && !copies(&self.block.statements[p].kind)
+                            }),
                     }
                 })
                 .collect()
@@ -464,8 +507,14 @@ impl<'a> Analyser<'a> {
             .map(|i| StatementAnalysis {
                 name: std::mem::take(&mut names[i]),
                 kind: self.kinds[i],
+                changes: reads.inouts[i]
+                    .iter()
+                    .map(|&b| self.bindings[b].ident.clone())
+                    .collect(),
+                // Given back only if read again.
                 inouts: reads.inouts[i]
                     .iter()
+                    .filter(|&&b| self.bindings[b].last_reader.is_some())
                     .map(|&b| self.bindings[b].ident.clone())
                     .collect(),
                 reads: to_reads(&reads.statements[i], reads.for_value.get(i)),

@@ -1,209 +1,246 @@
-//! The code of a checkpointed block: a function that runs its body as a
-//! `remat_runtime::Region`, every top-level statement a runtime statement.
+//! The code of a checkpointed block: one call of the runtime's
+//! `rt::region(name).run(args, body)`, in which every top-level statement
+//! is one call `rt::StatementValue::run(ctx, name, policy, reads, code)`.
 //!
-//! Everything rustc type-checks is written out here (no helper macros), and
-//! every check that can fail on the user's code is spanned at the user's
-//! tokens: see `remat_runtime::__private` for the dispatch and the checks.
+//! What a statement reads is handed over as `rt::read(&x).arg()` (the
+//! runtime picks how by the value's type) and seen again by its code as a
+//! closure parameter of the same name. Every check that can fail on the
+//! user's code is spanned at the user's tokens and written as a cast to a
+//! `remat_runtime::rules` trait, whose message rustc reports.
+//!
+//! The names the expansion introduces (`ctx`, `value`) are hygienic: they
+//! never clash with the user's; `rt` is the runtime's support module.
 
-use proc_macro2::Span;
-use proc_macro2::TokenStream;
-use quote::{format_ident, quote, quote_spanned};
+use proc_macro2::{Span, TokenStream};
+use quote::{quote, quote_spanned};
 use syn::spanned::Spanned;
-use syn::Ident;
+use syn::{Ident, Type};
 
-use crate::analyse::{Analysis, Read, StatementAnalysis};
+use crate::analyse::{Analysis, Borrowed, Read, StatementAnalysis};
 use crate::model::{AnnotationKind, Block, Param, Passing, StmtKind};
 
-const PRIVATE: &str = "::remat_runtime::__private";
-
-fn private() -> TokenStream {
-    PRIVATE.parse().expect("a path")
+/// A name of the expansion's own, invisible to the user's code.
+fn own(name: &str) -> Ident {
+    Ident::new(name, Span::mixed_site())
 }
 
-/// The region's own copy of a borrowed parameter (hidden from the body).
-fn owned(ident: &Ident) -> Ident {
-    format_ident!("__remat_owned_{}", ident, span = Span::mixed_site())
-}
-
-/// `let #ident = <the view of the region's own copy>;` for a borrowed
-/// parameter: `&T` or `Option<&T>` again.
-fn view(param: &Param, ident: &Ident, copy: &Ident) -> TokenStream {
-    match &param.passing {
-        Passing::Ref(ty) => quote! {
-            #[allow(unused_variables)]
-            let #ident: &#ty = ::core::borrow::Borrow::borrow(&#copy);
-        },
-        Passing::OptionRef(ty) => quote! {
-            #[allow(unused_variables)]
-            let #ident: ::core::option::Option<&#ty> =
-                ::core::option::Option::as_ref(&#copy).map(::core::borrow::Borrow::borrow);
-        },
-        Passing::Value => quote! {},
+/// `[T]` or `str`: a borrowed parameter of a type that is not `Clone`
+/// itself, whose own copy is its `ToOwned` (`Vec<T>`, `String`).
+fn unsized_type(ty: &Type) -> bool {
+    match ty {
+        Type::Slice(_) => true,
+        Type::Path(p) => p.qself.is_none() && p.path.is_ident("str"),
+        Type::Paren(p) => unsized_type(&p.elem),
+        _ => false,
     }
 }
 
-/// The reads of a statement in the order it declares them: those read for
-/// their values first, then those read only for their shapes or detached.
-fn declared_order(reads: &[Read]) -> Vec<Read> {
-    let (values, others): (Vec<Read>, Vec<Read>) = reads.iter().cloned().partition(|r| r.for_value);
-    values.into_iter().chain(others).collect()
+/// `Tensor` or `Var`: clearly `Clone`, no check written.
+fn tensor_type(ty: &Type) -> bool {
+    match ty {
+        Type::Path(p) => {
+            p.path.segments.last().is_some_and(|s| {
+                s.arguments.is_empty() && (s.ident == "Tensor" || s.ident == "Var")
+            })
+        }
+        _ => false,
+    }
 }
 
-/// The statement (or region) inputs of `reads`: their tensors, in order,
-/// with the check that each owned one can be read, spanned at its mention (a
-/// borrowed parameter's copy is `Clone`: `ToOwned` said so, or reported it).
-/// A statement's also say how many of the first are read for their values.
-fn inputs(reads: &[Read], statement: bool) -> TokenStream {
-    let p = private();
-    let mut out = TokenStream::new();
-    let values = reads.iter().filter(|r| r.for_value).count();
-    for (k, r) in reads.iter().enumerate() {
-        if statement && k == values && values < reads.len() {
-            out.extend(quote! { let __remat_values = __remat_inputs.len(); });
-        }
-        let ident = &r.ident;
-        let span = ident.span();
-        match r.borrowed_param {
-            Some(_) => {
-                let copy = owned(ident);
-                out.extend(quote_spanned! {span=>
-                    (&&&&#p::Probe(&#copy)).tensors(&mut __remat_inputs);
-                });
-            }
-            None => out.extend(quote_spanned! {span=>
-                let _: &dyn ::remat_runtime::rules::Readable = (&&&&#p::Probe(&#ident)).tensors(&mut __remat_inputs);
-            }),
-        }
-    }
-    let result = match (statement, values < reads.len()) {
-        (false, _) => quote!(__remat_inputs),
-        (true, true) => quote!((__remat_inputs, __remat_values)),
-        (true, false) => quote!((__remat_inputs, ::core::primitive::usize::MAX)),
+/// How a value read by a statement (or the region) is handed over, how the
+/// code sees it again (a closure parameter's pattern), and what the code
+/// does first with it (`Option<&T>` parameters: `.as_ref()` again).
+struct Handover {
+    arg: TokenStream,
+    pat: TokenStream,
+    view: TokenStream,
+}
+
+/// `region`: the region's own copy is made here (a statement reads the
+/// region's).
+fn handover(
+    ident: &Ident,
+    passing: Option<&Passing>,
+    mutable: bool,
+    for_value: bool,
+    region: bool,
+) -> Handover {
+    let span = ident.span();
+    let mutability = mutable.then(|| quote!(mut));
+    let (read, pat, view) = match passing {
+        Some(Passing::Ref(ty)) if region && unsized_type(ty) => (
+            quote_spanned!(span=> rt::read(&<#ty as ::std::borrow::ToOwned>::to_owned(#ident))),
+            quote!(ref #ident),
+            quote!(),
+        ),
+        Some(Passing::Ref(_)) => (
+            quote_spanned!(span=> rt::read(#ident)),
+            quote!(ref #ident),
+            quote!(),
+        ),
+        Some(Passing::OptionRef(ty)) => (
+            if region && unsized_type(ty) {
+                quote_spanned!(span=> rt::read(&#ident.map(<#ty as ::std::borrow::ToOwned>::to_owned)))
+            } else {
+                quote_spanned!(span=> rt::read(&#ident.cloned()))
+            },
+            quote!(#ident),
+            quote! { let #ident = #ident.as_ref(); },
+        ),
+        Some(Passing::Value) | None => (
+            quote_spanned!(span=> rt::read(&#ident)),
+            quote!(#mutability #ident),
+            quote!(),
+        ),
     };
-    quote! {{
-        #[allow(unused_mut)]
-        let mut __remat_inputs = ::std::vec::Vec::new();
-        #out
-        #result
-    }}
+    let arg = if for_value {
+        quote!(#read.arg())
+    } else {
+        quote!(#read.arg().without_grad())
+    };
+    Handover { arg, pat, view }
 }
 
-/// Inside a statement: each name it reads rebound to the value rebuilt from
-/// the tensors the runtime handed the statement.
-fn rebinds(reads: &[Read], params: &[Param]) -> TokenStream {
-    let p = private();
-    let mut out = quote! {
-        #[allow(unused_mut, unused_variables)]
-        let mut __remat_it = __remat_args.iter().cloned();
-    };
-    for r in reads {
-        let ident = &r.ident;
-        match r.borrowed_param {
-            Some(i) => {
-                let copy = owned(ident);
-                let view = view(&params[i], ident, &copy);
-                out.extend(quote! {
-                    let #copy = (&&&&#p::Probe(&#copy)).rebuild(&mut __remat_it)?;
-                    #view
-                });
-            }
-            None => {
-                let mutability = r.mutable.then(|| quote!(mut));
-                out.extend(quote! {
-                    #[allow(unused_mut, unused_variables)]
-                    let #mutability #ident = (&&&&#p::Probe(&#ident)).rebuild(&mut __remat_it)?;
-                });
-            }
+/// `(a, b, ...)` with a trailing comma for one element, nested by twelve
+/// (the runtime's tuples of reads go to twelve).
+fn tuple(items: Vec<TokenStream>) -> TokenStream {
+    if items.len() > 12 {
+        let chunks: Vec<TokenStream> = items.chunks(12).map(|c| tuple(c.to_vec())).collect();
+        return tuple(chunks);
+    }
+    match items.len() {
+        1 => {
+            let item = &items[0];
+            quote!((#item,))
+        }
+        _ => quote!((#(#items),*)),
+    }
+}
+
+/// The reads of a statement in the order it hands them over: those read
+/// for their values first, then those read only for their shapes or
+/// detached. Each as its handover; plus the `Readable` checks of reads of
+/// plain code's bindings (a closure may not be `Clone`).
+/// `changes`: the `mut` bindings the statement may change.
+fn reads(
+    reads: &[Read],
+    changes: &[Ident],
+    params: &[Param],
+) -> (TokenStream, TokenStream, TokenStream, TokenStream) {
+    let (values, others): (Vec<&Read>, Vec<&Read>) = reads.iter().partition(|r| r.for_value);
+    let (mut args, mut pats, mut views, mut checks) =
+        (vec![], vec![], TokenStream::new(), TokenStream::new());
+    for r in values.into_iter().chain(others) {
+        let reference = Passing::Ref(syn::parse_quote!(_));
+        let passing = r.borrowed.map(|b| match b {
+            Borrowed::Param(i) => &params[i].passing,
+            Borrowed::Binding => &reference,
+        });
+        let changed = r.mutable && changes.contains(&r.ident);
+        let h = handover(&r.ident, passing, changed, r.for_value, false);
+        args.push(h.arg);
+        pats.push(h.pat);
+        views.extend(h.view);
+        if r.plain_code {
+            let ident = &r.ident;
+            checks.extend(quote_spanned! {ident.span()=>
+                let _: &dyn rt::Readable = &#ident;
+            });
         }
     }
-    out
+    (tuple(args), tuple(pats), views, checks)
 }
 
-/// A statement computing `body` (which ends by giving `__remat_value`) from
-/// `reads`, through the statement method `method`; the closure's result is
-/// `__remat_value` and the `mut` bindings it gives back.
+fn declared(statement: &StatementAnalysis) -> TokenStream {
+    match statement.kind {
+        Some(AnnotationKind::Save) => quote!(rt::Save),
+        Some(AnnotationKind::Offload) => quote!(rt::Offload),
+        Some(AnnotationKind::Recompute) => quote!(rt::Recompute),
+        _ => quote!(rt::Plan),
+    }
+}
+
+/// One statement: `rt::StatementValue::run(ctx, name, policy, reads,
+/// |reads| code)`, spanned at the user's code (so that a value no
+/// statement can give is reported there); the checks of what it reads
+/// come before it.
+struct Call {
+    checks: TokenStream,
+    call: TokenStream,
+}
+
 fn statement_call(
     span: Span,
-    method: &str,
     name: &str,
-    reads: &[Read],
+    declared: TokenStream,
+    read: &[Read],
+    changes: &[Ident],
     params: &[Param],
-    ret: &syn::Type,
-    body: TokenStream,
-) -> TokenStream {
-    let p = private();
-    let method = Ident::new(method, Span::call_site());
-    let reads = declared_order(reads);
-    let inputs = inputs(&reads, true);
-    let rebinds = rebinds(&reads, params);
-    // The closure fails with the block's own error type, so that `?`,
-    // `bail!` and `return Err(..)` in a statement work as in the function.
-    quote_spanned! {span=>
-        <_ as ::remat_runtime::rules::StatementValue>::run(
-            __remat_ctx,
-            #p::Method::#method,
-            #name,
-            #inputs,
-            |__remat_args| -> ::core::result::Result<_, #p::ErrorOf<#ret>> {
-                #rebinds
-                #body
-            },
-        )?
-    }
-}
-
-fn method(statement: &StatementAnalysis) -> &'static str {
-    match statement.kind {
-        Some(AnnotationKind::Save) => "Save",
-        Some(AnnotationKind::Offload) => "Offload",
-        Some(AnnotationKind::Recompute) => "Recompute",
-        _ => "Open",
-    }
+    code: TokenStream,
+) -> Call {
+    let ctx = own("ctx");
+    let (args, pats, views, checks) = reads(read, changes, params);
+    // A `mut` binding the statement may change (a method call on it) but
+    // does not.
+    let pats = if changes.is_empty() {
+        pats
+    } else {
+        quote!(#[allow(unused_mut)] #pats)
+    };
+    let code = if views.is_empty() {
+        code
+    } else {
+        quote!({ #views #code })
+    };
+    let call = quote_spanned! {span=>
+        rt::StatementValue::run(#ctx, #name, #declared, #args, |#pats| #code)
+    };
+    Call { checks, call }
 }
 
 /// Drops bindings after their last reader, or where the statement moved
 /// them (the ident is spanned there: a later read is rustc's "use of moved
 /// value", pointing at the move).
 fn releases(idents: &[Ident]) -> TokenStream {
-    quote! { #(let _ = { #idents };)* }
+    quote! { #(rt::drop(#idents);)* }
 }
 
-/// `Ok(value)` or `Ok((value, given back...))`.
-fn give(value: TokenStream, inouts: &[Ident]) -> TokenStream {
-    if inouts.is_empty() {
-        quote! { ::core::result::Result::Ok(#value) }
-    } else {
-        quote! { ::core::result::Result::Ok((#value, #(#inouts),*)) }
-    }
+/// A changed `mut` binding given back with the statement's value.
+fn give(ident: &Ident) -> TokenStream {
+    quote!(rt::Given(rt::read(&#ident).how(), #ident))
 }
 
-/// The statement's value checks, spanned at its code: not a `Result`, and
-/// (for `#[save]`/`#[offload]`) holding a tensor.
-fn value_checks(span: Span, statement: &StatementAnalysis) -> TokenStream {
-    let p = private();
-    let mut out = quote_spanned! {span=>
-        let _: &dyn ::remat_runtime::rules::Unwrapped = (&&#p::Probe(&__remat_value)).unwrapped();
+/// The binding a given-back value is bound to again.
+fn given(ident: &Ident) -> TokenStream {
+    quote!(rt::Given(_, #ident))
+}
+
+/// The check that a `#[save]`/`#[offload]` statement's value holds a
+/// tensor, on the binding of `let NAME = ...` (a tuple always passes).
+fn saved_check(pat: &syn::Pat, init_span: Span) -> TokenStream {
+    let ident = match pat {
+        syn::Pat::Ident(i) => &i.ident,
+        syn::Pat::Type(t) => match &*t.pat {
+            syn::Pat::Ident(i) => &i.ident,
+            _ => return quote!(),
+        },
+        _ => return quote!(),
     };
-    if matches!(
-        statement.kind,
-        Some(AnnotationKind::Save | AnnotationKind::Offload)
-    ) {
-        out.extend(quote_spanned! {span=>
-            let _: &dyn ::remat_runtime::rules::HoldsTensors = (&&#p::Probe(&__remat_value)).saveable();
-        });
+    quote_spanned! {init_span=>
+        let _: &dyn rt::HoldsTensors = (&&rt::Probe(&#ident)).saveable();
     }
-    out
 }
 
 pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
-    let p = private();
     let func = &block.func;
     let (attrs, vis, sig) = (&func.attrs, &func.vis, &func.sig);
     let name = sig.ident.to_string();
+    let ctx = own("ctx");
+    let value = own("value");
     // A method's region is named after its type too (`DecoderLayer::forward`).
     let (region, receiver) = match &block.receiver {
         Some(this) => (
-            quote! { &#p::method_region::<Self>(#name) },
+            quote! { rt::method_region::<Self>(#name) },
             quote! { let #this = self; },
         ),
         None => (quote! { #name }, quote! {}),
@@ -211,187 +248,202 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
     let params = &block.params;
 
     // The region keeps its own copy of every parameter (the body runs again
-    // in the backward, after this call returned): owned ones are moved in,
-    // borrowed ones copied with `ToOwned`. Its inputs are their tensors,
-    // collected and rebuilt as a statement's reads are.
-    let mut copies = TokenStream::new();
+    // in the backward, after this call returned): checked `Clone` where it
+    // is declared, handed over as a statement's reads are.
+    let mut param_checks = TokenStream::new();
+    let (mut region_args, mut region_pats, mut region_views) = (vec![], vec![], TokenStream::new());
     for param in params {
-        let (ident, copy) = (&param.ident, owned(&param.ident));
+        let ident = &param.ident;
         match &param.passing {
-            Passing::Value => {}
-            Passing::Ref(ty) => copies.extend(quote_spanned! {ty.span()=>
-                let #copy = <#ty as ::std::borrow::ToOwned>::to_owned(#ident);
+            Passing::Ref(ty) if !unsized_type(ty) && !tensor_type(ty) => param_checks
+                .extend(quote_spanned! {ty.span()=> let _: &dyn rt::Readable = #ident; }),
+            Passing::Value => param_checks.extend(quote_spanned! {ident.span()=>
+                let _: &dyn rt::Readable = &#ident;
             }),
-            Passing::OptionRef(ty) => copies.extend(quote_spanned! {ty.span()=>
-                let #copy = #ident.map(<#ty as ::std::borrow::ToOwned>::to_owned);
-            }),
+            _ => {}
         }
+        let h = handover(ident, Some(&param.passing), false, true, true);
+        region_args.push(h.arg);
+        region_pats.push(h.pat);
+        region_views.extend(h.view);
     }
-    let param_reads: Vec<Read> = params
-        .iter()
-        .enumerate()
-        .map(|(i, param)| Read {
-            ident: param.ident.clone(),
-            borrowed_param: param.borrowed().then_some(i),
-            mutable: param.mutable,
-            for_value: true,
-        })
-        .collect();
-    let region_inputs = inputs(&param_reads, false);
-    let region_rebinds = rebinds(&param_reads, params);
+    let (region_args, region_pats) = (tuple(region_args), tuple(region_pats));
 
     let mut body = TokenStream::new();
-    for (i, (stmt, sa)) in block
-        .statements
-        .iter()
-        .zip(&analysis.statements)
-        .enumerate()
-    {
+    for (stmt, sa) in block.statements.iter().zip(&analysis.statements) {
         let attrs = &stmt.attrs;
         let name = sa.name.as_str();
         let release = releases(&sa.releases);
-        let value = format_ident!("__remat_s{}", i + 1);
         let inouts = &sa.inouts;
-        let allow_mut = (!inouts.is_empty()).then(|| quote!(#[allow(unused_mut)]));
         match (&stmt.kind, sa.kind) {
             (StmtKind::Item(item), _) => body.extend(quote! { #item }),
-            (StmtKind::Let { pat, init }, Some(AnnotationKind::Plain)) => body.extend(quote! {
-                #(#attrs)* let #pat = #init;
-                #release
-            }),
+            (StmtKind::Let { pat, init }, Some(AnnotationKind::Plain)) => {
+                // `let mut h = x.clone();`: changed by later statements,
+                // each on its own copy.
+                let allow_mut = crate::usage::binds_mut(pat).then(|| quote!(#[allow(unused_mut)]));
+                body.extend(quote! {
+                    #allow_mut
+                    #(#attrs)* let #pat = #init;
+                    #release
+                })
+            }
             (StmtKind::Let { pat, init }, Some(AnnotationKind::ForwardOnly)) => {
                 body.extend(quote! {
-                    if !__remat_ctx.is_replay() {
+                    if !#ctx.is_replay() {
                         #(#attrs)* let #pat = #init;
                     }
                     #release
                 })
             }
             (StmtKind::Expr(e), Some(AnnotationKind::ForwardOnly)) => body.extend(quote! {
-                if !__remat_ctx.is_replay() {
+                if !#ctx.is_replay() {
                     #(#attrs)* #e;
                 }
                 #release
             }),
             (StmtKind::Let { pat, init }, _) => {
                 let span = init.span();
-                let checks = value_checks(span, sa);
-                // `let x: T = ...`: the value is a `T` (it may be what
-                // decides an `.into()`).
-                let annotation = match pat {
-                    syn::Pat::Type(t) => {
-                        let ty = &t.ty;
-                        quote!(: #ty)
-                    }
+                let gives: Vec<TokenStream> = inouts.iter().map(give).collect();
+                let givens: Vec<TokenStream> = inouts.iter().map(given).collect();
+                let code = if inouts.is_empty() {
+                    quote_spanned!(span=> rt::Ok(#init))
+                } else {
+                    quote_spanned!(span=> rt::Ok((#init, #(#gives),*)))
+                };
+                let Call { checks, call } = statement_call(
+                    span,
+                    name,
+                    declared(sa),
+                    &sa.reads,
+                    &sa.changes,
+                    params,
+                    code,
+                );
+                let saved = match sa.kind {
+                    Some(AnnotationKind::Save | AnnotationKind::Offload) => saved_check(pat, span),
                     _ => quote!(),
                 };
-                let give = give(quote!(__remat_value), inouts);
-                let call = statement_call(
-                    span,
-                    method(sa),
-                    name,
-                    &sa.reads,
-                    params,
-                    &block.ret,
-                    quote_spanned! {span=>
-                        let __remat_value #annotation = #init;
-                        #checks
-                        #give
-                    },
-                );
-                let allow_pat_mut =
-                    crate::usage::binds_mut(pat).then(|| quote!(#[allow(unused_mut)]));
-                body.extend(if inouts.is_empty() && sa.releases.is_empty() {
+                // `let mut h = ...`: the binding is changed by later
+                // statements, each on its own copy.
+                let allow_mut = crate::usage::binds_mut(pat).then(|| quote!(#[allow(unused_mut)]));
+                // A binding read for the last time and bound again by the
+                // pattern (`let h = h.tanh()?;`) is dropped before the new one
+                // is bound.
+                let rebound = crate::usage::bound(pat)
+                    .iter()
+                    .any(|(b, _)| sa.releases.contains(b));
+                body.extend(checks);
+                body.extend(if inouts.is_empty() && !rebound {
                     quote! {
-                        #allow_pat_mut
-                        #(#attrs)* let #pat = #call;
+                        #allow_mut
+                        #(#attrs)* let #pat = #call?;
+                        #release
                     }
                 } else if inouts.is_empty() {
                     quote! {
-                        let #value = #call;
+                        let #value = #call?;
                         #release
-                        #allow_pat_mut
+                        #allow_mut
+                        #(#attrs)* let #pat = #value;
+                    }
+                } else if let syn::Pat::Type(_) = pat {
+                    quote! {
+                        let #value = #call?;
+                        #release
+                        let (#value, #(#givens),*) = #value;
+                        #allow_mut
                         #(#attrs)* let #pat = #value;
                     }
                 } else {
                     quote! {
-                        let #value = #call;
+                        let #value = #call?;
                         #release
                         #allow_mut
-                        let (__remat_value, #(mut #inouts),*) = #value;
-                        #allow_pat_mut
-                        #(#attrs)* let #pat = __remat_value;
+                        #(#attrs)* let (#pat, #(#givens),*) = #value;
                     }
                 });
+                body.extend(saved);
             }
             (StmtKind::Expr(e), _) => {
+                let gives: Vec<TokenStream> = inouts.iter().map(give).collect();
+                let givens: Vec<TokenStream> = inouts.iter().map(given).collect();
                 let given = match inouts.len() {
-                    0 => quote! { ::core::result::Result::Ok(()) },
-                    1 => quote! { ::core::result::Result::Ok(#(#inouts)*) },
-                    _ => quote! { ::core::result::Result::Ok((#(#inouts),*)) },
+                    0 => quote! { rt::Ok(()) },
+                    1 => quote! { rt::Ok(#(#gives)*) },
+                    _ => quote! { rt::Ok((#(#gives),*)) },
                 };
-                let call = statement_call(
+                let Call { checks, call } = statement_call(
                     e.span(),
-                    method(sa),
                     name,
+                    declared(sa),
                     &sa.reads,
+                    &sa.changes,
                     params,
-                    &block.ret,
-                    quote! { #(#attrs)* #e; #given },
+                    quote! {{ #(#attrs)* #e; #given }},
                 );
+                body.extend(checks);
                 body.extend(match inouts.len() {
-                    0 => quote! { let () = #call; #release },
-                    1 => quote! { let #value = #call; #release #allow_mut let #(mut #inouts)* = #value; },
-                    _ => quote! { let #value = #call; #release #allow_mut let (#(mut #inouts),*) = #value; },
+                    0 => quote! { #call?; #release },
+                    1 => quote! { let #value = #call?; #release let #(#givens)* = #value; },
+                    _ => quote! { let #value = #call?; #release let (#(#givens),*) = #value; },
                 });
             }
         }
     }
-    let ret = &block.ret;
     let result = match &block.tail {
         Some(tail) => match &analysis.tail_passthrough {
-            Some(ident) => quote! { ::core::result::Result::Ok(#ident) },
+            Some(ident) => quote! { rt::Ok(#ident) },
             None => {
-                let call = statement_call(
+                let Call { checks, call } = statement_call(
                     tail.span(),
-                    "Open",
                     "(return)",
+                    quote!(rt::Plan),
                     &analysis.tail_reads,
+                    &[],
                     params,
-                    &block.ret,
-                    quote! {
-                        let __remat_value: #ret = #tail;
-                        __remat_value
-                    },
+                    quote!(#tail),
                 );
-                quote! { ::core::result::Result::Ok(#call) }
+                // The region's body gives the tail statement's result.
+                quote! { #checks #call }
             }
         },
         None => quote! { ::core::unreachable!() },
     };
 
+    let reads_anything = !params.is_empty()
+        || analysis.statements.iter().any(|s| !s.reads.is_empty())
+        || !analysis.tail_reads.is_empty();
+    let dispatch = reads_anything
+        .then(|| quote!(ByClone as _, ByTensors as _, FromResult as _, NotClone as _,));
+    let without_grad = analysis
+        .statements
+        .iter()
+        .flat_map(|s| &s.reads)
+        .chain(&analysis.tail_reads)
+        .any(|r| !r.for_value)
+        .then(|| quote!(Arg as _,));
+    let saves = analysis
+        .statements
+        .iter()
+        .any(|s| matches!(s.kind, Some(AnnotationKind::Save | AnnotationKind::Offload)));
+    let save_checks = saves.then(|| quote!(CheckPlain as _, CheckTensors as _,));
+    let ret = &block.ret;
     let body = braces(
         block,
         quote! {
-            #[allow(unused_imports)]
-            use #p::{
-                CheckPlain as _, CheckTensors as _, CheckUnwrapped as _, CheckValue as _,
-                Unreadable as _, ViaClone as _, ViaResult as _, ViaTensor as _,
-            };
+            // Statements are `Ok(code)`, and their code ends in `?`.
+            #![allow(clippy::needless_question_mark)]
+            use ::remat_runtime::__private::{self as rt, #dispatch #without_grad #save_checks};
             #receiver
-            #copies
-            let __remat_inputs = #region_inputs;
-            // Statement bodies are wrapped as `Ok(body)`, and bodies end in `?`.
-            #[allow(clippy::needless_question_mark)]
-            let __remat_out = #p::region(#region).run(
-                __remat_inputs,
-                move |__remat_ctx, __remat_args| {
-                    #region_rebinds
+            #param_checks
+            rt::Ok(rt::region::<#ret>(#region).run(
+                #region_args,
+                move |#ctx, #region_pats| {
+                    #region_views
                     #body
                     #result
                 },
-            )?;
-            ::core::result::Result::Ok(__remat_out)
+            )?)
         },
     );
     quote! {

@@ -102,6 +102,9 @@ fn parse_fn(mut func: ItemFn, errors: &mut Errors) -> Block {
                         None => Passing::Value,
                     },
                 };
+                if let Passing::Ref(ty) | Passing::OptionRef(ty) = &passing {
+                    check_copyable(ty, errors);
+                }
                 params.push(Param {
                     ident,
                     mutable,
@@ -228,18 +231,67 @@ fn parse_statement(stmt: &Stmt, errors: &mut Errors) -> Option<Statement> {
     }
 }
 
+/// Methods whose value, bound by a `let` to a binding or a field
+/// (`x.device()`), is plain code: a copy, or what a tensor tells of itself
+/// (often a reference into it, which no statement could give).
+pub(crate) const PLAIN_METHODS: &[&str] = &[
+    "clone", "device", "dtype", "shape", "dims", "layout", "stride",
+];
+
 /// An unannotated `let` that runs as plain code in the forward and the
 /// replay rather than as a statement: one binding a closure (a helper
-/// called by later statements), or a guard bound to a name starting with
-/// `_` (`let _enter = self.span.enter();`, kept to the block's end).
+/// called by later statements), a guard bound to a name starting with `_`
+/// (`let _enter = self.span.enter();`, kept to the block's end), a copy
+/// (`let mut layer = self.layer.clone();`, `let residual = xs.clone();`:
+/// nothing to checkpoint, and the value may be any `Clone` type), or a
+/// tensor's device, dtype or shape (`let device = xs.device();`). A
+/// reference (`let residual = xs;`, `let r = &h;`) is plain code too, found
+/// by the analysis.
 fn plain(pat: &Pat, init: &Expr) -> Option<Annotation> {
     let guard = crate::usage::single(pat).is_some_and(|i| i.to_string().starts_with('_'));
     let closure = matches!(init, Expr::Closure(_));
-    (guard || closure).then(|| Annotation {
+    let copy = match init {
+        Expr::MethodCall(m) => {
+            PLAIN_METHODS.iter().any(|p| m.method == p) && m.args.is_empty() && place(&m.receiver)
+        }
+        _ => false,
+    };
+    (guard || closure || copy).then(|| Annotation {
         kind: AnnotationKind::Plain,
         name: None,
         tokens: TokenStream::new(),
     })
+}
+
+/// `&dyn Trait` and `&impl Trait` parameters: the region cannot keep its
+/// own copy of a value whose type it does not know.
+fn check_copyable(ty: &Type, errors: &mut Errors) {
+    let what = match ty {
+        Type::TraitObject(_) => "`dyn` trait object",
+        Type::ImplTrait(_) => "`impl Trait` value",
+        Type::Paren(p) => return check_copyable(&p.elem, errors),
+        _ => return,
+    };
+    errors.push_spanned(
+        ty,
+        format!(
+            "a remat! block keeps its own copy of every parameter, to run the block again in the \
+             backward after this call returned; a borrowed {what} cannot be copied. Take the \
+             layer's own type (`&Linear`, `&Mlp`: a `Clone` type), or a generic `&M` with \
+             `M: Module + Clone`, or an `Arc<dyn Module + Send + Sync>` by value"
+        ),
+    );
+}
+
+/// A binding or a field of one (`x`, `self.layer`, `p.w1`, `(*x)`).
+fn place(e: &Expr) -> bool {
+    match e {
+        Expr::Path(p) => p.qself.is_none() && p.path.get_ident().is_some(),
+        Expr::Field(f) => place(&f.base),
+        Expr::Paren(p) => place(&p.expr),
+        Expr::Unary(u) if matches!(u.op, syn::UnOp::Deref(_)) => place(&u.expr),
+        _ => false,
+    }
 }
 
 /// `T` of `Option<&T>` (any path ending in `Option`), lifetime elided.

@@ -10,6 +10,30 @@ fn pretty(input: TokenStream) -> String {
     prettyplease::unparse(&file)
 }
 
+/// The README's example: the snapshot docs/guide.md shows as "what your
+/// block becomes" (checked here), within the size the guide promises: at
+/// most about ten lines per statement plus twenty.
+#[test]
+fn readme_example() {
+    let expanded = pretty(quote! {
+        fn mlp(x: &Tensor, p: &Mlp) -> Result<Tensor> {
+            #[save] let h = x.matmul(&p.w1)?;      // kept from the forward
+            let g = h.gelu_erf()?;                  // recomputed in the backward
+            #[save(name = "proj")] let o = g.matmul(&p.w2)?;
+            Ok((x + o)?)
+        }
+    });
+    let guide = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/guide.md"))
+        .expect("docs/guide.md");
+    assert!(
+        guide.contains(&expanded),
+        "docs/guide.md does not show the README example's expansion:\n{expanded}"
+    );
+    let statements = 4;
+    assert!(expanded.lines().count() <= 10 * statements + 20);
+    insta::assert_snapshot!(expanded);
+}
+
 #[test]
 fn gpt2_block() {
     insta::assert_snapshot!(pretty(quote! {

@@ -4,16 +4,13 @@
 //!
 //! - [`Readable`]: a value a statement reads is `Clone` (each statement runs
 //!   again in the backward with its own copy of what it reads);
-//! - [`Unwrapped`]: a statement's value is not a `Result` (a missing `?`);
 //! - [`StatementValue`]: a statement's value is made of tensors and plain
-//!   values ([`Outputs`]);
+//!   values ([`Outputs`]), not a `Result` (a missing `?`);
 //! - [`HoldsTensors`]: a `#[save]` or `#[offload]` statement's value holds a
 //!   tensor (there is something to save).
 
-use candle_core::Tensor;
-
-use crate::__private::Method;
-use crate::{Ctx, Outputs, Policy, RematError, Result};
+use crate::__private::{Args, Block, Declared};
+use crate::{Outputs, RematError, Result};
 
 /// A value a statement of a `remat!` block can read: every `Clone` type.
 ///
@@ -23,9 +20,9 @@ use crate::{Ctx, Outputs, Policy, RematError, Result};
 /// readable::<usize>();
 /// ```
 #[diagnostic::on_unimplemented(
-    message = "`{Self}` is read by a statement of a remat! block, so it must be `Clone`",
+    message = "`{Self}` is read by a remat! block, so it must be `Clone`",
     label = "read here",
-    note = "each statement runs again in the backward with its own copy of the values it reads: derive or implement `Clone` for this type"
+    note = "the block runs again in the backward, each statement with its own copy of the values it reads: derive or implement `Clone` for this type"
 )]
 pub trait Readable {}
 
@@ -45,19 +42,6 @@ impl<T: Clone> Readable for T {}
 )]
 pub trait HoldsTensors {}
 
-/// A statement's value that is not a `Result`. The macro checks `Result`
-/// values against it; nothing implements it for them.
-///
-/// ```
-/// fn unwrapped(_: &dyn remat_runtime::rules::Unwrapped) {}
-/// ```
-#[diagnostic::on_unimplemented(
-    message = "this statement's value is a `Result`: add `?`",
-    label = "add `?` at the end of this expression",
-    note = "a statement's value is what its expression gives after `?`: tensors, tuples of them, or plain values"
-)]
-pub trait Unwrapped {}
-
 /// A statement's value: every [`Outputs`] type. The macro runs its
 /// statements through this trait, so that a value that is not one is
 /// reported in these words at the statement.
@@ -69,55 +53,31 @@ pub trait Unwrapped {}
 #[diagnostic::on_unimplemented(
     message = "this statement's value is a `{Self}`, which a remat! statement cannot give",
     label = "this statement's value",
-    note = "a statement gives tensors, `Vec`s, `Option`s and tuples of them, or plain values such as `usize` and `Shape`; clone a borrowed tensor (`x.clone()`)"
+    note = "a statement gives what its expression gives after `?`: tensors, `Vec`s, `Option`s and tuples of them, or plain values such as `usize` and `Shape`",
+    note = "a `Result`: add `?`; a reference: clone it (`x.clone()`); a value of another type (a struct of your own): make it outside the block and pass it in"
 )]
 pub trait StatementValue: Sized {
-    /// [`Ctx::open`], [`Ctx::save`], [`Ctx::offload`] or
-    /// [`Ctx::recompute`], by `method`; `inputs`: the statement's input
-    /// tensors, and how many of the first are read for their values (the
-    /// rest only for their shapes, or detached).
+    /// Runs the statement `name` of a block: `f` on what it reads (`args`),
+    /// under the policy it declares.
     #[doc(hidden)]
-    fn run<E: Into<RematError>>(
-        ctx: &mut Ctx,
-        method: Method,
+    fn run<A: Args, E: Into<RematError>>(
+        block: &mut Block<'_, E>,
         name: &str,
-        inputs: (Vec<Tensor>, usize),
-        f: impl FnOnce(&[Tensor]) -> std::result::Result<Self, E>,
+        declared: Declared,
+        args: A,
+        f: impl FnOnce(A::Values) -> std::result::Result<Self, E>,
     ) -> Result<Self>;
 }
 
 #[diagnostic::do_not_recommend]
 impl<T: Outputs> StatementValue for T {
-    fn run<E2: Into<RematError>>(
-        ctx: &mut Ctx,
-        method: Method,
+    fn run<A: Args, E: Into<RematError>>(
+        block: &mut Block<'_, E>,
         name: &str,
-        (inputs, value_inputs): (Vec<Tensor>, usize),
-        f: impl FnOnce(&[Tensor]) -> std::result::Result<Self, E2>,
+        declared: Declared,
+        args: A,
+        f: impl FnOnce(A::Values) -> std::result::Result<Self, E>,
     ) -> Result<Self> {
-        let declared = match method {
-            Method::Open => None,
-            Method::Save => Some(Policy::Save),
-            Method::Offload => Some(Policy::Offload),
-            Method::Recompute => Some(Policy::Recompute),
-        };
-        ctx.run(name, declared, false, inputs, value_inputs, f)
-    }
-}
-
-/// A `Result` value: reported by the [`Unwrapped`] check at the same
-/// statement, so that a missing `?` is one error, not two. Never runs.
-impl<T, E> StatementValue for std::result::Result<T, E> {
-    fn run<E2: Into<RematError>>(
-        _: &mut Ctx,
-        _: Method,
-        name: &str,
-        _: (Vec<Tensor>, usize),
-        _: impl FnOnce(&[Tensor]) -> std::result::Result<Self, E2>,
-    ) -> Result<Self> {
-        Err(candle_core::Error::Msg(format!(
-            "statement `{name}` of a remat! block gives a `Result`: add `?`"
-        ))
-        .into())
+        block.statement(name, declared, args, f)
     }
 }

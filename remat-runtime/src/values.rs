@@ -7,7 +7,7 @@
 //! parameter), split into its tensors (the statement's inputs) and rebuilt
 //! from what the runtime hands back.
 
-use candle_core::{Shape, Tensor};
+use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::{RematError, Result};
 
@@ -144,7 +144,27 @@ macro_rules! plain_outputs {
         }
     )*};
 }
-plain_outputs!((), bool, usize, u32, u64, i32, i64, f32, f64, Shape, String);
+plain_outputs!(
+    (),
+    bool,
+    char,
+    u8,
+    u16,
+    u32,
+    u64,
+    usize,
+    i8,
+    i16,
+    i32,
+    i64,
+    isize,
+    f32,
+    f64,
+    Shape,
+    String,
+    DType,
+    Device
+);
 
 macro_rules! tuple_outputs {
     ($($name:ident),+) => {

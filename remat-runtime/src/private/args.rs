@@ -1,0 +1,174 @@
+//! What a statement reads, as one tuple of [`Arg`]s: split into the
+//! statement's input tensors, and rebuilt from the tensors the runtime
+//! hands the statement (in the replay, its own leaves).
+
+use candle_core::Tensor;
+
+use super::read::{Cloned, Failed, Tensors};
+use crate::{Outputs, Result};
+
+/// One value a statement reads.
+pub trait Arg {
+    /// The value the statement sees.
+    type Value;
+    /// Appends the value's tensors: to `values` if the statement reads them
+    /// for their values, else to `others`.
+    fn push(&self, values: &mut Vec<Tensor>, others: &mut Vec<Tensor>);
+    /// The value, with its tensors taken from `values` and `others` in the
+    /// order [`Arg::push`] gave them.
+    fn rebuild(
+        &self,
+        values: &mut dyn Iterator<Item = Tensor>,
+        others: &mut dyn Iterator<Item = Tensor>,
+    ) -> Result<Self::Value>;
+
+    /// The value is read only for its shape, dtype or device, or detached:
+    /// no gradient flows through this read.
+    fn without_grad(self) -> WithoutGrad<Self>
+    where
+        Self: Sized,
+    {
+        WithoutGrad(self)
+    }
+}
+
+impl<T: Outputs + Clone> Arg for Tensors<T> {
+    type Value = T;
+    fn push(&self, values: &mut Vec<Tensor>, _: &mut Vec<Tensor>) {
+        self.0.clone().split_into(values);
+    }
+    fn rebuild(
+        &self,
+        values: &mut dyn Iterator<Item = Tensor>,
+        _: &mut dyn Iterator<Item = Tensor>,
+    ) -> Result<T> {
+        let skeleton = self.0.clone().split_into(&mut Vec::new());
+        T::join(values, &skeleton)
+    }
+}
+
+impl<T: Clone> Arg for Cloned<T> {
+    type Value = T;
+    fn push(&self, _: &mut Vec<Tensor>, _: &mut Vec<Tensor>) {}
+    fn rebuild(
+        &self,
+        _: &mut dyn Iterator<Item = Tensor>,
+        _: &mut dyn Iterator<Item = Tensor>,
+    ) -> Result<T> {
+        Ok(self.0.clone())
+    }
+}
+
+impl<T> Arg for Failed<T> {
+    type Value = T;
+    fn push(&self, _: &mut Vec<Tensor>, _: &mut Vec<Tensor>) {}
+    fn rebuild(
+        &self,
+        _: &mut dyn Iterator<Item = Tensor>,
+        _: &mut dyn Iterator<Item = Tensor>,
+    ) -> Result<T> {
+        Err(super::error(
+            "a statement of a remat! block read a value it cannot copy".into(),
+        ))
+    }
+}
+
+/// An [`Arg`] read without gradient: see [`Arg::without_grad`].
+pub struct WithoutGrad<A>(A);
+
+impl<A: Arg> Arg for WithoutGrad<A> {
+    type Value = A::Value;
+    fn push(&self, values: &mut Vec<Tensor>, others: &mut Vec<Tensor>) {
+        self.0.push(others, values);
+    }
+    fn rebuild(
+        &self,
+        values: &mut dyn Iterator<Item = Tensor>,
+        others: &mut dyn Iterator<Item = Tensor>,
+    ) -> Result<A::Value> {
+        self.0.rebuild(others, values)
+    }
+}
+
+/// Everything a statement reads: a tuple of [`Arg`]s (nested when longer
+/// than 12).
+pub trait Args {
+    /// The values the statement sees.
+    type Values;
+    /// Appends the tensors of every value (see [`Arg::push`]).
+    fn push(&self, values: &mut Vec<Tensor>, others: &mut Vec<Tensor>);
+    /// The values, rebuilt (see [`Arg::rebuild`]).
+    fn rebuild(
+        &self,
+        values: &mut dyn Iterator<Item = Tensor>,
+        others: &mut dyn Iterator<Item = Tensor>,
+    ) -> Result<Self::Values>;
+
+    /// The input tensors, those read for their values first, and how many
+    /// those are.
+    fn tensors(&self) -> (Vec<Tensor>, usize) {
+        let (mut values, mut others) = (Vec::new(), Vec::new());
+        self.push(&mut values, &mut others);
+        let n = values.len();
+        values.extend(others);
+        (values, n)
+    }
+
+    /// The values rebuilt from `tensors`, laid out as [`Args::tensors`]
+    /// gave them.
+    fn values_from(&self, tensors: &[Tensor], n_values: usize) -> Result<Self::Values> {
+        let n = n_values.min(tensors.len());
+        let mut values = tensors[..n].iter().cloned();
+        let mut others = tensors[n..].iter().cloned();
+        self.rebuild(&mut values, &mut others)
+    }
+}
+
+impl<A: Arg> Args for A {
+    type Values = A::Value;
+    fn push(&self, values: &mut Vec<Tensor>, others: &mut Vec<Tensor>) {
+        Arg::push(self, values, others);
+    }
+    fn rebuild(
+        &self,
+        values: &mut dyn Iterator<Item = Tensor>,
+        others: &mut dyn Iterator<Item = Tensor>,
+    ) -> Result<Self::Values> {
+        Arg::rebuild(self, values, others)
+    }
+}
+
+macro_rules! tuple_args {
+    ($($name:ident),*) => {
+        impl<$($name: Args),*> Args for ($($name,)*) {
+            type Values = ($($name::Values,)*);
+            #[allow(non_snake_case, unused_variables)]
+            fn push(&self, values: &mut Vec<Tensor>, others: &mut Vec<Tensor>) {
+                let ($($name,)*) = self;
+                $($name.push(values, others);)*
+            }
+            #[allow(non_snake_case, unused_variables)]
+            fn rebuild(
+                &self,
+                values: &mut dyn Iterator<Item = Tensor>,
+                others: &mut dyn Iterator<Item = Tensor>,
+            ) -> Result<Self::Values> {
+                let ($($name,)*) = self;
+                Ok(($($name.rebuild(values, others)?,)*))
+            }
+        }
+    };
+}
+tuple_args!();
+tuple_args!(A);
+tuple_args!(A, B);
+tuple_args!(A, B, C);
+tuple_args!(A, B, C, D);
+tuple_args!(A, B, C, D, E);
+tuple_args!(A, B, C, D, E, F);
+tuple_args!(A, B, C, D, E, F, G);
+tuple_args!(A, B, C, D, E, F, G, H);
+tuple_args!(A, B, C, D, E, F, G, H, I);
+tuple_args!(A, B, C, D, E, F, G, H, I, J);
+tuple_args!(A, B, C, D, E, F, G, H, I, J, K);
+tuple_args!(A, B, C, D, E, F, G, H, I, J, K, L);

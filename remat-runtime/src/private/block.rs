@@ -1,0 +1,137 @@
+//! The region of a block ([`region`]) and the context its statements run in
+//! ([`Block`]), which fixes the error type of the block's statements to the
+//! block's own.
+
+use std::marker::PhantomData;
+
+use super::args::Args;
+use crate::{Ctx, Outputs, Policy, Region, RematError, Result};
+
+/// The policy a statement of a block declares.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Declared {
+    /// None: the plan decides ([`Ctx::open`]).
+    Plan,
+    /// `#[save]`.
+    Save,
+    /// `#[offload]`.
+    Offload,
+    /// `#[recompute]`.
+    Recompute,
+}
+
+impl Declared {
+    pub(crate) fn policy(self) -> Option<Policy> {
+        match self {
+            Declared::Plan => None,
+            Declared::Save => Some(Policy::Save),
+            Declared::Offload => Some(Policy::Offload),
+            Declared::Recompute => Some(Policy::Recompute),
+        }
+    }
+}
+
+/// The region of a block whose function returns `R` (a `Result`): its
+/// statements fail with `R`'s error type.
+pub fn region<R: ResultError>(name: impl Into<String>) -> BlockRegion<R> {
+    BlockRegion {
+        region: Region::new(name).declaring_all_reads(),
+        result: PhantomData,
+    }
+}
+
+/// See [`region`].
+pub struct BlockRegion<R> {
+    region: Region,
+    result: PhantomData<fn() -> R>,
+}
+
+impl<R: ResultError> BlockRegion<R> {
+    /// Runs `body` on `args` (the block's parameters, of which the region
+    /// keeps its own copy) as a region: once now, and once more at the
+    /// start of its backward.
+    pub fn run<A, O>(
+        self,
+        args: A,
+        body: impl Fn(&mut Block<'_, R::Error>, A::Values) -> Result<O> + Send + Sync + 'static,
+    ) -> Result<O>
+    where
+        A: Args + Send + Sync + 'static,
+        O: Outputs,
+    {
+        let (inputs, _) = args.tensors();
+        self.region.run(inputs, move |ctx, tensors| {
+            let values = args.values_from(tensors, tensors.len())?;
+            body(
+                &mut Block {
+                    ctx,
+                    error: PhantomData,
+                },
+                values,
+            )
+        })
+    }
+}
+
+/// The context a block's statements run in: the region's [`Ctx`], and the
+/// block's error type `E`.
+pub struct Block<'a, E> {
+    pub(crate) ctx: &'a mut Ctx,
+    error: PhantomData<fn() -> E>,
+}
+
+impl<E> Block<'_, E> {
+    /// Whether this run is the replay (a `#[forward_only]` statement runs
+    /// only when it is not).
+    pub fn is_replay(&self) -> bool {
+        self.ctx.is_replay()
+    }
+
+    /// Runs a statement: see [`crate::rules::StatementValue`].
+    pub(crate) fn statement<A: Args, O: Outputs>(
+        &mut self,
+        name: &str,
+        declared: Declared,
+        args: A,
+        f: impl FnOnce(A::Values) -> std::result::Result<O, E>,
+    ) -> Result<O>
+    where
+        E: Into<RematError>,
+    {
+        let (inputs, n_values) = args.tensors();
+        self.ctx.run(
+            name,
+            declared.policy(),
+            false,
+            inputs,
+            n_values,
+            |tensors| match args.values_from(tensors, n_values) {
+                Ok(values) => f(values).map_err(Into::into),
+                Err(e) => Err(e),
+            },
+        )
+    }
+}
+
+/// The name of a method's region: `Type::method`, the type without its
+/// module path (`DecoderLayer::forward`, `Block<f32>::forward`).
+pub fn method_region<T: ?Sized>(method: &str) -> String {
+    let full = std::any::type_name::<T>();
+    let (path, generics) = full.split_at(full.find('<').unwrap_or(full.len()));
+    let ty = path.rsplit("::").next().unwrap_or(path);
+    format!("{ty}{generics}::{method}")
+}
+
+/// The error type of a block's function (`candle_core::Error` for
+/// `candle_core::Result<T>`): its statements fail with it.
+pub type ErrorOf<R> = <R as ResultError>::Error;
+
+/// See [`ErrorOf`].
+pub trait ResultError {
+    /// The error type.
+    type Error;
+}
+
+impl<T, E> ResultError for std::result::Result<T, E> {
+    type Error = E;
+}

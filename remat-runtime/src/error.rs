@@ -227,6 +227,26 @@ pub enum RematError {
         /// The duplicated name.
         statement: String,
     },
+    /// A plan names statements (`Plan::save_only`, `Plan::save_and_offload_only`)
+    /// that no statement run under it has: a misspelt name would otherwise
+    /// leave its statement recomputed, silently. Raised by the backward of
+    /// the first region that ran under the plan, when every region of the
+    /// forward has run.
+    #[error(
+        "region `{region}` ran under the plan `{plan}`, which names {names:?}: no statement run \
+         under the plan has such a name (the statements are {known:?}); correct the names, or \
+         name statements with `#[save(name = \"...\")]`"
+    )]
+    UnknownStatement {
+        /// The region whose backward found it.
+        region: String,
+        /// The plan's label.
+        plan: String,
+        /// The names no statement has.
+        names: Vec<String>,
+        /// The names of the statements run under the plan, sorted.
+        known: Vec<String>,
+    },
     /// A statement read a tensor that needs gradients but that the region does
     /// not know: its gradient would be lost.
     #[error(

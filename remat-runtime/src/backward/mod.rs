@@ -130,6 +130,16 @@ impl Call {
             seed,
             trace_label,
         } = tape;
+        // Every region of the forward has run: a name the plan lists that
+        // none of their statements has is a mistake (a misspelt name).
+        if let Some((names, known)) = plan.unknown_names() {
+            return Err(RematError::UnknownStatement {
+                region: self.name.clone(),
+                plan: plan.to_string(),
+                names,
+                known,
+            });
+        }
         // Inputs no recomputed statement reads were released after the
         // forward: the block sees placeholders for them. The others that
         // need gradients are leaves (one copy each, which every unit reading

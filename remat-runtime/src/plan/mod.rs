@@ -12,7 +12,7 @@ pub(crate) use planner::{items, Item};
 
 use std::collections::HashSet;
 use std::fmt;
-use std::sync::{Arc, LazyLock};
+use std::sync::{Arc, LazyLock, Mutex};
 
 use crate::ambient::{scoped, PLAN_SCOPES};
 use crate::Policy;
@@ -45,11 +45,30 @@ enum Rule {
     Declared,
     Off,
     All(Policy),
-    /// Open statements: saved when named in the first set, offloaded when
-    /// named in the second, recomputed otherwise.
-    Names(Arc<(HashSet<String>, HashSet<String>)>),
+    /// Open statements: saved when named in `save`, offloaded when named in
+    /// `offload`, recomputed otherwise.
+    Names(Arc<Names>),
     Custom(Arc<PolicyFn>),
     Budget(Arc<Budget>),
+}
+
+/// The names of a [`Plan::save_only`] or [`Plan::save_and_offload_only`]
+/// plan, and the names of the statements it has decided so far (to find
+/// names no statement has).
+struct Names {
+    save: HashSet<String>,
+    offload: HashSet<String>,
+    seen: Mutex<HashSet<String>>,
+}
+
+impl Names {
+    fn new(save: HashSet<String>, offload: HashSet<String>) -> Self {
+        Names {
+            save,
+            offload,
+            seen: Mutex::new(HashSet::new()),
+        }
+    }
 }
 
 /// Decides, for every statement of the regions it governs, whether it is
@@ -186,8 +205,8 @@ impl Plan {
     {
         let names: Vec<String> = names.into_iter().map(Into::into).collect();
         let label = format!("save only {}", names.join(", "));
-        let sets = (names.into_iter().collect(), HashSet::new());
-        Plan::new(Rule::Names(Arc::new(sets)), label)
+        let names = Names::new(names.into_iter().collect(), HashSet::new());
+        Plan::new(Rule::Names(Arc::new(names)), label)
     }
 
     /// Statements left to the plan are saved when their name is in `save`,
@@ -222,8 +241,8 @@ impl Plan {
             .map(|(what, names)| format!("{what} {}", names.join(", ")))
             .collect::<Vec<_>>()
             .join("; ");
-        let sets = (save.into_iter().collect(), offload.into_iter().collect());
-        Plan::new(Rule::Names(Arc::new(sets)), label)
+        let names = Names::new(save.into_iter().collect(), offload.into_iter().collect());
+        Plan::new(Rule::Names(Arc::new(names)), label)
     }
 
     /// A memory budget between saving nothing (`0.0`: full recomputation of
@@ -306,16 +325,62 @@ impl Plan {
         match &self.rule {
             Rule::Declared | Rule::Off => s.declared.unwrap_or_default(),
             Rule::All(p) => *p,
-            Rule::Names(sets) => s.declared.unwrap_or(if sets.0.contains(s.name) {
-                Policy::Save
-            } else if sets.1.contains(s.name) {
-                Policy::Offload
-            } else {
-                Policy::Recompute
-            }),
+            Rule::Names(names) => {
+                let mut seen = crate::lock(&names.seen);
+                if !seen.contains(s.name) {
+                    seen.insert(s.name.to_string());
+                }
+                s.declared.unwrap_or(if names.save.contains(s.name) {
+                    Policy::Save
+                } else if names.offload.contains(s.name) {
+                    Policy::Offload
+                } else {
+                    Policy::Recompute
+                })
+            }
             Rule::Custom(f) => f(s),
             Rule::Budget(b) => b.policy(s),
         }
+    }
+
+    /// The names this plan lists that no statement it decided so far has
+    /// (sorted), with the names of those statements (sorted); `None` when
+    /// every name was found, or the plan lists no names.
+    ///
+    /// ```
+    /// use remat_runtime::{Plan, StatementInfo};
+    /// let plan = Plan::save_only(["qkv", "qvk"]);
+    /// for name in ["qkv", "fc"] {
+    ///     plan.policy(&StatementInfo { region: "b", name, declared: None });
+    /// }
+    /// let (unknown, known) = plan.unknown_names().unwrap();
+    /// assert_eq!((unknown, known), (vec!["qvk".to_string()], vec!["fc".into(), "qkv".into()]));
+    /// ```
+    pub fn unknown_names(&self) -> Option<(Vec<String>, Vec<String>)> {
+        let Rule::Names(names) = &self.rule else {
+            return None;
+        };
+        let seen = crate::lock(&names.seen);
+        let mut unknown: Vec<String> = names
+            .save
+            .iter()
+            .chain(&names.offload)
+            .filter(|n| !seen.contains(*n))
+            .cloned()
+            .collect();
+        if unknown.is_empty() {
+            return None;
+        }
+        unknown.sort();
+        unknown.dedup();
+        // `(return)`: a block's tail, which no plan can name.
+        let mut known: Vec<String> = seen
+            .iter()
+            .filter(|n| !n.starts_with('('))
+            .cloned()
+            .collect();
+        known.sort();
+        Some((unknown, known))
     }
 
     /// Whether this is a budget plan that has not planned `region` yet.

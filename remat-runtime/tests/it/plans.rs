@@ -324,3 +324,42 @@ fn byte_budgets_are_respected() {
     assert_eq!(solution.budget, 6000);
     assert!(solution.bytes <= 6000 && solution.bytes > 0, "{solution}");
 }
+
+remat! {
+    /// A second block, whose statement `e` a plan may name.
+    fn head(x: &Tensor) -> Result<Tensor> {
+        let e = x.exp()?;
+        Ok(e.sum_all()?)
+    }
+}
+
+/// A name no statement has (a misspelling) is an error from the backward,
+/// naming the region, the plan, the unknown name and the statements there
+/// are; names found in different regions of one step are not.
+#[test]
+fn a_plan_naming_no_statement_is_an_error() {
+    let (x, p) = params();
+    let step = |plan: &Plan| {
+        let y = plan.scope(|| head(&mlp(x.as_tensor(), &p)?))?;
+        y.backward().map(|_| ())
+    };
+    // `h` is in `mlp`, `e` in `head`: both found.
+    step(&Plan::save_only(["h", "e"])).unwrap();
+    step(&Plan::save_and_offload_only(["o"], ["e"])).unwrap();
+    for plan in [
+        Plan::save_only(["h", "hh"]),
+        Plan::save_and_offload_only(["e"], ["oo"]),
+    ] {
+        let e = step(&plan).unwrap_err().to_string();
+        let unknown = if e.contains("\"hh\"") { "hh" } else { "oo" };
+        assert!(e.contains(&format!("[\"{unknown}\"]")), "{e}");
+        assert!(
+            e.contains("region `head`") && e.contains(&plan.to_string()),
+            "{e}"
+        );
+        assert!(e.contains("[\"e\", \"g\", \"h\", \"o\", \"out\"]"), "{e}");
+    }
+    // The tapes of a failed backward are released, and the next step with
+    // correct names works.
+    step(&Plan::save_only(["h"])).unwrap();
+}

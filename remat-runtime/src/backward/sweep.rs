@@ -96,7 +96,7 @@ pub(crate) fn sweep(
         let mut root: Option<Tensor> = None;
         for (id, target) in &unit.targets {
             if let Some(g) = grads.remove(id) {
-                let seed = target.apply_op1(Seed { grad: g })?;
+                let seed = target.apply_op1(Seed::new(g))?;
                 root = Some(match root {
                     None => seed,
                     Some(r) => (r + seed)?,

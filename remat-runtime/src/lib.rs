@@ -64,6 +64,7 @@
 mod ambient;
 mod backward;
 pub mod candle_nn;
+mod checkpointed;
 mod ctx;
 mod error;
 mod graph;
@@ -81,6 +82,7 @@ mod tape;
 mod values;
 
 pub use backward::{backward, retain_tape};
+pub use checkpointed::Checkpointed;
 pub use ctx::Ctx;
 pub use error::{Mismatch, RematError, Result};
 pub use inspect::{check_gradients, MemoryReport};

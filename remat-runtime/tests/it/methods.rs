@@ -577,3 +577,79 @@ fn a_tracing_guard_and_a_helper_closure_run_as_plain_code() {
         }
     }
 }
+
+/// A layer from a crate, not `Clone`, written as candle-transformers writes
+/// them.
+struct Ffn {
+    fc1: Linear,
+    fc2: Linear,
+    act: candle_nn::Activation,
+}
+
+impl Module for Ffn {
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        xs.apply(&self.fc1)?.apply(&self.act)?.apply(&self.fc2)
+    }
+}
+
+/// The same with a fused candle op that has no backward.
+struct FusedHead {
+    proj: Linear,
+}
+
+impl Module for FusedHead {
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        candle_nn::ops::softmax_last_dim(&self.proj.forward(xs)?)
+    }
+}
+
+/// A layer one cannot edit, checkpointed by one line: exact gradients under
+/// every plan; a fused candle op without a backward inside it is an error,
+/// not a missing gradient.
+#[test]
+fn a_wrapped_module_matches_plain_candle() {
+    use remat_runtime::{Checkpointed, RematError};
+    for dtype in [DType::F32, DType::F64] {
+        // Relative to the largest gradient; the same ops in the same order
+        // (one statement), so f64 agrees to rounding.
+        let tol = if dtype == DType::F32 { 1e-6 } else { 1e-12 };
+        let vm = VarMap::new();
+        let ffn = || Ffn {
+            fc1: linear(&vm, "fc1", 8, 24, true, dtype),
+            fc2: linear(&vm, "fc2", 24, 8, true, dtype),
+            act: candle_nn::Activation::GeluPytorchTanh,
+        };
+        let (plain, wrapped) = (ffn(), Checkpointed::new("ffn", ffn()));
+        let x = Var::from_tensor(
+            &Tensor::randn(0f32, 1.0, (3, 5, 8), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap(),
+        )
+        .unwrap();
+        for plan in plans() {
+            check(
+                &vm,
+                &x,
+                &plan,
+                || wrapped.forward(x.as_tensor()),
+                || plain.forward(x.as_tensor()),
+                tol,
+            );
+        }
+        let fused = Checkpointed::new(
+            "head",
+            FusedHead {
+                proj: linear(&vm, "head", 8, 8, false, dtype),
+            },
+        );
+        let y = Plan::recompute_all()
+            .scope(|| fused.forward(x.as_tensor()))
+            .unwrap();
+        let e = backward(&(y * 3.0).unwrap().sum_all().unwrap()).unwrap_err();
+        assert!(
+            matches!(e.root(), RematError::GradientCut { region, .. } if region == "head"),
+            "{e}"
+        );
+    }
+}

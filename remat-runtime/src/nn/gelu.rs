@@ -1,8 +1,7 @@
 //! GELU (tanh approximation, candle's `Tensor::gelu`).
 
-use candle_core::op::BackpropOp;
 use candle_core::{
-    CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Storage, Tensor, WithDType,
+    CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, WithDType,
 };
 
 use super::attach::{forward_computed, Computed};
@@ -62,63 +61,12 @@ pub(super) fn backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
     (left + right)? * dy
 }
 
-/// `(gelu(x), dy * gelu'(x))`: on a CPU in f32 and f64 one pass that
-/// computes the tanh once for both; tensor ops elsewhere.
-pub(super) fn value_and_backward(x: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
-    let (x, dy) = (x.detach().contiguous()?, dy.detach().contiguous()?);
-    if !x.device().is_cpu() || x.dtype() != dy.dtype() {
-        return Ok((x.gelu()?, backward(&x, &dy)?));
-    }
-    let (sx, lx) = x.storage_and_layout();
-    let (sy, ly) = dy.storage_and_layout();
-    let (Some((a1, b1)), Some((a2, b2))) = (lx.contiguous_offsets(), ly.contiguous_offsets())
-    else {
-        candle_core::bail!("remat nn: gelu's backward wants contiguous tensors")
-    };
-    let (value, grad) = match (&*sx, &*sy) {
-        (Storage::Cpu(CpuStorage::F32(x)), Storage::Cpu(CpuStorage::F32(dy))) => {
-            let (v, g) = value_and_grad_pass(&x[a1..b1], &dy[a2..b2]);
-            (CpuStorage::F32(v), CpuStorage::F32(g))
-        }
-        (Storage::Cpu(CpuStorage::F64(x)), Storage::Cpu(CpuStorage::F64(dy))) => {
-            let (v, g) = value_and_grad_pass(&x[a1..b1], &dy[a2..b2]);
-            (CpuStorage::F64(v), CpuStorage::F64(g))
-        }
-        _ => {
-            drop((sx, sy));
-            return Ok((x.gelu()?, backward(&x, &dy)?));
-        }
-    };
-    // Fresh contiguous storages of `x`'s shape, untracked.
-    let shape = x.shape().clone();
-    Ok((
-        Tensor::from_storage(
-            Storage::Cpu(value),
-            shape.clone(),
-            BackpropOp::none(),
-            false,
-        ),
-        Tensor::from_storage(Storage::Cpu(grad), shape, BackpropOp::none(), false),
-    ))
-}
-
 /// `dy * gelu'(x)` element by element, computed in f64.
 fn grad_pass<T: WithDType>(x: &[T], dy: &[T]) -> Vec<T> {
     x.iter()
         .zip(dy)
         .map(|(&x, &g)| T::from_f64(derivative(x.to_f64()) * g.to_f64()))
         .collect()
-}
-
-/// `(gelu(x), dy * gelu'(x))` element by element, computed in f64.
-fn value_and_grad_pass<T: WithDType>(x: &[T], dy: &[T]) -> (Vec<T>, Vec<T>) {
-    x.iter()
-        .zip(dy)
-        .map(|(&x, &g)| {
-            let (v, d) = value_and_derivative(x.to_f64());
-            (T::from_f64(v), T::from_f64(d * g.to_f64()))
-        })
-        .unzip()
 }
 
 /// `(gelu(x), gelu'(x))` from one tanh.

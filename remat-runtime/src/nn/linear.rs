@@ -174,15 +174,22 @@ impl Linear {
         let (rows, input) = rows(x)?;
         let x = x.detach();
         let g2 = g.detach().reshape((rows, ()))?;
-        let da = g2.matmul(&w.detach())?.reshape(x.shape())?;
-        // With the GELU: `gelu(x)` recomputed for `dw`, and `dx` from the
-        // same pass over `x`.
-        let (a, dx) = if self.gelu {
-            super::gelu::value_and_backward(&x, &da)?
-        } else {
-            (x, da)
+        if !self.gelu {
+            let dx = g2.matmul(&w.detach())?.reshape(x.shape())?;
+            let dw = g2.t()?.matmul(&x.reshape((rows, input))?)?;
+            return Ok((dx, dw, Bias(g2)));
+        }
+        // With the GELU: `gelu(x)` recomputed as the forward computed it,
+        // for `dw` only, and freed before `dx`'s two input-sized tensors
+        // exist: at most two such temporaries at once (`gelu(x)`, `dx` and
+        // the product `g W` alive together were three, the step's peak in
+        // a GPT MLP).
+        let dw = {
+            let a = x.gelu()?;
+            g2.t()?.matmul(&a.reshape((rows, input))?)?
         };
-        let dw = g2.t()?.matmul(&a.reshape((rows, input))?)?;
+        let da = g2.matmul(&w.detach())?.reshape(x.shape())?;
+        let dx = super::gelu::backward(&x, &da)?;
         Ok((dx, dw, Bias(g2)))
     }
 }

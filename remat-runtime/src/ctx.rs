@@ -1,12 +1,13 @@
-//! The handle a block uses to run its statements.
+//! The handle a block uses to run its statements: as plain candle code,
+//! recorded by the forward (`tape/recorder.rs`) or replayed (`replay/`).
 
 use std::collections::HashSet;
 
 use candle_core::Tensor;
 
-use crate::backward::Replay;
 use crate::graph::check_cut;
 use crate::random;
+use crate::replay::Replay;
 use crate::tape::recorder::{Recorder, Statement};
 use crate::{Inputs, Outputs, Plan, Policy, RematError, Result, StatementInfo};
 

@@ -32,9 +32,10 @@
 //!
 //! The pieces, in the order one region call meets them:
 //!
-//! * [`remat!`](macro@remat), [`Region`] / [`Ctx`], [`checkpoint_sequential`]:
-//!   blocks and their statements (`region.rs`, `ctx.rs`, `sequential.rs`,
-//!   the values they take and give in `values.rs`);
+//! * [`remat!`](macro@remat), [`Region`] / [`Ctx`], [`checkpoint_sequential`],
+//!   [`Checkpointed`]: blocks and their statements (`region.rs`, `ctx.rs`,
+//!   `sequential.rs`, `checkpointed.rs`, the values they take and give in
+//!   `values.rs`, what the macro's expansion calls in `private/`);
 //! * [`Plan`] (`plan/`): the policy of every statement, chosen at run time
 //!   (by annotation, by name, by a function, or a memory budget solved
 //!   exactly per region);
@@ -42,14 +43,18 @@
 //!   and the one rule that counts the bytes a tape holds;
 //! * `graph/`: the custom candle ops that attach the call to candle's graph
 //!   (anchors, taps, seeds) and the leaves statements run on;
-//! * `backward/`: the replay and the reverse sweep that candle's backward
-//!   runs through the anchors; [`retain_tape`] and [`backward`];
+//! * `replay/`: the block's second run, which recomputes what was not
+//!   saved and groups the statements into units;
+//! * `backward/`: the region call between its forward and its backward,
+//!   and the reverse sweep that candle's backward runs through the anchors;
+//!   [`retain_tape`] and [`backward`];
 //! * [`offload`]: [`Policy::Offload`], residuals in host memory between the
 //!   forward and the backward on CUDA;
 //! * [`random`]: dropout and random draws that replay identically;
 //! * [`inspect`]: [`MemoryReport`], [`Trace`](inspect::Trace), the counting
 //!   allocator and device memory, [`check_gradients`];
-//! * `ambient.rs`: every piece of per-thread state, in one list.
+//! * `ambient.rs`: the list of every piece of per-thread state, each kept
+//!   by the module that owns it.
 //!
 //! `docs/architecture.md` walks one region call through these modules.
 //!
@@ -76,8 +81,10 @@ mod policy;
 mod private;
 pub mod random;
 mod region;
+mod replay;
 pub mod rules;
 mod sequential;
+mod storage;
 mod tape;
 mod values;
 

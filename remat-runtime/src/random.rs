@@ -10,12 +10,21 @@
 //! whichever other statements were saved or recomputed, and the same code
 //! run without checkpointing draws the same values too.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 
 use candle_core::{DType, Device, Shape, Tensor};
 
-use crate::ambient::{scoped, RANDOM_BASE, RANDOM_OUTSIDE, RANDOM_STREAMS};
+use crate::ambient::scoped;
 use crate::Result;
+
+thread_local! {
+    /// The base seed of draws made outside any statement.
+    static RANDOM_BASE: Cell<u64> = const { Cell::new(0x05EE_D0F4_E3A7) };
+    /// How many draws outside any statement were made since the last seed.
+    static RANDOM_OUTSIDE: Cell<u64> = const { Cell::new(0) };
+    /// The random stream of each statement running; draws use the last.
+    static RANDOM_STREAMS: RefCell<Vec<Stream>> = const { RefCell::new(Vec::new()) };
+}
 
 /// The draws of one running statement: its key and how many it drew.
 pub(crate) struct Stream {

@@ -4,14 +4,14 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::Tensor;
 
-use crate::backward::Call;
+use crate::backward::{Body, Call, TapeState};
 use crate::ctx::{Ctx, Mode};
 use crate::graph::make_leaf;
 use crate::graph::{anchor_chain, Tap};
 use crate::inspect::{memory, trace};
 use crate::tape::recorder::{checks_captures, constant_outputs, Recorded, Recorder};
-use crate::tape::{fingerprint, Body, Meta, Tape, TapeState};
-use crate::{lock, offload, plan, random, Inputs, Outputs, Plan, RematError, Result};
+use crate::tape::{fingerprint, Meta, Tape};
+use crate::{lock, plan, random, Inputs, Outputs, Plan, RematError, Result};
 
 /// A checkpointed region: a block of statements whose activations are
 /// recomputed (or kept, statement by statement) for the backward.
@@ -301,7 +301,6 @@ impl Region {
             None => None,
         };
         let tape = Tape {
-            body,
             input_metas: detached.iter().map(Meta::of).collect(),
             inputs: kept_inputs,
             requires_grad,
@@ -313,7 +312,7 @@ impl Region {
             seed,
             trace_label,
         };
-        let call = Arc::new(Call::new(self.name.clone(), tape));
+        let call = Arc::new(Call::new(self.name.clone(), body, tape));
         memory::register(&call);
         let top = anchor_chain(&call, &anchored)?;
         let attached = outputs
@@ -333,8 +332,8 @@ impl Region {
             .collect::<Result<Vec<Tensor>>>()?;
         // The taps have copied the outputs: what offloaded statements hold
         // can move to the host.
-        if let TapeState::Live(tape) = &mut *lock(&call.tape) {
-            offload::swap_out(&call.name, tape)?;
+        if let TapeState::Live { tape, .. } = &mut *lock(&call.tape) {
+            tape.swap_out(&call.name)?;
         }
         O::join(&mut attached.into_iter(), &skeleton)
     }

@@ -1,33 +1,48 @@
-//! The backward of a region call: the replay, then the reverse sweep.
+//! The backward of a region call: the replay (`replay/`), then the reverse
+//! sweep.
 //!
 //! * this file: [`Call`], one region call between its forward and its
 //!   backward, and the driver [`Call::backward`] that candle's top anchor
 //!   runs;
-//! * `replay`: the block runs again, recomputing what was not saved and
-//!   grouping the statements into units;
 //! * `sweep`: the units' backwards, last to first;
 //! * `retain`: [`retain_tape`] and the typed [`backward`], how user code
 //!   enters a backward.
 
-mod replay;
 mod retain;
 mod sweep;
 
-pub(crate) use replay::Replay;
-pub(crate) use retain::remember_error;
 pub use retain::{backward, retain_tape};
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use candle_core::Tensor;
 
 use crate::ctx::{Ctx, Mode};
 use crate::graph::make_leaf;
-use crate::tape::{Meta, Tape, TapeState};
+use crate::replay::{self, Replay};
+use crate::tape::{Meta, Tape};
 use crate::{inspect, lock, RematError, Result};
 
-/// One region call: its tape, and the gradients its taps and anchors hand
-/// each other during the backward.
+/// The type-erased block a region runs, for the replay.
+pub(crate) type Body = Arc<dyn Fn(&mut Ctx, &[Tensor]) -> Result<Vec<Tensor>> + Send + Sync>;
+
+/// A region call's tape and the block that replays it, until its backward
+/// consumes them.
+// One per region call, behind the call's `Arc`: boxing the live tape would
+// only add an allocation per call.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum TapeState {
+    Live {
+        tape: Tape,
+        body: Body,
+    },
+    /// Consumed or dropped, with the reason, for the error of a later
+    /// backward.
+    Released(String),
+}
+
+/// One region call: its tape and block, and the gradients its taps and
+/// anchors hand each other during the backward.
 pub(crate) struct Call {
     pub name: String,
     pub tape: Mutex<TapeState>,
@@ -38,11 +53,11 @@ pub(crate) struct Call {
 }
 
 impl Call {
-    pub fn new(name: String, tape: Tape) -> Self {
+    pub fn new(name: String, body: Body, tape: Tape) -> Self {
         let n_outputs = tape.outputs.len();
         Call {
             name,
-            tape: Mutex::new(TapeState::Live(tape)),
+            tape: Mutex::new(TapeState::Live { tape, body }),
             output_grads: Mutex::new(vec![None; n_outputs]),
             anchor_grads: Mutex::new(Vec::new()),
         }
@@ -71,7 +86,7 @@ impl Call {
     /// half.
     pub fn backward(&self) -> Result<()> {
         let retain = retain::retaining();
-        let tape = {
+        let (tape, body) = {
             let mut state = lock(&self.tape);
             match &*state {
                 TapeState::Released(reason) => {
@@ -80,13 +95,13 @@ impl Call {
                         reason: reason.clone(),
                     })
                 }
-                TapeState::Live(tape) if retain => tape.clone(),
-                TapeState::Live(_) => {
+                TapeState::Live { tape, body } if retain => (tape.clone(), body.clone()),
+                TapeState::Live { .. } => {
                     let released = TapeState::Released(
                         "it was consumed by an earlier backward that did not retain it".into(),
                     );
                     match std::mem::replace(&mut *state, released) {
-                        TapeState::Live(tape) => tape,
+                        TapeState::Live { tape, body } => (tape, body),
                         TapeState::Released(_) => unreachable!("checked above"),
                     }
                 }
@@ -97,7 +112,7 @@ impl Call {
             let empty = vec![None; set.len()];
             std::mem::replace(&mut *set, empty)
         };
-        match self.replay_and_sweep(tape, output_grads) {
+        match self.replay_and_sweep(tape, body, output_grads) {
             Ok(grads) => {
                 *lock(&self.anchor_grads) = grads;
                 Ok(())
@@ -115,10 +130,10 @@ impl Call {
     fn replay_and_sweep(
         &self,
         tape: Tape,
+        body: Body,
         output_grads: Vec<Option<Tensor>>,
     ) -> Result<Vec<Option<Tensor>>> {
         let Tape {
-            body,
             inputs,
             input_metas,
             requires_grad,

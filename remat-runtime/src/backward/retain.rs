@@ -1,18 +1,27 @@
 //! Entering a backward from user code: keeping tapes for a second
 //! backward, and the typed errors of [`backward`].
 
+use std::cell::Cell;
+
 use candle_core::backprop::GradStore;
 use candle_core::Tensor;
 
-use crate::ambient::{scoped, LAST_ERROR, RETAIN_DEPTH};
-use crate::{RematError, Result};
+use crate::ambient::scoped;
+use crate::graph::take_error;
+use crate::Result;
+
+thread_local! {
+    /// Above zero while a `retain_tape` closure runs.
+    static RETAIN_DEPTH: Cell<usize> = const { Cell::new(0) };
+}
 
 /// Runs `f` (typically a `loss.backward()`) with region tapes retained: the
 /// regions it reaches keep their tapes, so that a later backward through them
 /// works. The counterpart of PyTorch's `retain_graph=True`.
 ///
 /// Without it, a region's tape is released as its backward consumes it and a
-/// second backward fails with [`RematError::TapeReleased`].
+/// second backward fails with
+/// [`RematError::TapeReleased`](crate::RematError::TapeReleased).
 ///
 /// ```
 /// use candle_core::{Device, Var};
@@ -43,19 +52,9 @@ pub(crate) fn retaining() -> bool {
     RETAIN_DEPTH.with(|r| r.get() > 0)
 }
 
-/// Keeps the first runtime error raised inside a backward on this thread, so
-/// that [`backward`] can return it typed (candle only keeps its message).
-pub(crate) fn remember_error(e: &RematError) {
-    LAST_ERROR.with(|slot| {
-        let mut slot = slot.borrow_mut();
-        if slot.is_none() {
-            *slot = Some(e.clone());
-        }
-    });
-}
-
-/// `loss.backward()`, with the runtime's errors returned as [`RematError`]
-/// values instead of candle's wrapped messages.
+/// `loss.backward()`, with the runtime's errors returned as
+/// [`RematError`](crate::RematError) values instead of candle's wrapped
+/// messages.
 ///
 /// ```
 /// use candle_core::{Device, Var};
@@ -70,9 +69,9 @@ pub(crate) fn remember_error(e: &RematError) {
 /// # Ok::<(), RematError>(())
 /// ```
 pub fn backward(loss: &Tensor) -> Result<GradStore> {
-    LAST_ERROR.with(|slot| slot.borrow_mut().take());
+    take_error();
     let result = loss.backward();
-    let typed = LAST_ERROR.with(|slot| slot.borrow_mut().take());
+    let typed = take_error();
     match (result, typed) {
         (Ok(grads), _) => Ok(grads),
         (Err(_), Some(e)) => Err(e),

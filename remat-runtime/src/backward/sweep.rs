@@ -1,49 +1,12 @@
 //! The reverse sweep over the units of a replayed region.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
 use candle_core::{Tensor, TensorId};
 
 use crate::graph::Seed;
-use crate::offload::Offloaded;
+use crate::replay::Unit;
 use crate::Result;
-
-/// One step of the backward sweep: a maximal run of recomputed statements
-/// (a segment) or one saved statement, with the saved statements chained to
-/// it.
-pub(crate) struct Unit {
-    /// The statements it covers, for error messages and traces.
-    pub label: String,
-    /// Its leaves: (the value a leaf stands for, the leaf).
-    pub leaves: Vec<(TensorId, Tensor)>,
-    /// The values later units or the region outputs need gradients of, with
-    /// the tensor to seed: filled when the replay ends.
-    pub targets: Vec<(TensorId, Tensor)>,
-    /// Offloaded residuals to bring back before the unit's backward.
-    pub restore: Vec<Arc<Offloaded>>,
-}
-
-impl Unit {
-    /// A unit that starts with statement `name`.
-    pub fn new(name: &str, restore: Vec<Arc<Offloaded>>) -> Self {
-        Unit {
-            label: name.to_string(),
-            leaves: Vec::new(),
-            targets: Vec::new(),
-            restore,
-        }
-    }
-
-    /// Adds the leaf standing for value `source`, unless the unit has it:
-    /// saved statements reading one value share its leaf, whose gradient
-    /// the unit must route once.
-    pub fn add_leaf(&mut self, source: TensorId, leaf: Tensor) {
-        if !self.leaves.iter().any(|(_, l)| l.id() == leaf.id()) {
-            self.leaves.push((source, leaf));
-        }
-    }
-}
 
 fn accumulate(grads: &mut HashMap<TensorId, Tensor>, id: TensorId, g: Tensor) -> Result<()> {
     match grads.remove(&id) {

@@ -12,6 +12,9 @@
 //!   upstream gradient, without building `(out * g).sum()`.
 //! * leaves (`leaf`): the fresh variables statements run on, and which
 //!   tracked tensors a statement may read.
+//! * this file: storage helpers of the ops, and the typed error an op's
+//!   backward raises, kept for `remat_runtime::backward` ([`to_candle`],
+//!   [`take_error`]).
 
 mod anchor;
 mod leaf;
@@ -23,8 +26,17 @@ pub(crate) use leaf::{check_cut, check_input, check_reads, make_leaf};
 pub(crate) use seed::Seed;
 pub(crate) use tap::Tap;
 
+use std::cell::RefCell;
+
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::{DType, Layout, Shape};
+
+use crate::RematError;
+
+thread_local! {
+    /// Kept because candle keeps only an error's message.
+    static LAST_ERROR: RefCell<Option<RematError>> = const { RefCell::new(None) };
+}
 
 /// A scalar `f32` zero on the device of `like`.
 pub(crate) fn scalar_zero<S>(like: &S) -> candle_core::Result<(S, Shape)>
@@ -60,8 +72,20 @@ pub(crate) fn wrong_device(op: &str) -> candle_core::Error {
 }
 
 /// Turns a runtime error raised inside candle's backward into a candle error,
-/// remembering the typed error for [`crate::backward`].
-pub(crate) fn to_candle(e: crate::RematError) -> candle_core::Error {
-    crate::backward::remember_error(&e);
+/// remembering the typed error for [`take_error`]: the first one raised on
+/// this thread is kept, so that the typed `backward` can return it (candle
+/// only keeps its message).
+pub(crate) fn to_candle(e: RematError) -> candle_core::Error {
+    LAST_ERROR.with(|slot| {
+        let mut slot = slot.borrow_mut();
+        if slot.is_none() {
+            *slot = Some(e.clone());
+        }
+    });
     candle_core::Error::wrap(e)
+}
+
+/// Takes the error [`to_candle`] remembered on this thread, if any.
+pub(crate) fn take_error() -> Option<RematError> {
+    LAST_ERROR.with(|slot| slot.borrow_mut().take())
 }

@@ -1,15 +1,19 @@
 //! What the live tapes hold, by region and statement name.
 
+use std::cell::RefCell;
 use std::fmt;
 use std::sync::{Arc, Weak};
 
 use candle_core::DType;
 
-use crate::ambient::LIVE_CALLS;
-use crate::backward::Call;
+use crate::backward::{Call, TapeState};
 use crate::tape::bytes::{Counter, Seen};
-use crate::tape::TapeState;
 use crate::{lock, Policy};
+
+thread_local! {
+    /// Every region call made on this thread that may still hold a tape.
+    static LIVE_CALLS: RefCell<Vec<Weak<Call>>> = const { RefCell::new(Vec::new()) };
+}
 
 /// Registers a region call made on this thread for [`MemoryReport::capture`].
 pub(crate) fn register(call: &Arc<Call>) {
@@ -91,7 +95,7 @@ impl MemoryReport {
         let mut calls: Vec<(String, usize)> = Vec::new();
         for live_call in live {
             let state = lock(&live_call.tape);
-            let TapeState::Live(tape) = &*state else {
+            let TapeState::Live { tape, .. } = &*state else {
                 continue;
             };
             let call = match calls.iter_mut().find(|(n, _)| *n == live_call.name) {

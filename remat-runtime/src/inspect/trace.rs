@@ -2,14 +2,20 @@
 //! replay: what JAX's `print_saved_residuals` and PyTorch's
 //! `checkpoint(debug=True)` show, by statement name.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::fmt;
 
 use candle_core::DType;
 
-use crate::ambient::{scoped, TRACES};
+use crate::ambient::scoped;
 use crate::tape::{Meta, Record};
 use crate::Policy;
+
+thread_local! {
+    /// One collector per `Trace::record` running; events go to the last.
+    static TRACES: RefCell<Vec<Collector>> = const { RefCell::new(Vec::new()) };
+}
 
 /// When a statement ran.
 ///

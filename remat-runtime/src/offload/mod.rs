@@ -23,6 +23,10 @@
 //! Tensors created inside an offloaded statement must not escape it except
 //! through its outputs: until the backward, their memory is elsewhere.
 //!
+//! This module moves one statement's storages (`Offloaded`); the tape
+//! picks the statements to move when the region's forward ends
+//! (`Tape::swap_out` in `tape/mod.rs`).
+//!
 //! On a CPU device the residuals already live in host memory: an offloaded
 //! statement is kept exactly as a saved one, unless [`swap_on_cpu`] asks
 //! for the move anyway (the path a CUDA device takes, observable on a CPU).
@@ -36,18 +40,22 @@
 
 use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::{CpuStorage, CudaStorage, Device, InplaceOp1, Layout, Shape, Tensor, TensorId};
 
-use crate::ambient::{scoped, SWAP_ON_CPU};
-use crate::tape::bytes::storage_extent;
-use crate::tape::{Saved, Tape};
-use crate::{lock, Policy, RematError, Result};
+use crate::ambient::scoped;
+use crate::storage::storage_extent;
+use crate::{lock, RematError, Result};
 
 #[cfg(feature = "cuda")]
 mod pinned;
+
+thread_local! {
+    /// Set while an `offload::swap_on_cpu` closure runs.
+    static SWAP_ON_CPU: Cell<bool> = const { Cell::new(false) };
+}
 
 /// Runs `f` with offloaded statements on CPU devices moving their residuals
 /// out of the graph and back, as on a CUDA device, instead of keeping them
@@ -87,25 +95,6 @@ pub(crate) fn moves(device: &Device) -> bool {
     !device.is_cpu() || SWAP_ON_CPU.with(Cell::get)
 }
 
-/// Moves the residuals of the offloaded statements of `tape`, the tape of a
-/// call of `region` whose forward just ended, where [`moves`] says so.
-pub(crate) fn swap_out(region: &str, tape: &mut Tape) -> Result<()> {
-    let params: HashSet<usize> = tape.params.iter().map(|p| storage_extent(p).0).collect();
-    for record in &mut tape.records {
-        if record.policy != Policy::Offload {
-            continue;
-        }
-        let Some(saved) = record.saved.as_mut() else {
-            continue;
-        };
-        if !saved.outs.first().is_some_and(|t| moves(t.device())) {
-            continue;
-        }
-        saved.offloaded = Offloaded::swap_out(region, &record.name, saved, &params)?.map(Arc::new);
-    }
-    Ok(())
-}
-
 /// One storage of an offloaded graph.
 struct Entry {
     /// A tensor of the graph on that storage, whose layout can be written.
@@ -138,12 +127,13 @@ pub(crate) struct Offloaded {
     retired: Mutex<Vec<Host>>,
 }
 
-/// The nodes of `saved`'s graph that depend on one of its leaf copies.
-fn private_nodes(saved: &Saved) -> Vec<Tensor> {
-    let leaves: HashSet<TensorId> = saved.leaves.iter().flatten().map(|t| t.id()).collect();
+/// The nodes of a saved statement's graph (its tracked outputs `outs`) that
+/// depend on one of its leaf copies `leaves`.
+fn private_nodes(leaves: &[Option<Tensor>], outs: &[Tensor]) -> Vec<Tensor> {
+    let leaves: HashSet<TensorId> = leaves.iter().flatten().map(|t| t.id()).collect();
     let mut seen = HashSet::new();
     let mut nodes = Vec::new();
-    for out in saved.outs.iter().filter(|t| t.track_op()) {
+    for out in outs.iter().filter(|t| t.track_op()) {
         for node in out.sorted_nodes() {
             if seen.insert(node.id()) {
                 nodes.push(node.clone());
@@ -159,17 +149,20 @@ fn private_nodes(saved: &Saved) -> Vec<Tensor> {
 }
 
 impl Offloaded {
-    /// Moves the private storages of `saved`'s graph to host memory, except
-    /// those in `keep` (parameters). `None` when there is nothing to move.
+    /// Moves the private storages of the graph of a saved statement (its
+    /// leaf copies `leaves`, its tracked outputs `outs`) to host memory,
+    /// except those in `keep` (parameters). `None` when there is nothing to
+    /// move.
     pub(crate) fn swap_out(
         region: &str,
         statement: &str,
-        saved: &Saved,
+        leaves: &[Option<Tensor>],
+        outs: &[Tensor],
         keep: &HashSet<usize>,
     ) -> Result<Option<Offloaded>> {
         let mut by_storage: HashMap<usize, Entry> = HashMap::new();
         let mut order = Vec::new();
-        for node in private_nodes(saved) {
+        for node in private_nodes(leaves, outs) {
             let (key, bytes) = storage_extent(&node);
             if keep.contains(&key) {
                 continue;

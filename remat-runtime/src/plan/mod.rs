@@ -10,13 +10,20 @@ mod planner;
 pub use budget::{PlannedStatement, Solution};
 pub(crate) use planner::{items, Item};
 
+use std::cell::RefCell;
 use std::collections::HashSet;
 use std::fmt;
 use std::sync::{Arc, LazyLock, Mutex};
 
-use crate::ambient::{scoped, PLAN_SCOPES};
+use crate::ambient::scoped;
 use crate::Policy;
 use budget::{Budget, Target};
+
+thread_local! {
+    /// The plans of the [`Plan::scope`]s running on this thread; the last is
+    /// the innermost.
+    static PLAN_SCOPES: RefCell<Vec<Plan>> = const { RefCell::new(Vec::new()) };
+}
 
 /// What a [`Plan`] sees of a statement when it decides its policy.
 ///

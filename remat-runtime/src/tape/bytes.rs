@@ -1,34 +1,16 @@
 //! The byte rule: what a tape holds, counted once per storage.
 //!
 //! A storage is counted the first time any tensor on it is seen, as large as
-//! the farthest any tensor on it reaches; parameters and region inputs are
+//! the farthest any tensor on it reaches (`storage.rs`); parameters and region inputs are
 //! excluded by the caller. The memory report, the budget planner's costs,
 //! the trace's bytes and offload's host bytes all count with this rule.
 
 use std::collections::HashMap;
 
-use candle_core::{Storage, Tensor};
+use candle_core::Tensor;
 
+use crate::storage::storage_extent;
 use crate::tape::{Record, Saved};
-
-/// Identity and byte size of the storage `t` uses, as far as `t` reaches.
-pub(crate) fn storage_extent(t: &Tensor) -> (usize, usize) {
-    let (storage, layout) = t.storage_and_layout();
-    let key = std::ptr::from_ref::<Storage>(&storage) as usize;
-    let dims = layout.dims();
-    let elems = if dims.contains(&0) {
-        0
-    } else {
-        layout.start_offset()
-            + dims
-                .iter()
-                .zip(layout.stride())
-                .map(|(d, s)| (d - 1) * s)
-                .sum::<usize>()
-            + 1
-    };
-    (key, elems * t.dtype().size_in_bytes())
-}
 
 /// The storages counted so far, with the bytes counted for each.
 #[derive(Default)]

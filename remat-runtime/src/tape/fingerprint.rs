@@ -23,11 +23,18 @@
 //! A region's fingerprints are kept in one tensor on its tape (32 bytes per
 //! parameter, read input and recomputed output), not one per statement.
 
+use std::cell::Cell;
+
 use candle_core::{DType, Tensor};
 
 use super::checksum::{MAGNITUDES, SUM, WEIGHTED};
-use crate::ambient::{scoped, FINGERPRINTS_OFF};
+use crate::ambient::scoped;
 use crate::{RematError, Result};
+
+thread_local! {
+    /// Set while a `without_fingerprints` closure runs.
+    static FINGERPRINTS_OFF: Cell<bool> = const { Cell::new(false) };
+}
 
 /// Whether forwards on this thread take fingerprints.
 pub(crate) fn enabled() -> bool {

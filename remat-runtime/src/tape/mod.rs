@@ -1,7 +1,9 @@
 //! The tape: what one call of a region keeps from its forward for the
 //! replay, one record per statement.
 //!
-//! * this file: the [`Tape`] and its [`Record`]s;
+//! * this file: the [`Tape`] and its [`Record`]s, and moving an offloaded
+//!   record's residuals to the host when the forward ends
+//!   ([`Tape::swap_out`]);
 //! * `recorder`: the forward, which runs the block and writes the records;
 //! * `bytes`: the one rule for counting what a tape holds, shared by the
 //!   memory report, the budget planner, the trace and offload;
@@ -14,12 +16,13 @@ pub(crate) mod fingerprint;
 pub(crate) mod recorder;
 
 use std::any::Any;
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Shape, Tensor};
 
-use crate::ctx::Ctx;
-use crate::offload::Offloaded;
+use crate::offload::{moves, Offloaded};
+use crate::storage::storage_extent;
 use crate::{Mismatch, Plan, Policy, RematError, Result};
 
 /// Shape, dtype and device of a value: what the replay is checked against.
@@ -148,13 +151,10 @@ pub(crate) struct Profile {
     pub sources: Vec<Source>,
 }
 
-/// The type-erased block a region runs, for the replay.
-pub(crate) type Body = Arc<dyn Fn(&mut Ctx, &[Tensor]) -> Result<Vec<Tensor>> + Send + Sync>;
-
-/// Everything one region call keeps between its forward and its backward.
+/// Everything one region call keeps between its forward and its backward,
+/// but the block itself (which the call holds next to its tape).
 #[derive(Clone)]
 pub(crate) struct Tape {
-    pub body: Body,
     /// The region inputs the replay reads, detached (they share storage
     /// with the caller's); `None` for an input no recomputed statement
     /// reads, which the replay sees as a placeholder.
@@ -177,13 +177,26 @@ pub(crate) struct Tape {
     pub trace_label: Option<String>,
 }
 
-/// A region call's tape, until its backward consumes it.
-// One per region call, behind the call's `Arc`: boxing the live tape would
-// only add an allocation per call.
-#[allow(clippy::large_enum_variant)]
-pub(crate) enum TapeState {
-    Live(Tape),
-    /// Consumed or dropped, with the reason, for the error of a later
-    /// backward.
-    Released(String),
+impl Tape {
+    /// Moves the residuals of the offloaded statements of this tape, the
+    /// tape of a call of `region` whose forward just ended, to host memory
+    /// where [`moves`] says so.
+    pub fn swap_out(&mut self, region: &str) -> Result<()> {
+        let params: HashSet<usize> = self.params.iter().map(|p| storage_extent(p).0).collect();
+        for record in &mut self.records {
+            if record.policy != Policy::Offload {
+                continue;
+            }
+            let Some(saved) = record.saved.as_mut() else {
+                continue;
+            };
+            if !saved.outs.first().is_some_and(|t| moves(t.device())) {
+                continue;
+            }
+            saved.offloaded =
+                Offloaded::swap_out(region, &record.name, &saved.leaves, &saved.outs, &params)?
+                    .map(Arc::new);
+        }
+        Ok(())
+    }
 }

@@ -10,6 +10,7 @@
 //! region's first forward, fingerprints, the trace) share one state (what
 //! each value is, which leaves exist, what the planner measures).
 
+use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
@@ -19,10 +20,17 @@ use candle_core::{Tensor, TensorId};
 use super::bytes::{Counter, Seen};
 use super::fingerprint;
 use super::{Meta, Profile, Record, Saved, Source};
-use crate::ambient::CAPTURES_CHECKED;
 use crate::graph::{check_cut, check_input, check_reads, make_leaf};
 use crate::inspect::trace::{self, Phase, TraceEvent};
 use crate::{Outputs, Policy, Result};
+
+thread_local! {
+    /// The regions whose first forward on this thread looked for
+    /// undeclared reads, each with the outputs that forward found to be
+    /// constants (bit `j`: output `j`, a tensor no statement gave and that
+    /// carries no gradient).
+    static CAPTURES_CHECKED: RefCell<HashMap<String, u64>> = RefCell::new(HashMap::new());
+}
 
 /// Whether this forward of `region` looks for undeclared reads: the first
 /// on this thread does (a block's reads are a property of its code).

@@ -1,4 +1,12 @@
-//! Statements during the replay that starts a region's backward.
+//! The replay that starts a region's backward: the block runs again,
+//! recomputing what was not saved and grouping the statements into units
+//! for the sweep.
+//!
+//! The forward (`tape/recorder.rs`) and the replay are the two modes a
+//! statement runs in; the tape is the only hand-off between them.
+//!
+//! * this file: [`Replay`], statements during the replay;
+//! * `unit`: [`Unit`], one step of the backward sweep.
 //!
 //! Longer than the other files (about 480 lines) for a reason: the replay's
 //! two statement paths, `recompute` and `skip_saved`, and the checks of
@@ -6,11 +14,14 @@
 //! share one state (values, units, open leaves); split into files, every
 //! piece would take that whole state as an argument.
 
+mod unit;
+
+pub(crate) use unit::Unit;
+
 use std::collections::{HashMap, HashSet};
 
 use candle_core::{Tensor, TensorId};
 
-use super::sweep::Unit;
 use crate::graph::{check_cut, check_input, check_reads, make_leaf};
 use crate::inspect::trace::{self, Phase, TraceEvent};
 use crate::tape::fingerprint::{self, Checks, Compare, Subject};

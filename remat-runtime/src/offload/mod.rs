@@ -1,7 +1,7 @@
 //! Offloaded statements: residuals held in host memory between the forward
 //! and the backward.
 //!
-//! A statement under [`Policy::Offload`] runs in the
+//! A statement under [`Policy::Offload`](crate::Policy::Offload) runs in the
 //! forward exactly as a saved one: on leaf copies of its inputs, keeping its
 //! tracked graph. When the region's forward has ended, the runtime moves the
 //! storages of that graph (the leaf copies, every intermediate and the

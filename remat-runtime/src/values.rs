@@ -131,6 +131,36 @@ impl<T: Outputs> Outputs for Option<T> {
     }
 }
 
+/// Calls `$m!` with the plain values of [`Outputs`] (values that carry no
+/// tensor): one list, which the `#[save]` check (`private/saved.rs`) reads
+/// too.
+macro_rules! for_plain_values {
+    ($m:ident) => {
+        $m!(
+            (),
+            bool,
+            char,
+            u8,
+            u16,
+            u32,
+            u64,
+            usize,
+            i8,
+            i16,
+            i32,
+            i64,
+            isize,
+            f32,
+            f64,
+            Shape,
+            String,
+            DType,
+            Device
+        );
+    };
+}
+pub(crate) use for_plain_values;
+
 macro_rules! plain_outputs {
     ($($t:ty),*) => {$(
         impl Outputs for $t {
@@ -144,27 +174,7 @@ macro_rules! plain_outputs {
         }
     )*};
 }
-plain_outputs!(
-    (),
-    bool,
-    char,
-    u8,
-    u16,
-    u32,
-    u64,
-    usize,
-    i8,
-    i16,
-    i32,
-    i64,
-    isize,
-    f32,
-    f64,
-    Shape,
-    String,
-    DType,
-    Device
-);
+for_plain_values!(plain_outputs);
 
 macro_rules! tuple_outputs {
     ($($name:ident),+) => {

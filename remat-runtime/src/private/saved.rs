@@ -33,27 +33,7 @@ macro_rules! plain_values {
         }
     )*};
 }
-plain_values!(
-    (),
-    bool,
-    char,
-    u8,
-    u16,
-    u32,
-    u64,
-    usize,
-    i8,
-    i16,
-    i32,
-    i64,
-    isize,
-    f32,
-    f64,
-    Shape,
-    String,
-    DType,
-    Device
-);
+crate::values::for_plain_values!(plain_values);
 
 /// The passing level: everything else.
 pub trait CheckTensors {

@@ -37,6 +37,20 @@ pub fn var(dims: &[usize], seed: u64, scale: f64, dtype: DType) -> Var {
 
 /// Largest absolute difference divided by the largest absolute reference value.
 /// Largest absolute element.
+/// A loss that weighs every output element by a fixed pseudo-random weight
+/// (a plain sum would give a normalized output's gradients zero).
+pub fn weighted_loss(y: &Tensor) -> Tensor {
+    let n = y.elem_count();
+    let w: Vec<f64> = (0..n)
+        .map(|i| ((i * 7919 % 97) as f64 / 48.5) - 1.0)
+        .collect();
+    let w = Tensor::from_vec(w, y.shape(), y.device())
+        .unwrap()
+        .to_dtype(y.dtype())
+        .unwrap();
+    (y * w).unwrap().sum_all().unwrap()
+}
+
 pub fn max_abs(t: &Tensor) -> f64 {
     t.abs()
         .unwrap()

@@ -16,7 +16,7 @@ use remat_runtime::candle_nn::ops::{rms_norm, softmax_last_dim};
 use remat_runtime::candle_nn::rotary_emb::rope;
 use remat_runtime::{backward, remat, Plan};
 
-use crate::common::{max_abs, tensor};
+use crate::common::{max_abs, var, weighted_loss as loss};
 
 fn plans() -> [Plan; 3] {
     [Plan::off(), Plan::recompute_all(), Plan::save_all()]
@@ -38,10 +38,6 @@ fn tol(dtype: DType) -> f64 {
     }
 }
 
-fn var(dims: &[usize], seed: u64, scale: f64, dtype: DType) -> Var {
-    Var::from_tensor(&tensor(dims, seed, scale, dtype)).unwrap()
-}
-
 fn init(stdev: f64) -> candle_nn::Init {
     candle_nn::Init::Randn { mean: 0.0, stdev }
 }
@@ -54,20 +50,6 @@ fn linear(vb: &VarBuilder, i: usize, o: usize, bias: bool, name: &str) -> Result
         None
     };
     Ok(Linear::new(w, b))
-}
-
-/// A loss that weighs every output element by a fixed pseudo-random weight
-/// (a plain sum would give a normalized output's gradients zero).
-fn loss(y: &Tensor) -> Tensor {
-    let n = y.elem_count();
-    let w: Vec<f64> = (0..n)
-        .map(|i| ((i * 7919 % 97) as f64 / 48.5) - 1.0)
-        .collect();
-    let w = Tensor::from_vec(w, y.shape(), y.device())
-        .unwrap()
-        .to_dtype(y.dtype())
-        .unwrap();
-    (y * w).unwrap().sum_all().unwrap()
 }
 
 /// Every variable of `vm` and every tracked input: gradient under `plan`

@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Module, ModuleT, Result, Tensor, Var, D};
 use candle_nn::{Linear, VarBuilder, VarMap};
 use remat_runtime::{backward, nn, remat, Plan};
 
-use crate::common::{causal_mask, max_abs};
+use crate::common::{causal_mask, max_abs, weighted_loss as loss};
 
 fn plans() -> [Plan; 3] {
     [Plan::off(), Plan::recompute_all(), Plan::save_all()]
@@ -223,20 +223,6 @@ fn linear(vm: &VarMap, name: &str, i: usize, o: usize, bias: bool, dtype: DType)
         .unwrap();
     let b = bias.then(|| vb.get_with_hints(o, &format!("{name}.bias"), init).unwrap());
     Linear::new(w, b)
-}
-
-/// A loss that weighs every output element by a fixed pseudo-random weight
-/// (a sum of squares of a normalized output would be constant).
-fn loss(y: &Tensor) -> Tensor {
-    let n = y.elem_count();
-    let w: Vec<f64> = (0..n)
-        .map(|i| ((i * 7919 % 97) as f64 / 48.5) - 1.0)
-        .collect();
-    let w = Tensor::from_vec(w, y.shape(), y.device())
-        .unwrap()
-        .to_dtype(y.dtype())
-        .unwrap();
-    (y * w).unwrap().sum_all().unwrap()
 }
 
 /// Every variable's gradient under `plan`, against the plain loss's.

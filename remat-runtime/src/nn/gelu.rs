@@ -36,7 +36,8 @@ const A: f64 = 0.044_715;
 
 /// d gelu / dx.
 fn derivative(x: f64) -> f64 {
-    value_and_derivative(x).1
+    let t = (C * (x + A * x * x * x)).tanh();
+    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * C * (1.0 + 3.0 * A * x * x)
 }
 
 impl CustomOp1 for Gelu {
@@ -67,13 +68,6 @@ fn grad_pass<T: WithDType>(x: &[T], dy: &[T]) -> Vec<T> {
         .zip(dy)
         .map(|(&x, &g)| T::from_f64(derivative(x.to_f64()) * g.to_f64()))
         .collect()
-}
-
-/// `(gelu(x), gelu'(x))` from one tanh.
-fn value_and_derivative(x: f64) -> (f64, f64) {
-    let t = (C * (x + A * x * x * x)).tanh();
-    let d = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * C * (1.0 + 3.0 * A * x * x);
-    (0.5 * x * (1.0 + t), d)
 }
 
 /// `dy * gelu'(x)` in one pass over contiguous CPU tensors.

@@ -6,6 +6,7 @@ interleaved steps).
 
     pip install torch  # the CPU wheel is enough
     MALLOC_MMAP_THRESHOLD_=65536 python3 scripts/torch_reference.py --out docs/bench/torch
+    MALLOC_MMAP_THRESHOLD_=65536 python3 scripts/torch_reference.py --out docs/bench/torch --with-update
 
 The architecture is examples/src/gpt.rs's: token + position embedding, pre-norm
 blocks (layer norm, qkv linear, explicit causal attention, projection, layer
@@ -130,6 +131,49 @@ def reset_peak_rss():
         f.write("5")
 
 
+def measure_update(model, ids, targets, cuda):
+    """Peak of forward + backward + AdamW update, the update after the
+    backward (`torch.optim.AdamW`) or in it (torchtune's optimizer in
+    backward: one AdamW per parameter, stepped by a post-accumulate-grad
+    hook), in the third step (the optimizer state exists)."""
+    rows = []
+    for policy in ["none", "full"]:
+        for where in ["after", "in"]:
+            hooks = []
+            if where == "after":
+                opt = torch.optim.AdamW(model.parameters())
+            else:
+                opts = {p: torch.optim.AdamW([p]) for p in model.parameters()}
+
+                def step(p):
+                    opts[p].step()
+                    opts[p].zero_grad(set_to_none=True)
+
+                hooks = [p.register_post_accumulate_grad_hook(step) for p in model.parameters()]
+            for _ in range(3):
+                model.zero_grad(set_to_none=True)
+                if cuda:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    before = torch.cuda.memory_allocated()
+                else:
+                    rss_before = rss("VmRSS")
+                    reset_peak_rss()
+                loss = model(ids, targets, policy)
+                loss.backward()
+                if where == "after":
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                del loss
+                if cuda:
+                    torch.cuda.synchronize()
+                peak = torch.cuda.max_memory_allocated() - before if cuda else rss("VmHWM") - rss_before
+            for h in hooks:
+                h.remove()
+            rows.append((policy, where, peak))
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
@@ -143,6 +187,8 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="docs/bench/torch")
+    ap.add_argument("--with-update", action="store_true",
+                    help="instead: the peak of a step with its AdamW update, after or in the backward")
     a = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(a.threads)
@@ -151,6 +197,16 @@ def main():
     model = Gpt(a.vocab, a.layers, a.d_model, a.heads, a.seq).to(dev)
     ids = torch.randint(0, a.vocab, (a.batch, a.seq), device=dev)
     targets = torch.randint(0, a.vocab, (a.batch, a.seq), device=dev)
+    if a.with_update:
+        rows = ["| policy | update | peak fwd+bwd+update (MiB) |", "|---|---|---:|"]
+        for policy, where, peak in measure_update(model, ids, targets, cuda):
+            update = "after the backward" if where == "after" else "in the backward (per-parameter hooks)"
+            rows.append(f"| {policy} | {update} | {peak / (1 << 20):.1f} |")
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "update.md"), "w") as f:
+            f.write(f"PyTorch {torch.__version__}, same shape, AdamW\n\n" + "\n".join(rows) + "\n")
+        print("\n".join(rows))
+        return
     policies = ["none", "full", "selective"]
     res = {p: {"times": [], "held": 0, "peak": 0} for p in policies}
     for step in range(a.warmup + a.steps):

@@ -159,3 +159,67 @@ impl fmt::Display for Breakdown {
         )
     }
 }
+
+/// The peak of a training step with its AdamW update (forward, backward,
+/// update; the optimizer's state allocated by earlier steps), under plain
+/// candle and full recomputation, the update after the backward (candle-nn's
+/// `AdamW`) or inside it ([`remat_runtime::OptimizerInBackward`]).
+pub struct WithUpdate {
+    /// (plan, where the update runs, peak bytes over what was live before).
+    pub rows: Vec<(&'static str, &'static str, usize)>,
+}
+
+/// Measures [`WithUpdate`] on `model` (whose weights it updates).
+pub fn with_update(model: &Gpt, ids: &Tensor, targets: &Tensor, m: &Meter) -> Result<WithUpdate> {
+    use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+    use remat_runtime::OptimizerInBackward;
+    let mut rows = Vec::new();
+    for (name, plan) in [("plain", Plan::off()), ("full", Plan::recompute_all())] {
+        let mut after = AdamW::new(model.vars(), ParamsAdamW::default())?;
+        let mut inside = OptimizerInBackward::<AdamW>::new(model.vars(), ParamsAdamW::default())
+            .map_err(candle_core::Error::wrap)?;
+        // Two steps first: the optimizers' state exists, and the first
+        // step of `inside` (which finds the parameters read outside the
+        // regions) is behind it.
+        let mut peak_after = 0;
+        let mut peak_inside = 0;
+        for _ in 0..3 {
+            let before = (m.live)();
+            (m.reset)();
+            let loss = plan.scope(|| model.loss(ids, targets))?;
+            after.backward_step(&loss)?;
+            drop(loss);
+            peak_after = (m.peak)() - before;
+            let before = (m.live)();
+            (m.reset)();
+            let loss = plan.scope(|| model.loss(ids, targets))?;
+            inside
+                .backward_step(&loss)
+                .map_err(candle_core::Error::wrap)?;
+            drop(loss);
+            peak_inside = (m.peak)() - before;
+        }
+        rows.push((name, "after the backward (candle-nn AdamW)", peak_after));
+        rows.push((
+            name,
+            "in the backward (OptimizerInBackward<AdamW>)",
+            peak_inside,
+        ));
+    }
+    Ok(WithUpdate { rows })
+}
+
+impl fmt::Display for WithUpdate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "| plan | update | peak (bytes) | peak (MiB) |")?;
+        writeln!(f, "|---|---|---:|---:|")?;
+        for (plan, update, peak) in &self.rows {
+            writeln!(
+                f,
+                "| {plan} | {update} | {peak} | {:.1} |",
+                *peak as f64 / (1024.0 * 1024.0)
+            )?;
+        }
+        Ok(())
+    }
+}

@@ -121,6 +121,23 @@ pub enum RematError {
         /// Its shape.
         shape: Vec<usize>,
     },
+    /// [`OptimizerInBackward`](crate::OptimizerInBackward) updated a
+    /// parameter inside the backward, from the gradients of the regions
+    /// reading it, and the backward then also gave it a gradient from code
+    /// outside every region: this step's update of it missed that part.
+    /// From the next step on it is updated after the backward.
+    #[error(
+        "parameter `{parameter}` was updated inside the backward after region `{region}` handed \
+         over its gradient, but code outside every region also gave it a gradient, which this \
+         step's update missed; from the next step on it is updated after the backward. If the \
+         model changed which code reads it, build the optimizer again after the change"
+    )]
+    ParameterOutsideRegions {
+        /// The parameter: its path in the `VarMap`, or its position and shape.
+        parameter: String,
+        /// The last region that read it.
+        region: String,
+    },
     /// A block input the replay reads changed between the region's forward
     /// and its backward (its fingerprint, a checksum of every element, does
     /// not match bit for bit): a tensor changed in place (`slice_set`,

@@ -88,7 +88,7 @@ mod storage;
 mod tape;
 mod values;
 
-pub use backward::{backward, retain_tape};
+pub use backward::{backward, retain_tape, OptimizerInBackward};
 pub use checkpointed::Checkpointed;
 pub use ctx::Ctx;
 pub use error::{Mismatch, RematError, Result};
@@ -118,6 +118,6 @@ pub use candle_core;
 
 /// Locks `m`, recovering the data of a poisoned lock: every critical section
 /// in the runtime leaves the data consistent before anything can panic.
-pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(crate) fn lock<T: ?Sized>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }

@@ -312,7 +312,7 @@ impl Region {
             seed,
             trace_label,
         };
-        let call = Arc::new(Call::new(self.name.clone(), body, tape));
+        let call = Arc::new(Call::new(self.name.clone(), body, tape, &anchored));
         memory::register(&call);
         let top = anchor_chain(&call, &anchored)?;
         let attached = outputs

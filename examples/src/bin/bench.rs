@@ -177,6 +177,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             ops[0]
         );
         print!("{}", peak::explain(&m, &x, &y, &meter)?);
+        println!("\nThe peak of a training step with its AdamW update, the update after or in the backward:\n");
+        print!("{}", peak::with_update(&m, &x, &y, &meter)?);
         return Ok(());
     }
 

@@ -6,11 +6,17 @@
 //!   runs;
 //! * `sweep`: the units' backwards, last to first;
 //! * `retain`: [`retain_tape`] and the typed [`backward`], how user code
-//!   enters a backward.
+//!   enters a backward;
+//! * `optimizer`: [`OptimizerInBackward`], parameters updated during the
+//!   backward;
+//! * `pending`: which parameters live region calls still need.
 
+mod optimizer;
+mod pending;
 mod retain;
 mod sweep;
 
+pub use optimizer::OptimizerInBackward;
 pub use retain::{backward, retain_tape};
 
 use std::sync::{Arc, Mutex};
@@ -22,6 +28,8 @@ use crate::graph::make_leaf;
 use crate::replay::{self, Replay};
 use crate::tape::{Meta, Tape};
 use crate::{inspect, lock, RematError, Result};
+use pending::Pending;
+use sweep::Grads;
 
 /// The type-erased block a region runs, for the replay.
 pub(crate) type Body = Arc<dyn Fn(&mut Ctx, &[Tensor]) -> Result<Vec<Tensor>> + Send + Sync>;
@@ -50,16 +58,31 @@ pub(crate) struct Call {
     output_grads: Mutex<Vec<Option<Tensor>>>,
     /// Per anchor argument: its gradient, computed by the top anchor.
     anchor_grads: Mutex<Vec<Option<Tensor>>>,
+    /// Its claim on the variables it anchors (parameters, and inputs that
+    /// are variables), until its backward has handed their gradients over.
+    pending: Mutex<Option<Pending>>,
+    /// Those variables, by their position among the anchor arguments.
+    variables: Vec<(usize, Tensor)>,
 }
 
 impl Call {
-    pub fn new(name: String, body: Body, tape: Tape) -> Self {
+    /// The call of region `name`, whose anchor chain ties `anchored` to it.
+    pub fn new(name: String, body: Body, tape: Tape, anchored: &[Tensor]) -> Self {
         let n_outputs = tape.outputs.len();
+        let variables: Vec<(usize, Tensor)> = anchored
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| t.is_variable())
+            .map(|(i, t)| (i, t.clone()))
+            .collect();
+        let pending = Pending::new(variables.iter().map(|(_, t)| t));
         Call {
             name,
             tape: Mutex::new(TapeState::Live { tape, body }),
             output_grads: Mutex::new(vec![None; n_outputs]),
             anchor_grads: Mutex::new(Vec::new()),
+            pending: Mutex::new(Some(pending)),
+            variables,
         }
     }
 
@@ -112,15 +135,27 @@ impl Call {
             let empty = vec![None; set.len()];
             std::mem::replace(&mut *set, empty)
         };
-        match self.replay_and_sweep(tape, body, output_grads) {
-            Ok(grads) => {
+        match optimizer::nested(|| self.replay_and_sweep(tape, body, output_grads)) {
+            Ok(mut grads) => {
+                // An optimizer stepping in the backward takes the gradients
+                // of variables; it may update one once no live region call
+                // needs it.
+                optimizer::offer(&self.name, &self.variables, &mut grads)?;
                 *lock(&self.anchor_grads) = grads;
+                if !retain {
+                    if let Some(claim) = lock(&self.pending).take() {
+                        let ids = claim.ids().to_vec();
+                        drop(claim);
+                        optimizer::released(&ids)?;
+                    }
+                }
                 Ok(())
             }
             Err(e) => {
                 if !retain {
                     *lock(&self.tape) =
                         TapeState::Released(format!("an earlier backward failed: {e}"));
+                    lock(&self.pending).take();
                 }
                 Err(e)
             }

@@ -21,6 +21,7 @@ mod methods;
 mod misuse;
 mod nn;
 mod offload;
+mod optimizer_in_backward;
 mod plans;
 mod properties;
 mod random;

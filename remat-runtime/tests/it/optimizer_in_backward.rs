@@ -1,0 +1,243 @@
+//! `OptimizerInBackward`: parameters updated inside the backward end each
+//! step bit for bit as candle-nn's `AdamW` leaves them after the backward
+//! (whose gradients the other test files check against plain candle), on
+//! a model with the cases that decide when a parameter
+//! may be updated: a layer applied twice (shared weights), a region nested
+//! in another that reads the same layer, an embedding tied to a head
+//! written as plain candle (a gradient from outside every region).
+
+use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_nn::{AdamW, Embedding, Linear, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use remat_runtime::{nn, remat, OptimizerInBackward, Plan, RematError};
+
+use crate::common::rel_diff;
+
+#[derive(Clone)]
+struct Block {
+    up: Linear,
+    down: Linear,
+    ln: (Tensor, Tensor),
+}
+
+impl Block {
+    fn new(vb: VarBuilder, d: usize) -> Result<Self> {
+        Ok(Block {
+            up: candle_nn::linear(d, 4 * d, vb.pp("up"))?,
+            down: candle_nn::linear(4 * d, d, vb.pp("down"))?,
+            ln: (
+                vb.get_with_hints(d, "ln.weight", candle_nn::Init::Const(1.0))?,
+                vb.get_with_hints(d, "ln.bias", candle_nn::Init::Const(0.0))?,
+            ),
+        })
+    }
+
+    remat! {
+        fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+            let h = nn::layer_norm(xs, &self.ln.0, &self.ln.1, 1e-5)?;
+            let a = self.up.forward(&h)?.gelu()?;
+            let y = (xs + self.down.forward(&a)?)?;
+            Ok(y)
+        }
+    }
+}
+
+/// A region that runs the region of its `block` twice (nested regions)
+/// and reads the block's weight itself.
+#[derive(Clone)]
+struct Twice {
+    block: Block,
+}
+
+impl Twice {
+    remat! {
+        fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+            let y = self.block.forward(xs)?;
+            let z = self.block.forward(&y)?;
+            let gate = z.broadcast_mul(&self.block.ln.0)?;
+            Ok((gate + y)?)
+        }
+    }
+}
+
+#[derive(Clone)]
+struct Model {
+    wte: Embedding,
+    blocks: Vec<Block>,
+    twice: Twice,
+}
+
+impl Model {
+    fn new(vb: VarBuilder) -> Result<Self> {
+        let (vocab, d) = (11, 8);
+        let wte = candle_nn::embedding(vocab, d, vb.pp("wte"))?;
+        let blocks = (0..2)
+            .map(|i| Block::new(vb.pp(format!("blocks.{i}")), d))
+            .collect::<Result<Vec<_>>>()?;
+        let twice = Twice {
+            block: Block::new(vb.pp("twice"), d)?,
+        };
+        Ok(Model { wte, blocks, twice })
+    }
+
+    remat! {
+        fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+            let x = self.wte.forward(ids)?;
+            Ok(x)
+        }
+    }
+
+    fn loss(&self, ids: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        let mut x = self.embed(ids)?;
+        for b in &self.blocks {
+            x = b.forward(&x)?;
+        }
+        x = self.twice.forward(&x)?;
+        // The first block again: its weights serve two calls.
+        x = self.blocks[0].forward(&x)?;
+        // The head, tied to the embedding, as plain candle.
+        let logits = x.broadcast_matmul(&self.wte.embeddings().t()?)?;
+        candle_nn::loss::cross_entropy(&logits.flatten_to(1)?, &targets.flatten_all()?)
+    }
+}
+
+/// A second map holding copies of `varmap`'s variables under the same
+/// names: a model built from it starts from the same weights.
+fn copy_of(varmap: &VarMap) -> VarMap {
+    let copy = VarMap::new();
+    {
+        let src = varmap.data().lock().unwrap();
+        let mut dst = copy.data().lock().unwrap();
+        for (name, v) in src.iter() {
+            let t = v.as_tensor().copy().unwrap();
+            dst.insert(name.clone(), candle_core::Var::from_tensor(&t).unwrap());
+        }
+    }
+    copy
+}
+
+fn batch() -> (Tensor, Tensor) {
+    let dev = Device::Cpu;
+    let ids: Vec<u32> = (0..24).map(|i| (i * 7 + 3) % 11).collect();
+    let targets: Vec<u32> = (0..24).map(|i| (i * 5 + 1) % 11).collect();
+    (
+        Tensor::from_vec(ids, (3, 8), &dev).unwrap(),
+        Tensor::from_vec(targets, (3, 8), &dev).unwrap(),
+    )
+}
+
+fn params() -> ParamsAdamW {
+    ParamsAdamW {
+        lr: 0.01,
+        ..Default::default()
+    }
+}
+
+/// Copies of the variables' values, by name.
+fn sorted(varmap: &VarMap) -> Vec<(String, Tensor)> {
+    let mut all: Vec<(String, Tensor)> = varmap
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(n, v)| (n.clone(), v.as_tensor().copy().unwrap()))
+        .collect();
+    all.sort_by(|a, b| a.0.cmp(&b.0));
+    all
+}
+
+#[test]
+fn every_parameter_ends_each_step_as_a_plain_optimizer_leaves_it() {
+    for plan in [Plan::recompute_all(), Plan::save_all(), Plan::off()] {
+        let reference_map = VarMap::new();
+        let reference = Model::new(VarBuilder::from_varmap(
+            &reference_map,
+            DType::F32,
+            &Device::Cpu,
+        ))
+        .unwrap();
+        let map = copy_of(&reference_map);
+        let model = Model::new(VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu)).unwrap();
+        let mut plain = AdamW::new(reference_map.all_vars(), params()).unwrap();
+        let mut opt = OptimizerInBackward::<AdamW>::from_varmap(&map, params()).unwrap();
+        let (ids, targets) = batch();
+        for step in 0..4 {
+            let loss = plan.scope(|| reference.loss(&ids, &targets)).unwrap();
+            plain.backward_step(&loss).unwrap();
+            let loss = plan.scope(|| model.loss(&ids, &targets)).unwrap();
+            opt.backward_step(&loss).unwrap();
+            // The first step updates every parameter after the backward
+            // (it finds the tied embedding's plain use); later ones update
+            // all but the embedding inside it, except under `off`, where
+            // no region runs.
+            let expected = match (step, plan.is_off()) {
+                (0, _) | (_, true) => 0,
+                _ => opt.len() - 1,
+            };
+            assert_eq!(opt.stepped_in_backward(), expected, "{plan}, step {step}");
+            for ((name, a), (_, b)) in sorted(&map).iter().zip(sorted(&reference_map)) {
+                // The same gradients, summed in the same order (a
+                // parameter's region gradients are added in the order the
+                // regions' backwards run, as candle adds them), and the same
+                // elementwise update: bit for bit.
+                assert_eq!(rel_diff(a, &b), 0.0, "{plan}, step {step}, {name}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_parameter_read_outside_the_regions_after_the_first_step_is_reported() {
+    let map = VarMap::new();
+    let vb = VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu);
+    let block = Block::new(vb.pp("block"), 8).unwrap();
+    let mut opt = OptimizerInBackward::<AdamW>::from_varmap(&map, params()).unwrap();
+    let x = Tensor::ones((2, 3, 8), DType::F32, &Device::Cpu).unwrap();
+    let step = |opt: &mut OptimizerInBackward<AdamW>, outside: bool| {
+        let loss = Plan::recompute_all().scope(|| {
+            let y = block.forward(&x)?.sqr()?.mean_all()?;
+            if outside {
+                // The same weight read by plain candle code.
+                y + block.up.weight().sum_all()?
+            } else {
+                Ok(y)
+            }
+        })?;
+        opt.backward_step(&loss)
+    };
+    step(&mut opt, false).unwrap();
+    step(&mut opt, false).unwrap();
+    assert_eq!(opt.stepped_in_backward(), 6);
+    let err = step(&mut opt, true).unwrap_err();
+    match &err {
+        RematError::ParameterOutsideRegions { parameter, region } => {
+            assert_eq!(parameter, "block.up.weight");
+            assert_eq!(region, "Block::forward");
+        }
+        other => panic!("{other}"),
+    }
+    assert!(err.to_string().contains("after the backward"), "{err}");
+    // From then on it is updated after the backward, with its whole
+    // gradient.
+    step(&mut opt, true).unwrap();
+    assert_eq!(opt.stepped_in_backward(), 5);
+}
+
+#[test]
+fn a_failed_backward_updates_nothing_after_it() {
+    let map = VarMap::new();
+    let vb = VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu);
+    let block = Block::new(vb.pp("block"), 8).unwrap();
+    let mut opt = OptimizerInBackward::<AdamW>::from_varmap(&map, params()).unwrap();
+    let x = Tensor::ones((2, 3, 8), DType::F32, &Device::Cpu).unwrap();
+    let loss = Plan::recompute_all()
+        .scope(|| block.forward(&x)?.sum_keepdim(D::Minus1)?.mean_all())
+        .unwrap();
+    opt.backward_step(&loss).unwrap();
+    let before = sorted(&map);
+    // The tape was consumed: a second backward of the same loss fails.
+    let err = opt.backward_step(&loss).unwrap_err();
+    assert!(matches!(err, RematError::TapeReleased { .. }), "{err}");
+    for ((name, a), (_, b)) in sorted(&map).iter().zip(before) {
+        assert_eq!(rel_diff(a, &b), 0.0, "{name}");
+    }
+}

@@ -29,7 +29,6 @@ use crate::replay::{self, Replay};
 use crate::tape::{Meta, Tape};
 use crate::{inspect, lock, RematError, Result};
 use pending::Pending;
-use sweep::Grads;
 
 /// The type-erased block a region runs, for the replay.
 pub(crate) type Body = Arc<dyn Fn(&mut Ctx, &[Tensor]) -> Result<Vec<Tensor>> + Send + Sync>;

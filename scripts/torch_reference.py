@@ -131,6 +131,25 @@ def reset_peak_rss():
         f.write("5")
 
 
+def peak_start(cuda):
+    """Starts a peak measurement; returns its baseline."""
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    base = rss("VmRSS")
+    reset_peak_rss()
+    return base
+
+
+def peak_since(cuda, base):
+    """The peak since `peak_start` returned `base`, over it."""
+    if cuda:
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    return rss("VmHWM") - base
+
+
 def measure_update(model, ids, targets, cuda):
     """Peak of forward + backward + AdamW update, the update after the
     backward (`torch.optim.AdamW`) or in it (torchtune's optimizer in
@@ -152,22 +171,14 @@ def measure_update(model, ids, targets, cuda):
                 hooks = [p.register_post_accumulate_grad_hook(step) for p in model.parameters()]
             for _ in range(3):
                 model.zero_grad(set_to_none=True)
-                if cuda:
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                    before = torch.cuda.memory_allocated()
-                else:
-                    rss_before = rss("VmRSS")
-                    reset_peak_rss()
+                base = peak_start(cuda)
                 loss = model(ids, targets, policy)
                 loss.backward()
                 if where == "after":
                     opt.step()
                     opt.zero_grad(set_to_none=True)
                 del loss
-                if cuda:
-                    torch.cuda.synchronize()
-                peak = torch.cuda.max_memory_allocated() - before if cuda else rss("VmHWM") - rss_before
+                peak = peak_since(cuda, base)
             for h in hooks:
                 h.remove()
             rows.append((policy, where, peak))
@@ -213,14 +224,8 @@ def main():
         for i in range(len(policies)):
             p = policies[(step + i) % len(policies)]
             model.zero_grad(set_to_none=True)
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                before = torch.cuda.memory_allocated()
-            else:
-                before = malloc_in_use()
-                rss_before = rss("VmRSS")
-                reset_peak_rss()
+            base = peak_start(cuda)
+            before = base if cuda else malloc_in_use()
             start = time.perf_counter()
             loss = model(ids, targets, p)
             if cuda:
@@ -232,8 +237,8 @@ def main():
             if cuda:
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - start
-            peak = torch.cuda.max_memory_allocated() - before if cuda else rss("VmHWM") - rss_before
             del loss
+            peak = peak_since(cuda, base)
             if step >= a.warmup:
                 res[p]["times"].append(elapsed)
                 res[p]["held"] = held

@@ -649,6 +649,26 @@ fn qwen_layer(x: &Tensor, p: &[Tensor; 8]) -> remat_runtime::Result<Tensor> {
     })
 }
 
+/// The parameters of a [`qwen_layer`] of hidden size 32, 4 query heads of
+/// 8 over 2 key/value heads, SwiGLU of 64, drawn from seeds `base + ..`.
+fn qwen_params(base: u64) -> [candle_core::Var; 8] {
+    let hd = 32;
+    let v = |shape: &[usize], seed: u64, scale: f64, shift: f64| {
+        let t = (tensor(shape, base + seed, scale, DType::F32) + shift).unwrap();
+        candle_core::Var::from_tensor(&t).unwrap()
+    };
+    [
+        v(&[hd], 11, 0.1, 1.0),
+        v(&[hd, hd], 12, 0.2, 0.0),
+        v(&[16, hd], 13, 0.2, 0.0),
+        v(&[16, hd], 14, 0.2, 0.0),
+        v(&[hd, hd], 15, 0.2, 0.0),
+        v(&[hd], 16, 0.1, 1.0),
+        v(&[2 * hd, hd], 17, 0.2, 0.0),
+        v(&[hd, hd], 18, 0.2, 0.0),
+    ]
+}
+
 /// The peak of one step (forward, `sum(y^2)`, backward) of `f` under
 /// `plan`, over what was live before it, after a warm-up step.
 fn peak_of(plan: &remat_runtime::Plan, f: &dyn Fn() -> remat_runtime::Result<Tensor>) -> usize {
@@ -697,22 +717,10 @@ fn exact_peak_of_small_blocks_under_every_plan() {
 
     // The Qwen2-style layer: batch 2 x 16 tokens, hidden 32, 4 query heads
     // of 8 over 2 key/value heads, SwiGLU of 64.
-    let (b, t, hd) = (2, 16, 32);
-    let v = |shape: &[usize], seed: u64, scale: f64, shift: f64| {
-        let t = (tensor(shape, seed, scale, DType::F32) + shift).unwrap();
-        candle_core::Var::from_tensor(&t).unwrap().into_inner()
-    };
-    let xq = v(&[b, t, hd], 10, 1.0, 0.0);
-    let p = [
-        v(&[hd], 11, 0.1, 1.0),
-        v(&[hd, hd], 12, 0.2, 0.0),
-        v(&[16, hd], 13, 0.2, 0.0),
-        v(&[16, hd], 14, 0.2, 0.0),
-        v(&[hd, hd], 15, 0.2, 0.0),
-        v(&[hd], 16, 0.1, 1.0),
-        v(&[2 * hd, hd], 17, 0.2, 0.0),
-        v(&[hd, hd], 18, 0.2, 0.0),
-    ];
+    let xq = candle_core::Var::from_tensor(&tensor(&[2, 16, 32], 10, 1.0, DType::F32))
+        .unwrap()
+        .into_inner();
+    let p = qwen_params(0).map(|v| v.as_tensor().clone());
     let run = || qwen_layer(&xq, &p);
     let plain = peak_of(&Plan::off(), &run);
     let full = peak_of(&Plan::recompute_all(), &run);
@@ -742,26 +750,25 @@ fn peaks_with_update(
     let mut inside =
         OptimizerInBackward::<AdamW>::new(vars.to_vec(), ParamsAdamW::default()).unwrap();
     let (mut peak_after, mut peak_inside) = (0, 0);
-    // The first step allocates the optimizers' state.
+    // The peak of `f` over what was live before; from the second step on
+    // (the first allocates the optimizers' state) nothing may stay.
+    let measured = |step: usize, what: &str, f: &mut dyn FnMut()| {
+        let before = live();
+        ALLOC.reset_peak();
+        f();
+        let peak = ALLOC.peak() - before;
+        if step > 0 {
+            assert_eq!(live(), before, "a step with the update {what} leaked");
+        }
+        peak
+    };
     for step in 0..3 {
-        let before = live();
-        ALLOC.reset_peak();
-        let l = loss().unwrap();
-        after.backward_step(&l).unwrap();
-        drop(l);
-        peak_after = ALLOC.peak() - before;
-        if step > 0 {
-            assert_eq!(live(), before, "a step with the update after the backward leaked");
-        }
-        let before = live();
-        ALLOC.reset_peak();
-        let l = loss().unwrap();
-        inside.backward_step(&l).unwrap();
-        drop(l);
-        peak_inside = ALLOC.peak() - before;
-        if step > 0 {
-            assert_eq!(live(), before, "a step with the update in the backward leaked");
-        }
+        peak_after = measured(step, "after the backward", &mut || {
+            after.backward_step(&loss().unwrap()).unwrap()
+        });
+        peak_inside = measured(step, "in the backward", &mut || {
+            inside.backward_step(&loss().unwrap()).unwrap()
+        });
     }
     assert_eq!(inside.stepped_in_backward(), vars.len());
     (peak_after, peak_inside)
@@ -786,7 +793,9 @@ fn exact_peak_with_the_update_in_the_backward() {
         Ok(h)
     };
     let (after, inside) = peaks_with_update(&ws, &run);
-    println!("four mlp blocks, full recompute, AdamW: update after {after}, in the backward {inside}");
+    println!(
+        "four mlp blocks, full recompute, AdamW: update after {after}, in the backward {inside}"
+    );
     // The step peaks in the backward of the block swept last: with the
     // update after the backward, the gradients of the three blocks swept
     // before it (3 x 32 KiB) are alive there; with it in the backward,
@@ -794,30 +803,15 @@ fn exact_peak_with_the_update_in_the_backward() {
     // they were applied and freed (less 2 KiB: the in-backward update's
     // bookkeeping alive at that moment).
     let block_grads = 2 * 4 * d * d * 4;
-    assert!(after - inside >= 3 * block_grads - 2048, "{after} - {inside}");
+    assert!(
+        after - inside >= 3 * block_grads - 2048,
+        "{after} - {inside}"
+    );
     assert_eq!((after, inside), (519462, 423205));
 
     // Three Qwen2-style layers (as above).
-    let (b, t, hd) = (2, 16, 32);
-    let xq = Var::from_tensor(&tensor(&[b, t, hd], 10, 1.0, DType::F32)).unwrap();
-    let layers: Vec<[Var; 8]> = (0..3u64)
-        .map(|l| {
-            let v = |shape: &[usize], seed: u64, scale: f64, shift: f64| {
-                let t = (tensor(shape, 100 * l + seed, scale, DType::F32) + shift).unwrap();
-                Var::from_tensor(&t).unwrap()
-            };
-            [
-                v(&[hd], 11, 0.1, 1.0),
-                v(&[hd, hd], 12, 0.2, 0.0),
-                v(&[16, hd], 13, 0.2, 0.0),
-                v(&[16, hd], 14, 0.2, 0.0),
-                v(&[hd, hd], 15, 0.2, 0.0),
-                v(&[hd], 16, 0.1, 1.0),
-                v(&[2 * hd, hd], 17, 0.2, 0.0),
-                v(&[hd, hd], 18, 0.2, 0.0),
-            ]
-        })
-        .collect();
+    let xq = Var::from_tensor(&tensor(&[2, 16, 32], 10, 1.0, DType::F32)).unwrap();
+    let layers: Vec<[Var; 8]> = (0..3u64).map(|l| qwen_params(100 * l)).collect();
     let vars: Vec<Var> = layers.iter().flatten().cloned().collect();
     let tensors: Vec<[Tensor; 8]> = layers
         .iter()
@@ -833,6 +827,9 @@ fn exact_peak_with_the_update_in_the_backward() {
     let (after, inside) = peaks_with_update(&vars, &run);
     println!("three qwen2-style layers, full recompute, AdamW: update after {after}, in the backward {inside}");
     let layer_grads: usize = layers[0].iter().map(|v| v.elem_count() * 4).sum();
-    assert!(after - inside >= 2 * layer_grads - 2048, "{after} - {inside}");
+    assert!(
+        after - inside >= 2 * layer_grads - 2048,
+        "{after} - {inside}"
+    );
     assert_eq!((after, inside), (230037, 173108));
 }

@@ -244,6 +244,20 @@ pub enum RematError {
         /// The duplicated name.
         statement: String,
     },
+    /// [`PeakPlan::for_peak`](crate::plan::PeakPlan::for_peak) was asked for
+    /// a peak below that of every plan it measured, full recomputation
+    /// included.
+    #[error(
+        "no plan keeps the step under {requested} bytes: the lowest measured peak is {lowest} \
+         bytes (full recomputation); lower the batch or the sequence, or update the parameters \
+         in the backward (`OptimizerInBackward`)"
+    )]
+    PeakUnreachable {
+        /// The peak asked for.
+        requested: usize,
+        /// The lowest peak measured.
+        lowest: usize,
+    },
     /// A plan names statements (`Plan::save_only`, `Plan::save_and_offload_only`)
     /// that no statement run under it has: a misspelt name would otherwise
     /// leave its statement recomputed, silently. Raised by the backward of

@@ -163,7 +163,7 @@ impl Region {
         let seed = random::call_seed();
         if !self.enabled || plan.is_off() {
             let mut ctx = Ctx::new(&self.name, Mode::Plain, plan.clone(), seed);
-            return plan.scope(|| body(&mut ctx, &inputs));
+            return plan.inherit(|| body(&mut ctx, &inputs));
         }
         let detached: Vec<Tensor> = inputs.iter().map(|t| t.detach()).collect();
         let trace_label = trace::begin_call(&self.name);
@@ -198,7 +198,7 @@ impl Region {
         );
         // Regions nested in the block inherit its plan, in the forward as in
         // the replay.
-        let out = plan.scope(|| body(&mut ctx, &visible))?;
+        let out = plan.inherit(|| body(&mut ctx, &visible))?;
         let mut outputs = Vec::new();
         let skeleton = out.split_into(&mut outputs);
         let Mode::Record(recorder) = ctx.mode else {

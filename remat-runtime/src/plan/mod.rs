@@ -2,12 +2,17 @@
 //!
 //! * this file: [`Plan`] and its constructors;
 //! * `budget`: budget plans, their [`Solution`]s;
-//! * `planner`: the exact solver behind a budget.
+//! * `planner`: the exact solver behind a budget;
+//! * `calls`: plans that decide call by call;
+//! * `peak`: [`PeakPlan`], plans measured for the peak of a step.
 
 mod budget;
+mod calls;
+mod peak;
 mod planner;
 
 pub use budget::{PlannedStatement, Solution};
+pub use peak::{PeakCandidate, PeakPlan};
 pub(crate) use planner::{items, Item};
 
 use std::cell::RefCell;
@@ -57,6 +62,8 @@ enum Rule {
     Names(Arc<Names>),
     Custom(Arc<PolicyFn>),
     Budget(Arc<Budget>),
+    /// Each call of a region by its own set (a [`PeakPlan`]'s candidates).
+    PerCall(Arc<calls::PerCall>),
 }
 
 /// The names of a [`Plan::save_only`] or [`Plan::save_and_offload_only`]
@@ -347,6 +354,7 @@ impl Plan {
             }
             Rule::Custom(f) => f(s),
             Rule::Budget(b) => b.policy(s),
+            Rule::PerCall(c) => c.policy(s),
         }
     }
 
@@ -439,6 +447,17 @@ impl Plan {
     /// assert_eq!(Plan::current().to_string(), "declared");
     /// ```
     pub fn scope<R>(&self, f: impl FnOnce() -> R) -> R {
+        if let Rule::PerCall(c) = &self.rule {
+            // A plan that decides call by call counts calls per scope: a
+            // step.
+            c.reset();
+        }
+        self.inherit(f)
+    }
+
+    /// Runs `f` under this plan, as the block of a region call runs under
+    /// its region's plan: a scope that is not a new step.
+    pub(crate) fn inherit<R>(&self, f: impl FnOnce() -> R) -> R {
         scoped(
             || PLAN_SCOPES.with(|s| s.borrow_mut().push(self.clone())),
             || {

@@ -454,13 +454,20 @@ impl Replay {
             }
         }
         let mut outputs = Vec::with_capacity(record.outputs.len());
+        // Recomputed statements reading an output that needs gradients
+        // continue this statement's graph, in its unit: no leaf copy of the
+        // output (it would sit beside the graph's own until the sweep).
+        let mut continued = false;
         for (j, meta) in record.outputs.iter().enumerate() {
             let target = saved.outs.get(j).cloned();
             let requires_grad = target.as_ref().is_some_and(|t| t.track_op());
-            let value = match saved.ferried.get(j).cloned().flatten() {
-                Some(ferried) if requires_grad => make_leaf(&ferried)?,
-                Some(ferried) => ferried,
-                None => {
+            let value = match (saved.ferried.get(j).cloned().flatten(), &target) {
+                (Some(_), Some(tracked)) if requires_grad => {
+                    continued = true;
+                    tracked.clone()
+                }
+                (Some(ferried), _) => ferried,
+                (None, _) => {
                     let p = placeholder(meta)?;
                     self.placeholders.insert(p.id(), name.to_string());
                     p
@@ -500,6 +507,12 @@ impl Replay {
             unit.add_leaf(source, leaf);
         }
         unit.restore.extend(restore);
+        if continued {
+            // The recomputed statements after it join its unit, sharing its
+            // leaves.
+            self.open = Some(u);
+            self.open_leaves = unit.leaves.iter().cloned().collect();
+        }
         O::join(&mut outputs.into_iter(), &skeleton)
     }
 

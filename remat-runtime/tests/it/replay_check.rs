@@ -161,14 +161,15 @@ fn reversing_block(x: &Var, calls: Arc<AtomicUsize>, transposed_input: bool) -> 
     Region::new("blk")
         .run(&[x.as_tensor()], move |ctx, ins| {
             let calls = calls.clone();
-            let h = ctx.save("h", &[&ins[0]], |t| {
-                let h = t[0].tanh()?;
-                if transposed_input {
-                    h.t()
-                } else {
-                    Ok(h)
-                }
-            })?;
+            let h = if transposed_input {
+                let h = ctx.recompute("h", &[&ins[0]], |t| t[0].tanh()?.t())?;
+                // A saved statement between starts another unit: `order`
+                // reads `h` through a contiguous leaf copy of the view.
+                let _cut = ctx.save("cut", &[&ins[0]], |t| t[0].sum_all())?;
+                h
+            } else {
+                ctx.save("h", &[&ins[0]], |t| t[0].tanh())?
+            };
             let r = ctx.recompute("order", &[&h], move |t| {
                 let n = t[0].dim(D::Minus1)?;
                 if calls.fetch_add(1, Ordering::SeqCst) == 0 {

@@ -1,0 +1,106 @@
+//! Plans that decide call by call: the k-th call of a region in a step
+//! saves its own set of statements. Calls are counted from the plan's
+//! [`scope`](super::Plan::scope): a step is one scope.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Mutex;
+
+use super::StatementInfo;
+use crate::{lock, Policy};
+
+/// One call of a region in a step: the region's name and which of its
+/// calls (0 for the first).
+pub(crate) type Call = (String, usize);
+
+#[derive(Default)]
+struct Seen {
+    /// How many times each (region, statement) ran in this step.
+    statements: HashMap<(String, String), usize>,
+    /// How many calls of each region started in this step.
+    calls: HashMap<String, usize>,
+    /// Those calls, in the order they started.
+    order: Vec<Call>,
+}
+
+pub(super) struct PerCall {
+    /// The open statements each call saves; the others are recomputed.
+    save: HashMap<Call, HashSet<String>>,
+    seen: Mutex<Seen>,
+}
+
+impl PerCall {
+    pub fn new(save: HashMap<Call, HashSet<String>>) -> Self {
+        PerCall {
+            save,
+            seen: Mutex::new(Seen::default()),
+        }
+    }
+
+    /// A new step: calls are counted from zero again.
+    pub fn reset(&self) {
+        *lock(&self.seen) = Seen::default();
+    }
+
+    pub fn policy(&self, s: &StatementInfo) -> Policy {
+        let mut seen = lock(&self.seen);
+        let key = (s.region.to_string(), s.name.to_string());
+        let k = seen.statements.entry(key).or_insert(0);
+        let call = *k;
+        *k += 1;
+        // Names are unique within a call: the k-th run of a statement is in
+        // the k-th call of its region.
+        let calls = seen.calls.entry(s.region.to_string()).or_insert(0);
+        if call == *calls {
+            *calls += 1;
+            seen.order.push((s.region.to_string(), call));
+        }
+        let saved = self
+            .save
+            .get(&(s.region.to_string(), call))
+            .is_some_and(|names| names.contains(s.name));
+        s.declared.unwrap_or(if saved {
+            Policy::Save
+        } else {
+            Policy::Recompute
+        })
+    }
+
+    /// The calls of the current step so far, in the order they started.
+    pub fn calls(&self) -> Vec<Call> {
+        lock(&self.seen).order.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info<'a>(region: &'a str, name: &'a str) -> StatementInfo<'a> {
+        StatementInfo {
+            region,
+            name,
+            declared: None,
+        }
+    }
+
+    #[test]
+    fn the_kth_call_of_a_region_follows_its_own_set() {
+        let save = HashMap::from([(("block".to_string(), 1), HashSet::from(["fc".to_string()]))]);
+        let plan = PerCall::new(save);
+        for _ in 0..2 {
+            plan.reset();
+            let mut got = Vec::new();
+            for _ in 0..3 {
+                for name in ["qkv", "fc"] {
+                    got.push(plan.policy(&info("block", name)));
+                }
+                got.push(plan.policy(&info("head", "logits")));
+            }
+            let (r, s) = (Policy::Recompute, Policy::Save);
+            assert_eq!(got, [r, r, r, r, s, r, r, r, r]);
+            let calls: Vec<Call> = plan.calls();
+            assert_eq!(calls.len(), 6);
+            assert_eq!(calls[2], ("block".to_string(), 1));
+        }
+    }
+}

@@ -223,3 +223,100 @@ impl fmt::Display for WithUpdate {
         Ok(())
     }
 }
+
+/// A [`remat_runtime::plan::PeakPlan`] asked for peaks spread from full
+/// recomputation's to plain candle's: what each request got.
+pub struct PeakPlans {
+    /// The candidates the profile kept.
+    pub candidates: usize,
+    /// (requested bytes, measured bytes, time vs plain, plan).
+    pub rows: Vec<(usize, usize, f64, String)>,
+}
+
+/// Profiles `model`'s step with a `PeakPlan`, asks it for `requests` peaks
+/// from full recomputation's to plain candle's, and measures each plan it
+/// gives: its peak (one step after a warm-up) and its median step time over
+/// `steps` steps, interleaved with plain candle's.
+pub fn peak_plans(
+    model: &Gpt,
+    ids: &Tensor,
+    targets: &Tensor,
+    m: &Meter,
+    requests: usize,
+    steps: usize,
+) -> Result<PeakPlans> {
+    use remat_runtime::plan::PeakPlan;
+    use std::time::Instant;
+    let peak = |plan: &Plan| -> Result<usize> {
+        let before = (m.live)();
+        (m.reset)();
+        let loss = plan.scope(|| model.loss(ids, targets))?;
+        let grads = loss.backward()?;
+        let peak = (m.peak)() - before;
+        drop((loss, grads));
+        Ok(peak)
+    };
+    let profile = PeakPlan::profile(|plan| peak(plan).map_err(Into::into))
+        .map_err(candle_core::Error::wrap)?;
+    let full = {
+        peak(&Plan::recompute_all())?;
+        peak(&Plan::recompute_all())?
+    };
+    let plain = peak(&Plan::off())?;
+    let seconds = |plan: &Plan| -> Result<f64> {
+        let start = Instant::now();
+        let loss = plan.scope(|| model.loss(ids, targets))?;
+        loss.backward()?;
+        Ok(start.elapsed().as_secs_f64())
+    };
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let mut rows = Vec::new();
+    for i in 0..requests {
+        let request = full + (plain.max(full) - full) * i / (requests - 1).max(1);
+        let plan = profile
+            .for_peak(request)
+            .map_err(candle_core::Error::wrap)?;
+        peak(&plan)?;
+        let measured = peak(&plan)?;
+        let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+        for _ in 0..steps {
+            theirs.push(seconds(&Plan::off())?);
+            ours.push(seconds(&plan)?);
+        }
+        rows.push((
+            request,
+            measured,
+            median(ours) / median(theirs),
+            plan.to_string(),
+        ));
+    }
+    Ok(PeakPlans {
+        candidates: profile.candidates().len(),
+        rows,
+    })
+}
+
+impl fmt::Display for PeakPlans {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
+        writeln!(
+            f,
+            "| requested peak (MiB) | measured peak (MiB) | measured / requested | time vs plain | plan |"
+        )?;
+        writeln!(f, "|---:|---:|---:|---:|---|")?;
+        for (request, measured, time, plan) in &self.rows {
+            writeln!(
+                f,
+                "| {:.1} | {:.1} | {:.3} | {:.2}x | {plan} |",
+                mib(*request),
+                mib(*measured),
+                *measured as f64 / *request as f64,
+                time
+            )?;
+        }
+        write!(f, "({} plans kept by the profile)", self.candidates)
+    }
+}

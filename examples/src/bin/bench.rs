@@ -47,6 +47,9 @@ usage: cargo run --release -p examples --bin bench -- [flags]
   --unchecked P,Q  also measure these policies without the replay check by
                fingerprints (`remat_runtime::without_fingerprints`): its cost
   --device cpu|cuda [cpu]
+  --peak-plan true  instead: a PeakPlan asked for 8 peaks from full
+                  recomputation's to plain candle's, each plan's measured peak
+                  and time (--steps steps, interleaved with plain candle)
   --explain-peak true  instead: the peak of a full-recompute step (first of
                --ops) broken down by source, exact bytes (CPU) [false]
   --ops O,..   fused (remat_runtime::nn's ops) and/or composed (candle's
@@ -146,6 +149,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let out = flags.get("out", PathBuf::from("docs/bench"))?;
     let move_on_cpu = flags.get("move-on-cpu", false)?;
     let explain_peak = flags.get("explain-peak", false)?;
+    let peak_plan = flags.get("peak-plan", false)?;
     let ops: String = flags.get("ops", "fused".to_string())?;
     let ops = ops
         .split(',')
@@ -163,6 +167,22 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     };
     let model = Gpt::new(config, &mut Rng::new(0), &dev)?;
     let (x, y) = Corpus::batch(&corpus.train, batch, seq, &mut Rng::new(1), &dev)?;
+    if peak_plan {
+        let mut m = model.clone();
+        m.ops = ops[0];
+        let meter = peak::Meter {
+            live: &|| ALLOC.live(),
+            peak: &|| ALLOC.peak(),
+            reset: &|| ALLOC.reset_peak(),
+        };
+        println!(
+            "A PeakPlan on the GPT ({layers} layers, d_model {d_model}, {heads} heads, T {seq}, B {batch}, \
+             f32, {} ops), asked for 8 peaks from full recomputation's to plain candle's:\n",
+            ops[0]
+        );
+        println!("{}", peak::peak_plans(&m, &x, &y, &meter, 8, steps.max(3))?);
+        return Ok(());
+    }
     if explain_peak {
         let mut m = model.clone();
         m.ops = ops[0];

@@ -650,6 +650,28 @@ fn qwen_layer(x: &Tensor, p: &[Tensor; 8]) -> remat_runtime::Result<Tensor> {
     })
 }
 
+/// The input and weights of four [`mlp_block`]s of width `d`.
+fn mlp_stack(d: usize) -> (candle_core::Var, Vec<candle_core::Var>) {
+    use candle_core::Var;
+    let x = Var::from_tensor(&tensor(&[4, 32, d], 1, 1.0, DType::F32)).unwrap();
+    let ws = (0..8)
+        .map(|i| {
+            let dims = if i % 2 == 0 { [4 * d, d] } else { [d, 4 * d] };
+            Var::from_tensor(&tensor(&dims, 20 + i, 0.2, DType::F32)).unwrap()
+        })
+        .collect();
+    (x, ws)
+}
+
+/// The four blocks of [`mlp_stack`], one after the other.
+fn run_mlp_stack(x: &candle_core::Var, ws: &[candle_core::Var]) -> remat_runtime::Result<Tensor> {
+    let mut h = x.as_tensor().clone();
+    for w in ws.chunks(2) {
+        h = mlp_block(&h, w[0].as_tensor(), w[1].as_tensor())?;
+    }
+    Ok(h)
+}
+
 /// The parameters of a [`qwen_layer`] of hidden size 32, 4 query heads of
 /// 8 over 2 key/value heads, SwiGLU of 64, drawn from seeds `base + ..`.
 fn qwen_params(base: u64) -> [candle_core::Var; 8] {
@@ -785,20 +807,8 @@ fn exact_peak_with_the_update_in_the_backward() {
     use candle_core::Var;
     // Four MLP blocks (as above), each with 2 x 16 KiB of weights.
     let d = 32;
-    let x = Var::from_tensor(&tensor(&[4, 32, d], 1, 1.0, DType::F32)).unwrap();
-    let ws: Vec<Var> = (0..8)
-        .map(|i| {
-            let dims = if i % 2 == 0 { [4 * d, d] } else { [d, 4 * d] };
-            Var::from_tensor(&tensor(&dims, 20 + i, 0.2, DType::F32)).unwrap()
-        })
-        .collect();
-    let run = || {
-        let mut h = x.as_tensor().clone();
-        for w in ws.chunks(2) {
-            h = mlp_block(&h, w[0].as_tensor(), w[1].as_tensor())?;
-        }
-        Ok(h)
-    };
+    let (x, ws) = mlp_stack(d);
+    let run = || run_mlp_stack(&x, &ws);
     let (after, inside) = peaks_with_update(&ws, &run);
     println!(
         "four mlp blocks, full recompute, AdamW: update after {after}, in the backward {inside}"
@@ -882,26 +892,15 @@ fn peak_plan_requests(f: &dyn Fn() -> remat_runtime::Result<Tensor>) -> Vec<(usi
 
 fn exact_peak_of_peak_plans() {
     use candle_core::Var;
-    let d = 32;
-    let x = Var::from_tensor(&tensor(&[4, 32, d], 1, 1.0, DType::F32)).unwrap();
-    let ws: Vec<Var> = (0..8)
-        .map(|i| {
-            let dims = if i % 2 == 0 { [4 * d, d] } else { [d, 4 * d] };
-            Var::from_tensor(&tensor(&dims, 20 + i, 0.2, DType::F32)).unwrap()
-        })
-        .collect();
-    let run = || {
-        let mut h = x.as_tensor().clone();
-        for w in ws.chunks(2) {
-            h = mlp_block(&h, w[0].as_tensor(), w[1].as_tensor())?;
-        }
-        Ok(h)
-    };
+    let (x, ws) = mlp_stack(32);
+    let run = || run_mlp_stack(&x, &ws);
     let rows = peak_plan_requests(&run);
     println!("four mlp blocks, peak plan (request, measured): {rows:?}");
     // Saving the last blocks first is free here: the lowest plan saves all
     // of blocks 2 and 3 at full recomputation's peak. Each block is two
-    // statements, so the steps between plans are coarse (up to 83 KiB).
+    // statements, which only a full budget saves (so their order does not
+    // depend on timings), and the steps between plans are coarse (up to 83
+    // KiB).
     let measured: Vec<usize> = rows.iter().map(|r| r.1).collect();
     assert_eq!(
         measured,
@@ -921,13 +920,13 @@ fn exact_peak_of_peak_plans() {
     };
     let rows = peak_plan_requests(&run);
     println!("three qwen2-style layers, peak plan (request, measured): {rows:?}");
-    // Ten statements a layer: every request is met within 2%.
-    let measured: Vec<usize> = rows.iter().map(|r| r.1).collect();
-    assert_eq!(
-        measured,
-        [219892, 228336, 237920, 249216, 260520, 265664, 278880, 291124]
-    );
+    // Ten statements a layer: every request is met within 5% (2% in the
+    // runs so far). Within a layer, statements are saved in the order the
+    // budget planner picks from their measured times, so the plans between
+    // the ends, and their peaks, may differ a little from run to run: only
+    // the ends are pinned.
+    assert_eq!((rows[0].1, rows[7].1), (219892, 291124));
     for (request, measured) in rows {
-        assert!(measured * 100 >= request * 98, "{measured} for {request}");
+        assert!(measured * 100 >= request * 95, "{measured} for {request}");
     }
 }

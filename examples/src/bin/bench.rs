@@ -167,14 +167,16 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     };
     let model = Gpt::new(config, &mut Rng::new(0), &dev)?;
     let (x, y) = Corpus::batch(&corpus.train, batch, seq, &mut Rng::new(1), &dev)?;
+    // The first `--ops`, measured with the counting allocator: the
+    // `--peak-plan` and `--explain-peak` modes.
+    let mut m = model.clone();
+    m.ops = ops[0];
+    let meter = peak::Meter {
+        live: &|| ALLOC.live(),
+        peak: &|| ALLOC.peak(),
+        reset: &|| ALLOC.reset_peak(),
+    };
     if peak_plan {
-        let mut m = model.clone();
-        m.ops = ops[0];
-        let meter = peak::Meter {
-            live: &|| ALLOC.live(),
-            peak: &|| ALLOC.peak(),
-            reset: &|| ALLOC.reset_peak(),
-        };
         println!(
             "A PeakPlan on the GPT ({layers} layers, d_model {d_model}, {heads} heads, T {seq}, B {batch}, \
              f32, {} ops), asked for 8 peaks from full recomputation's to plain candle's:\n",
@@ -184,13 +186,6 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         return Ok(());
     }
     if explain_peak {
-        let mut m = model.clone();
-        m.ops = ops[0];
-        let meter = peak::Meter {
-            live: &|| ALLOC.live(),
-            peak: &|| ALLOC.peak(),
-            reset: &|| ALLOC.reset_peak(),
-        };
         println!(
             "The peak of a full-recompute step (GPT {layers} layers, d_model {d_model}, {heads} heads, \
              T {seq}, B {batch}, f32, {} ops), by source:\n",

@@ -640,3 +640,64 @@ fn the_guide_walks_through_this_example() {
         }
     }
 }
+
+#[test]
+fn the_update_in_the_backward_trains_the_checkpoint_as_adamw_after_it() {
+    use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+    use remat_runtime::OptimizerInBackward;
+    let params = ParamsAdamW {
+        lr: 1e-2,
+        weight_decay: 0.01,
+        ..Default::default()
+    };
+    for tied in [true, false] {
+        let dir = TempDir::new(&format!("in-backward-{tied}"));
+        write_checkpoint(&dir.0, tied, 5);
+        let corpus = corpus(&dir.0);
+        // Two copies of the same weights.
+        let after = qwen2::load(&dir.0, DType::F32, &Device::Cpu).unwrap();
+        let inside = qwen2::load(&dir.0, DType::F32, &Device::Cpu).unwrap();
+        let mut adamw = AdamW::new(after.varmap.all_vars(), params.clone()).unwrap();
+        let mut opt =
+            OptimizerInBackward::<AdamW>::from_varmap(&inside.varmap, params.clone()).unwrap();
+        let plan = qwen2::plan(Checkpointing::Full);
+        let mut rng = Rng::new(4);
+        for step in 0..4 {
+            let (x, y) = Corpus::batch(&corpus.train, 4, 16, &mut rng, &Device::Cpu).unwrap();
+            let a = plan.scope(|| after.model.loss(&x, &y)).unwrap();
+            adamw.backward_step(&a).unwrap();
+            let b = plan.scope(|| inside.model.loss(&x, &y)).unwrap();
+            opt.backward_step(&b).unwrap();
+            assert_eq!(values(&a), values(&b), "tied {tied}, step {step}");
+            assert!(
+                opt.without_gradient().is_empty(),
+                "{:?}",
+                opt.without_gradient()
+            );
+            // From the second step on, the layers' parameters are updated
+            // inside the backward; a tied embedding, read by the plain head
+            // too, after it.
+            let layers = 2 * 12;
+            let stepped = opt.stepped_in_backward();
+            assert!(
+                step == 0 || stepped >= layers,
+                "tied {tied}, step {step}: {stepped}"
+            );
+            assert!(
+                stepped < opt.len() || !tied,
+                "tied {tied}: {stepped} of {}",
+                opt.len()
+            );
+        }
+        let weights = |l: &Loaded| {
+            let mut w: Vec<(String, Vec<f32>)> = named_vars(&l.varmap)
+                .unwrap()
+                .into_iter()
+                .map(|(n, v)| (n, values(v.as_tensor())))
+                .collect();
+            w.sort_by(|a, b| a.0.cmp(&b.0));
+            w
+        };
+        assert!(weights(&after) == weights(&inside), "tied {tied}");
+    }
+}

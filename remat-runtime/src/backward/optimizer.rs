@@ -79,6 +79,11 @@ pub(crate) fn released(params: &[TensorId]) -> Result<()> {
     }
 }
 
+/// Whether two gradients differ in any element.
+fn differs(a: &Tensor, b: &Tensor) -> Result<bool> {
+    Ok(a.ne(b)?.flatten_all()?.max(0)?.to_scalar::<u8>()? != 0)
+}
+
 /// One parameter with its own optimizer.
 struct Param<O> {
     name: String,
@@ -93,6 +98,8 @@ struct Param<O> {
     outside: bool,
     /// Updated in this step's backward.
     stepped: bool,
+    /// A gradient reached it in this step.
+    reached: bool,
 }
 
 impl<O: Optimizer> Param<O> {
@@ -123,12 +130,16 @@ impl<O: Optimizer + Send> Sink for State<O> {
         if p.outside {
             return Ok(Some(grad));
         }
+        // The first step hands every gradient on to candle, which sums
+        // them, and keeps the regions' sum to compare (see
+        // `backward_step`).
+        let handed_on = (!self.calibrated).then(|| grad.clone());
         p.grad = Some(match p.grad.take() {
             None => grad,
             Some(prev) => (prev + grad)?,
         });
         p.region = Some(region.to_string());
-        Ok(None)
+        Ok(handed_on)
     }
 
     fn released(&mut self, ids: &[TensorId]) -> Result<()> {
@@ -169,10 +180,14 @@ impl<O: Optimizer + Send> Sink for State<O> {
 ///
 /// Parameters that also get a gradient from code outside every region (an
 /// output head written as plain candle, say) are updated after the
-/// backward, with their whole gradient. The first step finds them: it
-/// updates every parameter after its backward. A parameter that starts to
-/// get such a gradient after the first step is reported by
-/// [`RematError::ParameterOutsideRegions`], after the step.
+/// backward, with their whole gradient, summed by candle. The first step
+/// finds them: it runs as a plain backward (every gradient held to the
+/// end, and the regions' gradients kept beside candle's sums to compare)
+/// and updates every parameter after it; a parameter whose sum differs from
+/// its regions' has a reader outside them. A parameter that starts to get
+/// such a gradient later (or whose outside part was exactly zero in the
+/// first step) is reported by [`RematError::ParameterOutsideRegions`],
+/// after the step.
 ///
 /// ```
 /// use candle_core::{DType, Device, Var};
@@ -257,6 +272,7 @@ where
                 region: None,
                 outside: false,
                 stepped: false,
+                reached: false,
             });
         }
         let state = State {
@@ -279,6 +295,7 @@ where
                 p.grad = None;
                 p.region = None;
                 p.stepped = false;
+                p.reached = false;
             }
         }
         let sink: Arc<Mutex<dyn Sink>> = self.state.clone();
@@ -302,6 +319,7 @@ where
         let mut late = None;
         for p in &mut state.params {
             let outside = grads.get(p.var.as_tensor());
+            p.reached = p.stepped || p.grad.is_some() || outside.is_some();
             if p.stepped {
                 if outside.is_some() {
                     // Updated without this part of its gradient: reported,
@@ -314,10 +332,16 @@ where
                 }
                 continue;
             }
-            if calibrating && outside.is_some() {
-                p.outside = true;
-            }
-            if let Some(g) = outside {
+            if calibrating {
+                // candle summed every part: a sum that differs from the
+                // regions' has a part from code outside every region.
+                p.outside = match (outside, &p.grad) {
+                    (Some(all), Some(regions)) => differs(all, regions)?,
+                    (Some(_), None) => true,
+                    (None, _) => false,
+                };
+                p.grad = outside.cloned();
+            } else if let Some(g) = outside {
                 p.grad = Some(match p.grad.take() {
                     None => g.clone(),
                     Some(prev) => (prev + g)?,
@@ -337,6 +361,33 @@ where
             .iter()
             .filter(|p| p.stepped)
             .count()
+    }
+
+    /// The parameters no gradient reached in the last
+    /// [`backward_step`](Self::backward_step) (so it did not update them),
+    /// by name: what [`check_gradients`](crate::check_gradients) reports
+    /// after a plain backward.
+    ///
+    /// ```
+    /// use candle_core::{DType, Device, Var};
+    /// use candle_nn::{AdamW, ParamsAdamW};
+    /// use remat_runtime::{checkpoint, OptimizerInBackward};
+    /// let (w, unused) = (Var::ones(3, DType::F32, &Device::Cpu)?, Var::ones(2, DType::F32, &Device::Cpu)?);
+    /// let mut opt = OptimizerInBackward::<AdamW>::new(vec![w.clone(), unused], ParamsAdamW::default())?;
+    /// let loss = checkpoint("r", &[w.as_tensor()], |ctx, ins| {
+    ///     ctx.recompute("s", &[&ins[0]], |t| t[0].sqr()?.sum_all())
+    /// })?;
+    /// opt.backward_step(&loss)?;
+    /// assert_eq!(opt.without_gradient(), ["#1 [2]"]);
+    /// # Ok::<(), remat_runtime::RematError>(())
+    /// ```
+    pub fn without_gradient(&self) -> Vec<String> {
+        lock(&self.state)
+            .params
+            .iter()
+            .filter(|p| !p.reached)
+            .map(|p| p.name.clone())
+            .collect()
     }
 
     /// The number of parameters.

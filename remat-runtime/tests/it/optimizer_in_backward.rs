@@ -174,6 +174,7 @@ fn every_parameter_ends_each_step_as_a_plain_optimizer_leaves_it() {
                 _ => opt.len() - 1,
             };
             assert_eq!(opt.stepped_in_backward(), expected, "{plan}, step {step}");
+            assert!(opt.without_gradient().is_empty(), "{plan}, step {step}");
             for ((name, a), (_, b)) in sorted(&map).iter().zip(sorted(&reference_map)) {
                 // The same gradients, summed in the same order (a
                 // parameter's region gradients are added in the order the

@@ -14,15 +14,16 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use candle_core::{DType, Device, Var};
+use candle_nn::{AdamW, ParamsAdamW};
 use examples::cli::{device, Flags};
 use examples::data::{text, Corpus};
 use examples::gpt::Checkpointing;
 use examples::qwen2::{self, named_vars, Config, Loaded};
 use examples::rng::Rng;
-use examples::train::{evaluate, Optim, Options};
+use examples::train::{evaluate, learning_rate, Optim, Options};
 use indicatif::{ProgressBar, ProgressStyle};
 use remat_runtime::inspect::CountingAlloc;
-use remat_runtime::{check_gradients, MemoryReport, Plan};
+use remat_runtime::{check_gradients, MemoryReport, OptimizerInBackward, Plan};
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc::new();
@@ -58,6 +59,10 @@ usage: cargo run --release -p examples --bin qwen2 -- [flags]
   --lr X          AdamW peak learning rate [0.002]
   --lr-warmup N   steps of linear warmup, then cosine decay to lr/10 [20]
   --clip X        clip gradients to this global norm, 0 = off [1.0]
+  --update after|in-backward
+                  AdamW after the backward, or each parameter inside it as
+                  soon as its gradient is complete (OptimizerInBackward: a
+                  lower peak; needs --clip 0) [after]
   --dtype f32|bf16                        [f32]
   --seed N        seed of the tiny checkpoint and of the batches [0]
   --device cpu|cuda                       [cpu]
@@ -83,6 +88,8 @@ struct Args {
     device: String,
     data: Option<PathBuf>,
     save: PathBuf,
+    /// `--update in-backward`.
+    in_backward: bool,
 }
 
 fn args() -> Result<Args, String> {
@@ -102,6 +109,18 @@ fn args() -> Result<Args, String> {
     if opts.steps == 0 {
         return Err("--steps must be at least 1".into());
     }
+    let in_backward = match flags.get("update", "after".to_string())?.as_str() {
+        "after" => false,
+        "in-backward" if opts.clip != 0.0 => {
+            return Err(
+                "--update in-backward cannot clip by the global norm, which needs every \
+                 gradient at once: add --clip 0"
+                    .into(),
+            )
+        }
+        "in-backward" => true,
+        other => return Err(format!("--update {other}: expected after or in-backward")),
+    };
     let init: Option<PathBuf> = flags.opt("init")?;
     let tiny_dir: Option<PathBuf> = flags.opt("tiny-checkpoint")?;
     let shape = [
@@ -169,12 +188,21 @@ fn args() -> Result<Args, String> {
         device: flags.get("device", "cpu".to_string())?,
         data: flags.opt("data")?,
         save: flags.get("save", PathBuf::from("target/qwen2-finetuned"))?,
+        in_backward,
     };
     flags.finish()?;
     Ok(args)
 }
 
 const MIB: f64 = (1 << 20) as f64;
+
+/// Where a run's AdamW update runs.
+enum Update {
+    /// After the backward, with clipping (`--update after`).
+    After(Optim),
+    /// Inside the backward, parameter by parameter (`--update in-backward`).
+    Inside(OptimizerInBackward<AdamW>),
+}
 
 /// One fine-tuning run: a model loaded from the checkpoint, its optimizer,
 /// its plan, and what its steps measured.
@@ -183,7 +211,7 @@ struct Run {
     plan: Plan,
     loaded: Loaded,
     named: Vec<(String, Var)>,
-    optim: Optim,
+    update: Update,
     rng: Rng,
     losses: Vec<f32>,
     /// Host bytes held after the forward, and the peak of forward and
@@ -203,19 +231,29 @@ impl Run {
         dtype: DType,
         dev: &Device,
         opts: &Options,
+        in_backward: bool,
     ) -> Result<Self, Box<dyn std::error::Error>> {
         let loaded = qwen2::load(dir, dtype, dev)?;
         // In name order: the order of the gradient norm's sum, so that runs
         // repeat bit for bit.
         let named = named_vars(&loaded.varmap)?;
         let vars: Vec<Var> = named.iter().map(|(_, v)| v.clone()).collect();
-        let optim = Optim::new(vars, opts)?;
+        let update = if in_backward {
+            let params = ParamsAdamW {
+                lr: opts.lr,
+                weight_decay: 0.01,
+                ..Default::default()
+            };
+            Update::Inside(OptimizerInBackward::from_varmap(&loaded.varmap, params)?)
+        } else {
+            Update::After(Optim::new(vars, opts)?)
+        };
         Ok(Run {
             policy,
             plan: qwen2::plan(policy),
             loaded,
             named,
-            optim,
+            update,
             rng: Rng::new(opts.seed ^ 0xBA7C),
             losses: Vec::new(),
             held: 0,
@@ -242,15 +280,34 @@ impl Run {
         if step == 0 {
             self.report = MemoryReport::capture();
         }
-        let mut grads = loss.backward()?;
-        if step == 0 {
-            self.held = held;
-            self.peak = ALLOC.peak().saturating_sub(before);
-            // Names the parameters that got no gradient, if any.
-            check_gradients(&grads, self.named.iter().map(|(n, v)| (n.as_str(), v)))?;
+        match &mut self.update {
+            Update::After(optim) => {
+                let mut grads = loss.backward()?;
+                if step == 0 {
+                    self.held = held;
+                    self.peak = ALLOC.peak().saturating_sub(before);
+                    // Names the parameters that got no gradient, if any.
+                    check_gradients(&grads, self.named.iter().map(|(n, v)| (n.as_str(), v)))?;
+                }
+                optim.step(step, &mut grads)?;
+                drop(grads);
+            }
+            Update::Inside(opt) => {
+                opt.set_learning_rate(learning_rate(opts, step));
+                opt.backward_step(&loss)?;
+                let missing = opt.without_gradient();
+                if !missing.is_empty() {
+                    return Err(format!("no gradient reached: {}", missing.join(", ")).into());
+                }
+                // The first step updates every parameter after the
+                // backward (it finds those read outside the regions): the
+                // second shows the peak of the update inside it.
+                if step == 1.min(opts.steps - 1) {
+                    self.held = held;
+                    self.peak = ALLOC.peak().saturating_sub(before);
+                }
+            }
         }
-        self.optim.step(step, &mut grads)?;
-        drop(grads);
         self.times.push(started.elapsed().as_secs_f64());
         self.losses
             .push(loss.to_dtype(DType::F32)?.to_scalar::<f32>()?);
@@ -292,7 +349,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     };
     let mut runs = policies
         .iter()
-        .map(|&p| Run::new(p, dir, args.dtype, &dev, opts))
+        .map(|&p| Run::new(p, dir, args.dtype, &dev, opts, args.in_backward))
         .collect::<Result<Vec<_>, _>>()?;
     let tokenizer = qwen2::read_tokenizer(dir)?;
     let tokens = qwen2::encode(&tokenizer, &text)?;
@@ -440,7 +497,7 @@ fn print_comparison(runs: &[Run], opts: &Options, dtype: DType, cpu: bool) {
         .map(Run::step_time);
     println!(
         "{} steps each, batch {} x {} tokens, {dtype:?}, steps interleaved; memory of the first \
-         step{}, time the median step (forward, backward, AdamW)\n",
+         step{}{}, time the median step (forward, backward, AdamW)\n",
         opts.steps,
         opts.batch,
         opts.seq,
@@ -448,6 +505,11 @@ fn print_comparison(runs: &[Run], opts: &Options, dtype: DType, cpu: bool) {
             " (host bytes, counting allocator)"
         } else {
             " (host bytes only: the device's are not counted here)"
+        },
+        if runs.iter().any(|r| matches!(r.update, Update::Inside(_))) {
+            " (with --update in-backward: of the second, the update inside its backward included)"
+        } else {
+            ""
         }
     );
     println!("| policy | held after the forward (MiB) | peak of forward + backward (MiB) | time per step (ms) | loss after the last step |");

@@ -199,7 +199,7 @@ const MIB: f64 = (1 << 20) as f64;
 /// Where a run's AdamW update runs.
 enum Update {
     /// After the backward, with clipping (`--update after`).
-    After(Optim),
+    After(Box<Optim>),
     /// Inside the backward, parameter by parameter (`--update in-backward`).
     Inside(OptimizerInBackward<AdamW>),
 }
@@ -246,7 +246,7 @@ impl Run {
             };
             Update::Inside(OptimizerInBackward::from_varmap(&loaded.varmap, params)?)
         } else {
-            Update::After(Optim::new(vars, opts)?)
+            Update::After(Box::new(Optim::new(vars, opts)?))
         };
         Ok(Run {
             policy,

@@ -31,10 +31,12 @@ pub struct PeakCandidate {
 /// The series saves **the last calls first**: a call's saved residuals are
 /// alive from its forward until its backward, which comes sooner the later
 /// the call (the head before the last block, the last block before the
-/// first), so saving late in the model costs the peak least. Each call
-/// moves through the solutions of [`Plan::budget`] at 25, 50, 75 and 100%
-/// of its range, which recompute as little as the bytes allow. Plain
-/// candle ends the series.
+/// first), so saving late in the model costs the peak least. Within a
+/// call, statements are added one at a time, in the order budget plans
+/// ([`Plan::budget`] at 25, 50, 75 and 100% of the range) first save them:
+/// those that recompute the most time per byte first. That order comes
+/// from measured times, so on a busy machine two profiles may order
+/// statements of similar cost differently. Plain candle ends the series.
 ///
 /// Only the candidates no faster one beats on peak are kept, so the peak
 /// of the plan [`for_peak`](PeakPlan::for_peak) gives never falls when the
@@ -46,9 +48,10 @@ pub struct PeakCandidate {
 /// under the plan it is given and returns the step's peak: on the CPU from
 /// a [`CountingAlloc`](crate::inspect::CountingAlloc), on CUDA from
 /// [`device_memory_peak`](crate::inspect::device_memory_peak). The profile
-/// runs it about 5 + 4 x (region calls per step) times. Its forwards and
-/// backwards must not change the weights (no optimizer step), and the
-/// batch must have the shapes of the steps the plan will run.
+/// runs it 4 + 2 x (2 + the open statements of every call of a step)
+/// times. Its forwards and backwards must not change the weights (no
+/// optimizer step), and the batch must have the shapes of the steps the
+/// plan will run.
 ///
 /// ```
 /// use candle_core::{DType, Device, Tensor, Var};

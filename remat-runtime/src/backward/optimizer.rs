@@ -189,6 +189,10 @@ impl<O: Optimizer + Send> Sink for State<O> {
 /// first step) is reported by [`RematError::ParameterOutsideRegions`],
 /// after the step.
 ///
+/// A backward that fails part of the way (a region's replay diverged, say)
+/// returns the error with the parameters updated before the failure
+/// updated and the others not: the step is not undone.
+///
 /// ```
 /// use candle_core::{DType, Device, Var};
 /// use candle_nn::{AdamW, ParamsAdamW};

@@ -363,3 +363,61 @@ fn a_plan_naming_no_statement_is_an_error() {
     // correct names works.
     step(&Plan::save_only(["h"])).unwrap();
 }
+
+#[test]
+fn every_plan_a_peak_profile_keeps_gives_plain_candle_s_gradients() {
+    use remat_runtime::plan::PeakPlan;
+    // Three calls of `mlp`: a plan that decides call by call saves `h` in
+    // some calls only, and `g` (recomputed) then reads the saved `h`.
+    let x = var(&[4, 8], 1, 1.0, DType::F32);
+    let ps: Vec<P> = (0..3)
+        .map(|i| P {
+            w1: var(&[8, 16], 10 + i, 0.3, DType::F32),
+            w2: var(&[16, 8], 20 + i, 0.3, DType::F32),
+        })
+        .collect();
+    let weights = tensor(&[4, 8], 9, 1.0, DType::F32);
+    let step = |plan: &Plan| -> remat_runtime::Result<(usize, Vec<Tensor>)> {
+        let y = plan.scope(|| {
+            let mut h = x.as_tensor().clone();
+            for p in &ps {
+                h = mlp(&h, p)?;
+            }
+            Ok::<_, remat_runtime::RematError>(h)
+        })?;
+        // A stand-in for a measured peak: the bytes the tapes hold, and
+        // more than any of them for plain candle (whose graph holds all).
+        let held = if plan.is_off() {
+            1 << 30
+        } else {
+            MemoryReport::capture().total_bytes()
+        };
+        let g = (y * &weights)?.sum_all()?.backward()?;
+        let mut grads = vec![g.get(&x).unwrap().clone()];
+        for p in &ps {
+            grads.push(g.get(&p.w1).unwrap().clone());
+            grads.push(g.get(&p.w2).unwrap().clone());
+        }
+        Ok((held, grads))
+    };
+    let profile = PeakPlan::profile(|plan| Ok(step(plan)?.0)).unwrap();
+    assert!(profile.candidates().len() >= 3, "{profile}");
+    println!("{profile}");
+    let (_, reference) = step(&Plan::off()).unwrap();
+    for c in profile.candidates() {
+        let (held, grads) = step(&c.plan).unwrap();
+        assert_eq!(held, c.peak, "{}", c.plan);
+        for (a, b) in grads.iter().zip(&reference) {
+            let d = rel_diff(a, b);
+            assert!(d <= 1e-6, "{}: {d:e}", c.plan);
+        }
+    }
+    // Larger requests never get a plan that holds less.
+    let mut last = 0;
+    for c in profile.candidates() {
+        let plan = profile.for_peak(c.peak).unwrap();
+        let (held, _) = step(&plan).unwrap();
+        assert!(held >= last && held <= c.peak);
+        last = held;
+    }
+}

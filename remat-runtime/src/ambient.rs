@@ -10,7 +10,7 @@
 //!
 //! | state | where | holds | set by | undone by |
 //! |---|---|---|---|---|
-//! | `PLAN_SCOPES` | `plan/mod.rs` | the stack of `Plan::scope`s | `Plan::scope` | [`scoped`] pops |
+//! | `PLAN_SCOPES` | `plan/mod.rs` | the stack of `Plan::scope`s | `Plan::scope`, and `Plan::inherit` for a region's block | [`scoped`] pops |
 //! | `RETAIN_DEPTH` | `backward/retain.rs` | how many `retain_tape` calls are running | `retain_tape` | [`scoped`] decrements |
 //! | `LAST_ERROR` | `graph/mod.rs` | the first typed error raised inside candle's backward | the graph's ops | taken by `backward` |
 //! | `FINGERPRINTS_OFF` | `tape/fingerprint.rs` | forwards take no fingerprints for the replay check | `without_fingerprints` | [`scoped`] restores |
@@ -20,6 +20,14 @@
 //! | `RANDOM_STREAMS` | `random.rs` | the stack of statements drawing random numbers | every statement | [`scoped`] pops |
 //! | `CAPTURES_CHECKED` | `tape/recorder.rs` | the regions whose first forward looked for undeclared reads, with the outputs it found to be constants | every region call | only grows (one name per region) |
 //! | `LIVE_CALLS` | `inspect/memory.rs` | the region calls `MemoryReport::capture` sees | every region call | pruned when calls end |
+//! | `SINK` | `backward/optimizer.rs` | the `OptimizerInBackward` whose `backward_step` runs | `backward_step` | [`scoped`] restores |
+//! | `DEPTH` | `backward/optimizer.rs` | how many region backwards run one inside another | `Call::backward` | [`scoped`] decrements |
+//!
+//! Two more are process-wide, not per thread: the claims of live region
+//! calls on their variables (`backward/pending.rs`, counted up by each call
+//! and down when its backward ends or it is dropped), and the call counts
+//! of a plan that decides call by call (`plan/calls.rs`, inside the plan,
+//! reset by `Plan::scope`).
 
 /// Runs `undo` when dropped: on return and on unwinding alike.
 struct Scoped<F: FnOnce()>(Option<F>);

@@ -248,9 +248,9 @@ pub enum RematError {
     /// a peak below that of every plan it measured, full recomputation
     /// included.
     #[error(
-        "no plan keeps the step under {requested} bytes: the lowest measured peak is {lowest} \
-         bytes (full recomputation); lower the batch or the sequence, or update the parameters \
-         in the backward (`OptimizerInBackward`)"
+        "no plan keeps the step under {requested} bytes: the lowest peak measured is {lowest} \
+         bytes; lower the batch or the sequence, or update the parameters in the backward \
+         (`OptimizerInBackward`)"
     )]
     PeakUnreachable {
         /// The peak asked for.

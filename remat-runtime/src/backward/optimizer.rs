@@ -119,6 +119,8 @@ struct State<O> {
     /// A first step has found which parameters get gradients from outside
     /// every region.
     calibrated: bool,
+    /// A region handed over a gradient in this step.
+    offered: bool,
 }
 
 impl<O: Optimizer + Send> Sink for State<O> {
@@ -133,6 +135,7 @@ impl<O: Optimizer + Send> Sink for State<O> {
         // The first step hands every gradient on to candle, which sums
         // them, and keeps the regions' sum to compare (see
         // `backward_step`).
+        self.offered = true;
         let handed_on = (!self.calibrated).then(|| grad.clone());
         p.grad = Some(match p.grad.take() {
             None => grad,
@@ -188,6 +191,16 @@ impl<O: Optimizer + Send> Sink for State<O> {
 /// such a gradient later (or whose outside part was exactly zero in the
 /// first step) is reported by [`RematError::ParameterOutsideRegions`],
 /// after the step.
+///
+/// Code outside every region must not read a parameter's value without a
+/// gradient path to it (`x.matmul(&w.detach())`): its backward runs after
+/// the parameter may have been updated in place, and would read the new
+/// value. Inside regions, a replay that reads an updated parameter is
+/// [`RematError::ParameterChanged`].
+///
+/// A first step in which no region hands over a gradient (under
+/// [`Plan::off`](crate::Plan::off)) updates everything after the backward
+/// and leaves finding the outside readers to the next.
 ///
 /// A backward that fails part of the way (a region's replay diverged, say)
 /// returns the error with the parameters updated before the failure
@@ -283,6 +296,7 @@ where
             params,
             by_id,
             calibrated: false,
+            offered: false,
         };
         Ok(OptimizerInBackward {
             state: Arc::new(Mutex::new(state)),
@@ -295,6 +309,7 @@ where
     pub fn backward_step(&mut self, loss: &Tensor) -> Result<()> {
         {
             let mut state = lock(&self.state);
+            state.offered = false;
             for p in &mut state.params {
                 p.grad = None;
                 p.region = None;
@@ -320,6 +335,10 @@ where
             }
         };
         let calibrating = !state.calibrated;
+        // A step in which no region handed over a gradient (under
+        // `Plan::off`, say) tells nothing about who reads what: the next
+        // one calibrates.
+        let conclusive = state.offered;
         let mut late = None;
         for p in &mut state.params {
             let outside = grads.get(p.var.as_tensor());
@@ -339,11 +358,13 @@ where
             if calibrating {
                 // candle summed every part: a sum that differs from the
                 // regions' has a part from code outside every region.
-                p.outside = match (outside, &p.grad) {
-                    (Some(all), Some(regions)) => differs(all, regions)?,
-                    (Some(_), None) => true,
-                    (None, _) => false,
-                };
+                if conclusive {
+                    p.outside = match (outside, &p.grad) {
+                        (Some(all), Some(regions)) => differs(all, regions)?,
+                        (Some(_), None) => true,
+                        (None, _) => false,
+                    };
+                }
                 p.grad = outside.cloned();
             } else if let Some(g) = outside {
                 p.grad = Some(match p.grad.take() {
@@ -353,7 +374,7 @@ where
             }
             p.step()?;
         }
-        state.calibrated = true;
+        state.calibrated |= conclusive;
         late.map_or(Ok(()), Err)
     }
 

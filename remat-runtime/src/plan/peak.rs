@@ -141,8 +141,10 @@ impl PeakPlan {
         Ok(PeakPlan { candidates })
     }
 
-    /// The fastest measured plan whose step peaked at most `bytes`;
-    /// [`RematError::PeakUnreachable`] when even full recomputation peaks
+    /// The fastest measured plan whose step peaked at most `bytes` (run
+    /// each training step in its own `plan.scope(..)`: the plan counts the
+    /// calls of a region from its scope);
+    /// [`RematError::PeakUnreachable`] when every plan measured peaked
     /// higher.
     pub fn for_peak(&self, bytes: usize) -> Result<Plan> {
         self.candidates

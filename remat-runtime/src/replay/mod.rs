@@ -33,10 +33,17 @@ struct Value {
     /// The unit that produced it; `None` for region inputs and constants.
     unit: Option<usize>,
     requires_grad: bool,
-    /// What statements read. A region input or a ferried output that needs
-    /// gradients is a leaf of its own (a variable): a statement that reads
-    /// it without declaring it then shows in its graph.
+    /// What statements read. A region input that needs gradients is a leaf
+    /// of its own (a variable): a statement that reads it without declaring
+    /// it then shows in its graph. A saved output that needs gradients is
+    /// the saved graph's own output, which the recomputed statements after
+    /// it continue.
     tensor: Tensor,
+    /// The leaf copy later units read, made once and shared by them (saved
+    /// outputs only; other values get one copy per unit).
+    leaf: Option<Tensor>,
+    /// Whether `leaf` is shared.
+    share: bool,
     /// What the backward of the producing unit is seeded on: the value itself
     /// for a recomputed segment, the tracked output kept from the forward for
     /// a saved statement.
@@ -116,6 +123,8 @@ impl Replay {
                     unit: None,
                     requires_grad: r,
                     tensor: t.clone(),
+                    leaf: None,
+                    share: false,
                     target: None,
                     bitwise: true,
                 };
@@ -293,16 +302,22 @@ impl Replay {
                 // Read for its value: a leaf, so that the gradient through it
                 // reaches its unit (one copy, shared by the units reading it).
                 Some(v) if v.requires_grad && v.unit != Some(u) && i < value_inputs => {
+                    let (tensor, shared, share) = (v.tensor.clone(), v.leaf.clone(), v.share);
                     let leaf = match self.open_leaves.get(&t.id()) {
                         Some(leaf) => leaf.clone(),
                         None => {
                             // A value that is a leaf already serves every
                             // unit that reads it: no copy.
-                            let leaf = if v.tensor.is_variable() {
-                                v.tensor.clone()
-                            } else {
-                                make_leaf(&v.tensor)?
+                            let leaf = match (tensor.is_variable(), shared) {
+                                (true, _) => tensor,
+                                (false, Some(leaf)) => leaf,
+                                (false, None) => make_leaf(&tensor)?,
                             };
+                            if share {
+                                if let Some(v) = self.values.get_mut(&t.id()) {
+                                    v.leaf = Some(leaf.clone());
+                                }
+                            }
                             self.open_leaves.insert(t.id(), leaf.clone());
                             self.units[u].add_leaf(t.id(), leaf.clone());
                             self.needed.insert(t.id());
@@ -380,6 +395,8 @@ impl Replay {
                     unit: Some(u),
                     requires_grad: t.track_op(),
                     tensor: t.clone(),
+                    leaf: None,
+                    share: false,
                     target: Some(t.clone()),
                     bitwise,
                 };
@@ -461,11 +478,14 @@ impl Replay {
         for (j, meta) in record.outputs.iter().enumerate() {
             let target = saved.outs.get(j).cloned();
             let requires_grad = target.as_ref().is_some_and(|t| t.track_op());
+            // A parameter returned as it is stays a leaf copy: the sweep
+            // gives a parameter's gradient to the parameter, not to a unit.
             let value = match (saved.ferried.get(j).cloned().flatten(), &target) {
-                (Some(_), Some(tracked)) if requires_grad => {
+                (Some(_), Some(tracked)) if requires_grad && !tracked.is_variable() => {
                     continued = true;
                     tracked.clone()
                 }
+                (Some(ferried), _) if requires_grad => make_leaf(&ferried)?,
                 (Some(ferried), _) => ferried,
                 (None, _) => {
                     let p = placeholder(meta)?;
@@ -479,7 +499,9 @@ impl Replay {
                 Value {
                     unit: Some(u),
                     requires_grad,
+                    share: requires_grad && !value.is_variable(),
                     tensor: value.clone(),
+                    leaf: None,
                     target,
                     bitwise: true,
                 },

@@ -242,3 +242,23 @@ fn a_failed_backward_updates_nothing_after_it() {
         assert_eq!(rel_diff(a, &b), 0.0, "{name}");
     }
 }
+
+#[test]
+fn a_first_step_without_regions_does_not_settle_what_is_updated_where() {
+    let map = VarMap::new();
+    let vb = VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu);
+    let block = Block::new(vb.pp("block"), 8).unwrap();
+    let mut opt = OptimizerInBackward::<AdamW>::from_varmap(&map, params()).unwrap();
+    let x = Tensor::ones((2, 3, 8), DType::F32, &Device::Cpu).unwrap();
+    let mut stepped = Vec::new();
+    for plan in [Plan::off(), Plan::recompute_all(), Plan::recompute_all()] {
+        let loss = plan.scope(|| block.forward(&x)?.sqr()?.mean_all()).unwrap();
+        opt.backward_step(&loss).unwrap();
+        assert!(opt.without_gradient().is_empty());
+        stepped.push(opt.stepped_in_backward());
+    }
+    // Plain candle: no region, every parameter after the backward; the
+    // first step with regions finds who reads what; the next updates all
+    // six inside the backward.
+    assert_eq!(stepped, [0, 0, 6]);
+}

@@ -421,3 +421,35 @@ fn every_plan_a_peak_profile_keeps_gives_plain_candle_s_gradients() {
         last = held;
     }
 }
+
+#[test]
+fn a_saved_statement_returning_a_parameter_as_it_is_counts_its_gradient_once() {
+    // `to_dtype` to its own dtype returns the parameter itself: the saved
+    // output is the parameter, read again by recomputed statements in two
+    // units.
+    for dtype in [DType::F32, DType::F64] {
+        let x = var(&[3], 1, 1.0, dtype);
+        let w = var(&[3], 2, 0.5, dtype);
+        let run = |plan: Plan| {
+            let param = w.clone();
+            let y = plan
+                .scope(|| {
+                    Region::new("r").run(&[x.as_tensor()], move |ctx, ins| {
+                        let w = param.clone();
+                        let wf = ctx.save("wf", &[], move |_| w.to_dtype(dtype))?;
+                        let h1 = ctx.recompute("h1", &[&ins[0], &wf], |t| &t[0] * &t[1])?;
+                        let s2 = ctx.save("s2", &[&h1], |t| t[0].sin())?;
+                        let h2 = ctx.recompute("h2", &[&s2, &wf], |t| &t[0] * &t[1])?;
+                        ctx.recompute("out", &[&h2], |t| t[0].sum_all())
+                    })
+                })
+                .unwrap();
+            let g = y.backward().unwrap();
+            (g.get(&x).unwrap().clone(), g.get(&w).unwrap().clone())
+        };
+        let (gx, gw) = run(Plan::declared());
+        let (rx, rw) = run(Plan::off());
+        assert_eq!(rel_diff(&gw, &rw), 0.0, "{dtype:?}");
+        assert_eq!(rel_diff(&gx, &rx), 0.0, "{dtype:?}");
+    }
+}

@@ -672,6 +672,15 @@ fn run_mlp_stack(x: &candle_core::Var, ws: &[candle_core::Var]) -> remat_runtime
     Ok(h)
 }
 
+/// The [`qwen_layer`]s with parameters `layers`, one after the other.
+fn run_qwen_stack(x: &candle_core::Var, layers: &[[Tensor; 8]]) -> remat_runtime::Result<Tensor> {
+    let mut h = x.as_tensor().clone();
+    for p in layers {
+        h = qwen_layer(&h, p)?;
+    }
+    Ok(h)
+}
+
 /// The parameters of a [`qwen_layer`] of hidden size 32, 4 query heads of
 /// 8 over 2 key/value heads, SwiGLU of 64, drawn from seeds `base + ..`.
 fn qwen_params(base: u64) -> [candle_core::Var; 8] {
@@ -834,13 +843,7 @@ fn exact_peak_with_the_update_in_the_backward() {
         .iter()
         .map(|l| l.clone().map(|v| v.as_tensor().clone()))
         .collect();
-    let run = || {
-        let mut h = xq.as_tensor().clone();
-        for p in &tensors {
-            h = qwen_layer(&h, p)?;
-        }
-        Ok(h)
-    };
+    let run = || run_qwen_stack(&xq, &tensors);
     let (after, inside) = peaks_with_update(&vars, &run);
     println!("three qwen2-style layers, full recompute, AdamW: update after {after}, in the backward {inside}");
     let layer_grads: usize = layers[0].iter().map(|v| v.elem_count() * 4).sum();
@@ -911,13 +914,7 @@ fn exact_peak_of_peak_plans() {
     let layers: Vec<[Tensor; 8]> = (0..3u64)
         .map(|l| qwen_params(100 * l).map(|v| v.as_tensor().clone()))
         .collect();
-    let run = || {
-        let mut h = xq.as_tensor().clone();
-        for p in &layers {
-            h = qwen_layer(&h, p)?;
-        }
-        Ok(h)
-    };
+    let run = || run_qwen_stack(&xq, &layers);
     let rows = peak_plan_requests(&run);
     println!("three qwen2-style layers, peak plan (request, measured): {rows:?}");
     // Ten statements a layer: every request is met within 5% (2% in the

@@ -186,13 +186,20 @@ fn every_parameter_ends_each_step_as_a_plain_optimizer_leaves_it() {
     }
 }
 
-#[test]
-fn a_parameter_read_outside_the_regions_after_the_first_step_is_reported() {
+/// One block `block` of width 8 in its own map, an optimizer of the map
+/// updating in the backward, and an input of ones.
+fn one_block() -> (VarMap, Block, OptimizerInBackward<AdamW>, Tensor) {
     let map = VarMap::new();
     let vb = VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu);
     let block = Block::new(vb.pp("block"), 8).unwrap();
-    let mut opt = OptimizerInBackward::<AdamW>::from_varmap(&map, params()).unwrap();
+    let opt = OptimizerInBackward::<AdamW>::from_varmap(&map, params()).unwrap();
     let x = Tensor::ones((2, 3, 8), DType::F32, &Device::Cpu).unwrap();
+    (map, block, opt, x)
+}
+
+#[test]
+fn a_parameter_read_outside_the_regions_after_the_first_step_is_reported() {
+    let (map, block, mut opt, x) = one_block();
     let step = |opt: &mut OptimizerInBackward<AdamW>, outside: bool| {
         let loss = Plan::recompute_all().scope(|| {
             let y = block.forward(&x)?.sqr()?.mean_all()?;
@@ -225,11 +232,7 @@ fn a_parameter_read_outside_the_regions_after_the_first_step_is_reported() {
 
 #[test]
 fn a_failed_backward_updates_nothing_after_it() {
-    let map = VarMap::new();
-    let vb = VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu);
-    let block = Block::new(vb.pp("block"), 8).unwrap();
-    let mut opt = OptimizerInBackward::<AdamW>::from_varmap(&map, params()).unwrap();
-    let x = Tensor::ones((2, 3, 8), DType::F32, &Device::Cpu).unwrap();
+    let (map, block, mut opt, x) = one_block();
     let loss = Plan::recompute_all()
         .scope(|| block.forward(&x)?.sum_keepdim(D::Minus1)?.mean_all())
         .unwrap();
@@ -245,11 +248,7 @@ fn a_failed_backward_updates_nothing_after_it() {
 
 #[test]
 fn a_first_step_without_regions_does_not_settle_what_is_updated_where() {
-    let map = VarMap::new();
-    let vb = VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu);
-    let block = Block::new(vb.pp("block"), 8).unwrap();
-    let mut opt = OptimizerInBackward::<AdamW>::from_varmap(&map, params()).unwrap();
-    let x = Tensor::ones((2, 3, 8), DType::F32, &Device::Cpu).unwrap();
+    let (map, block, mut opt, x) = one_block();
     let mut stepped = Vec::new();
     for plan in [Plan::off(), Plan::recompute_all(), Plan::recompute_all()] {
         let loss = plan.scope(|| block.forward(&x)?.sqr()?.mean_all()).unwrap();

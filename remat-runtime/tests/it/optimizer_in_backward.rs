@@ -199,7 +199,7 @@ fn one_block() -> (VarMap, Block, OptimizerInBackward<AdamW>, Tensor) {
 
 #[test]
 fn a_parameter_read_outside_the_regions_after_the_first_step_is_reported() {
-    let (map, block, mut opt, x) = one_block();
+    let (_map, block, mut opt, x) = one_block();
     let step = |opt: &mut OptimizerInBackward<AdamW>, outside: bool| {
         let loss = Plan::recompute_all().scope(|| {
             let y = block.forward(&x)?.sqr()?.mean_all()?;
@@ -248,7 +248,7 @@ fn a_failed_backward_updates_nothing_after_it() {
 
 #[test]
 fn a_first_step_without_regions_does_not_settle_what_is_updated_where() {
-    let (map, block, mut opt, x) = one_block();
+    let (_map, block, mut opt, x) = one_block();
     let mut stepped = Vec::new();
     for plan in [Plan::off(), Plan::recompute_all(), Plan::recompute_all()] {
         let loss = plan.scope(|| block.forward(&x)?.sqr()?.mean_all()).unwrap();

@@ -159,6 +159,51 @@ pub struct BlockParams {
     pub heads: usize,
 }
 
+impl BlockParams {
+    /// The attention from the block's input, before its output projection:
+    /// the first norm, the query-key-value projection and causal attention
+    /// as one op ([`nn::qkv_attention`]: the graph keeps `x`; the op keeps
+    /// the projection and releases it in its backward).
+    pub fn attention(&self, x: &Tensor) -> Result<Tensor> {
+        let ln = nn::PreNorm::Layer {
+            gain: &self.ln1.g,
+            bias: &self.ln1.b,
+            eps: 1e-5,
+        };
+        let qkv = &self.attn;
+        nn::qkv_attention(
+            x,
+            Some(ln),
+            &qkv.w.t()?,
+            Some(&qkv.b),
+            self.heads,
+            true,
+            None,
+        )
+    }
+
+    /// `x + gelu(ln2(x) W1 + b1) W2 + b2`, the second norm, the MLP and its
+    /// residual add as one op ([`nn::gelu_mlp`]: the graph keeps `x`; the
+    /// op keeps `ln2(x) W1 + b1` and releases it in its backward).
+    pub fn mlp(&self, x: &Tensor) -> Result<Tensor> {
+        let ln = nn::PreNorm::Layer {
+            gain: &self.ln2.g,
+            bias: &self.ln2.b,
+            eps: 1e-5,
+        };
+        let (fc, out) = (&self.fc, &self.out);
+        nn::gelu_mlp(
+            x,
+            Some(ln),
+            &fc.w.t()?,
+            Some(&fc.b),
+            &out.w.t()?,
+            Some(&out.b),
+            Some(x),
+        )
+    }
+}
+
 /// `(B, T, 3C)` into queries, keys and values of shape `(B, H, T, C/H)`.
 pub fn split_heads(qkv: &Tensor, heads: usize) -> Result<(Tensor, Tensor, Tensor)> {
     let (b, t, c3) = qkv.dims3()?;
@@ -209,15 +254,12 @@ remat! {
     /// statement is annotated: the plan decides, by the names below, what
     /// is saved.
     pub fn block(x: &Tensor, p: &BlockParams) -> Result<Tensor> {
-        // The first norm and the query-key-value projection.
-        let qkv = p.attn.after_norm(x, &p.ln1)?;
-        let att = nn::attention_qkv(&qkv, p.heads, true, None)?;
+        // The first norm, the query-key-value projection and the attention.
+        let att = p.attention(x)?;
         // The residual stream after the attention: `x + att W + b`.
         let proj = p.proj.fused_add(&att, x)?;
-        // The second norm and the MLP's expansion.
-        let fc = p.fc.after_norm(&proj, &p.ln2)?;
-        // The block's output: `proj + gelu(fc) W + b`.
-        let mlp = p.out.gelu_fused_add(&fc, &proj)?;
+        // The second norm, the MLP and its residual add.
+        let mlp = p.mlp(&proj)?;
         Ok(mlp)
     }
 }
@@ -258,7 +300,7 @@ remat! {
 /// block on the bench's shape for one `C x C` matrix product. Saving the
 /// attention matmuls too (PyTorch's "save every matmul") would keep the
 /// `(B, H, T, T)` scores.
-pub const SELECTIVE: &[&str] = &["qkv", "fc", "mlp"];
+pub const SELECTIVE: &[&str] = &["att", "mlp"];
 
 /// How the blocks are checkpointed.
 #[derive(Debug, Clone, Copy, PartialEq)]

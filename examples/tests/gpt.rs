@@ -61,7 +61,7 @@ fn training_smoke_loss_falls_and_every_parameter_trains() {
         .filter(|e| e.region == "block" && e.call == 0)
         .map(|e| e.statement.as_str())
         .collect();
-    assert_eq!(names, ["(inputs)", "qkv", "att", "proj", "fc", "mlp"]);
+    assert_eq!(names, ["(inputs)", "att", "proj", "mlp"]);
 }
 
 /// Largest |a - b| / largest |b|.

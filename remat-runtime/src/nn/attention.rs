@@ -30,7 +30,7 @@ struct AttentionQkv {
 }
 
 /// What the backward reads besides `q`, `k`, `v` and the output.
-struct Residuals {
+pub(super) struct Residuals {
     /// Per query row, `1 / sum_j exp(s_j - max_j s_j)` over its scores `s`,
     /// `(B, H, T, 1)`; 0 for a row that sees no key (every score `-inf`).
     /// The backward recomputes the row's maximum from the scores it
@@ -215,7 +215,7 @@ pub fn attention_qkv(
 }
 
 /// Queries, keys and values `(B, H, T, D)` as views of `qkv` `(B, T, 3 H D)`.
-fn split(qkv: &Tensor, heads: usize) -> Result<(Tensor, Tensor, Tensor)> {
+pub(super) fn split(qkv: &Tensor, heads: usize) -> Result<(Tensor, Tensor, Tensor)> {
     let (b, t, c3) = qkv.dims3()?;
     let parts = qkv.reshape((b, t, 3, heads, c3 / (3 * heads)))?;
     let part = |i: usize| parts.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2);
@@ -333,7 +333,7 @@ impl Mask {
 }
 
 /// The output, `(B, T, H, D)` contiguous, and what the backward reads.
-fn forward(
+pub(super) fn forward(
     op: &str,
     q: &Tensor,
     k: &Tensor,
@@ -525,18 +525,21 @@ struct Grads {
 }
 
 impl Residuals {
-    fn mask_tracked(&self) -> bool {
+    pub(super) fn mask_tracked(&self) -> bool {
         self.mask.as_ref().is_some_and(|m| m.tracked)
     }
 
     /// The gradients for queries, keys and values `(B, H or Hkv, T or S,
     /// D)` and the output and its gradient `(B, T, H, D)` (the nodes'
     /// layout).
+    ///
+    /// `q`, `k` and `v` are taken: views of a projection no one else holds
+    /// are released once their contiguous copies exist.
     fn backward(
         &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
         out: &Tensor,
         dout: &Tensor,
     ) -> Result<Grads> {
@@ -552,11 +555,14 @@ impl Residuals {
                 dmask,
             });
         }
-        let (q, k, v) = (
-            q.detach().contiguous()?,
-            repeat_heads(&k.detach(), self.group)?.contiguous()?,
-            repeat_heads(&v.detach(), self.group)?.contiguous()?,
-        );
+        let (q, k, v) = {
+            let (q0, k0, v0) = (q, k, v);
+            (
+                q0.detach().contiguous()?,
+                repeat_heads(&k0.detach(), self.group)?.contiguous()?,
+                repeat_heads(&v0.detach(), self.group)?.contiguous()?,
+            )
+        };
         let out = out.detach().transpose(1, 2)?;
         let dout = dout.detach().transpose(1, 2)?.contiguous()?;
         // Transposed views: the products read strided operands.
@@ -646,12 +652,16 @@ impl CustomOp3 for Attention {
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         match &self.bundled {
             None => {
-                let g = self.rest.backward(q, second, third, out, dout)?;
+                let g = self
+                    .rest
+                    .backward(q.clone(), second.clone(), third.clone(), out, dout)?;
                 Ok((Some(g.dq), Some(g.dk), Some(g.dv)))
             }
             // `second` is the bundle of `k` and `v`, `third` the mask.
             Some((k, v, slot)) => {
-                let g = self.rest.backward(q, k, v, out, dout)?;
+                let g = self
+                    .rest
+                    .backward(q.clone(), k.clone(), v.clone(), out, dout)?;
                 let kv = slot.put(second, g.dk, g.dv)?;
                 Ok((Some(g.dq), kv, g.dmask))
             }
@@ -662,22 +672,36 @@ impl CustomOp3 for Attention {
 impl AttentionQkv {
     /// The gradient of `qkv` `(B, T, 3 C)`, and of the mask when tracked.
     fn grads(&self, qkv: &Tensor, out: &Tensor, dout: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
-        let (b, t, c3) = qkv.dims3()?;
-        let (q, k, v) = split(&qkv.detach(), self.heads)?;
-        let heads = (b, t, self.heads, c3 / (3 * self.heads));
-        let (out, dout) = (out.reshape(heads)?, dout.reshape(heads)?);
-        let g = self.rest.backward(&q, &k, &v, &out, &dout)?;
-        // Back to `(B, T, 3, H, D)`, the packed layout, in one copy.
-        let packed = Tensor::stack(
-            &[
-                g.dq.transpose(1, 2)?,
-                g.dk.transpose(1, 2)?,
-                g.dv.transpose(1, 2)?,
-            ],
-            2,
-        )?;
-        Ok((packed.reshape((b, t, c3))?, g.dmask))
+        packed_grads(&self.rest, self.heads, qkv.detach(), out, dout)
     }
+}
+
+/// The gradient of the packed projection `qkv` `(B, T, 3 C)` (taken: if
+/// no one else holds it, it is released once the backward has copied its
+/// parts), and of the mask when tracked.
+pub(super) fn packed_grads(
+    rest: &Residuals,
+    heads: usize,
+    qkv: Tensor,
+    out: &Tensor,
+    dout: &Tensor,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let (b, t, c3) = qkv.dims3()?;
+    let (q, k, v) = split(&qkv, heads)?;
+    drop(qkv);
+    let heads = (b, t, heads, c3 / (3 * heads));
+    let (out, dout) = (out.reshape(heads)?, dout.reshape(heads)?);
+    let g = rest.backward(q, k, v, &out, &dout)?;
+    // Back to `(B, T, 3, H, D)`, the packed layout, in one copy.
+    let packed = Tensor::stack(
+        &[
+            g.dq.transpose(1, 2)?,
+            g.dk.transpose(1, 2)?,
+            g.dv.transpose(1, 2)?,
+        ],
+        2,
+    )?;
+    Ok((packed.reshape((b, t, c3))?, g.dmask))
 }
 
 impl CustomOp1 for AttentionQkv {

@@ -35,7 +35,7 @@ const C: f64 = 0.797_884_560_802_865_4; // sqrt(2 / pi)
 const A: f64 = 0.044_715;
 
 /// d gelu / dx.
-fn derivative(x: f64) -> f64 {
+pub(super) fn derivative(x: f64) -> f64 {
     let t = (C * (x + A * x * x * x)).tanh();
     0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * C * (1.0 + 3.0 * A * x * x)
 }

@@ -49,7 +49,7 @@ pub fn layer_norm(x: &Tensor, g: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor
 /// bits lose a row's statistics (as candle's kernels do), the input's
 /// otherwise. The graph still keeps the input as it is; the row
 /// statistics, one or two numbers per row, are kept in this dtype.
-fn work_dtype(dtype: DType) -> DType {
+pub(super) fn work_dtype(dtype: DType) -> DType {
     match dtype {
         DType::BF16 | DType::F16 => DType::F32,
         other => other,

@@ -193,6 +193,234 @@ fn gelu_linear_add() {
     );
 }
 
+/// `residual + gelu(x W1^T + b1) W2^T + b2` with candle's composed ops.
+fn gelu_mlp_composed(t: &[Tensor]) -> Result<Tensor> {
+    let h = t[0].broadcast_matmul(&t[1].t()?)?.broadcast_add(&t[2])?;
+    let y = h
+        .gelu()?
+        .broadcast_matmul(&t[3].t()?)?
+        .broadcast_add(&t[4])?;
+    t[5].add(&y)
+}
+
+#[test]
+fn gelu_mlp() {
+    let op: &Op = &|t| {
+        nn::gelu_mlp(
+            &t[0],
+            None,
+            &t[1],
+            Some(&t[2]),
+            &t[3],
+            Some(&t[4]),
+            Some(&t[5]),
+        )
+    };
+    let shapes: &[&[usize]] = &[&[2, 3, 4], &[8, 4], &[8], &[4, 8], &[4], &[2, 3, 4]];
+    check(op, &gelu_mlp_composed, shapes, &[true; 6], &none);
+    // Frozen parameters: the input and the residual still get theirs.
+    let frozen = [true, false, false, false, false, true];
+    check(op, &gelu_mlp_composed, shapes, &frozen, &none);
+    // 260 rows: the backward runs over chunks of rows (256 and 4).
+    let shapes: &[&[usize]] = &[&[2, 130, 3], &[5, 3], &[5], &[3, 5], &[3], &[2, 130, 3]];
+    check(op, &gelu_mlp_composed, shapes, &[true; 6], &none);
+    // Without biases or residual, and an output wider than the input.
+    let op: &Op = &|t| nn::gelu_mlp(&t[0], None, &t[1], None, &t[2], None, None);
+    let composed: &Op = &|t| t[0].matmul(&t[1].t()?)?.gelu()?.matmul(&t[2].t()?);
+    check(
+        op,
+        composed,
+        &[&[3, 4], &[6, 4], &[5, 6]],
+        &[true; 3],
+        &none,
+    );
+}
+
+/// A layer norm with gain `t[1]` and bias `t[2]`.
+fn layer(t: &[Tensor]) -> nn::PreNorm<'_> {
+    nn::PreNorm::Layer {
+        gain: &t[1],
+        bias: &t[2],
+        eps: 1e-5,
+    }
+}
+
+/// An RMS norm with gain `t[1]`.
+fn rms(t: &[Tensor]) -> nn::PreNorm<'_> {
+    nn::PreNorm::Rms {
+        gain: &t[1],
+        eps: 1e-6,
+    }
+}
+
+#[test]
+fn mlps_with_their_norm() {
+    // `residual + mlp(norm(x))` with the norm inside the node, against
+    // candle's composed norms; the residual is `x`, as in a block.
+    let op: &Op = &|t| {
+        nn::gelu_mlp(
+            &t[0],
+            Some(layer(t)),
+            &t[3],
+            Some(&t[4]),
+            &t[5],
+            None,
+            Some(&t[0]),
+        )
+    };
+    let composed: &Op = &|t| {
+        let n = candle_nn::ops::layer_norm_slow(&t[0], &t[1], &t[2], 1e-5)?;
+        let h = n.broadcast_matmul(&t[3].t()?)?.broadcast_add(&t[4])?;
+        t[0].add(&h.gelu()?.broadcast_matmul(&t[5].t()?)?)
+    };
+    let shapes: &[&[usize]] = &[&[2, 3, 4], &[4], &[4], &[8, 4], &[8], &[4, 8]];
+    check(op, composed, shapes, &[true; 6], &none);
+    let op: &Op = &|t| nn::swiglu_mlp(&t[0], Some(rms(t)), &t[2], &t[3], &t[4], Some(&t[0]));
+    let composed: &Op = &|t| {
+        let n = candle_nn::ops::rms_norm_slow(&t[0], &t[1], 1e-6)?;
+        let gate = candle_nn::ops::silu(&n.broadcast_matmul(&t[2].t()?)?)?;
+        let up = n.broadcast_matmul(&t[3].t()?)?;
+        t[0].add(&(gate * up)?.broadcast_matmul(&t[4].t()?)?)
+    };
+    let shapes: &[&[usize]] = &[&[2, 3, 4], &[4], &[8, 4], &[8, 4], &[4, 8]];
+    check(op, composed, shapes, &[true; 5], &none);
+}
+
+#[test]
+fn gelu_mlp_equals_its_ops_bit_for_bit() {
+    // `layer_norm`, `linear` then `gelu_linear_add`: the same arithmetic in
+    // the same order, so every value and gradient is equal, not close.
+    for (dtype, norm) in [(DType::F32, false), (DType::F64, false), (DType::F32, true)] {
+        let run = |fused: bool| {
+            let shapes: [&[usize]; 7] = [&[2, 5, 6], &[16, 6], &[16], &[6, 16], &[6], &[6], &[6]];
+            let vars: Vec<Var> = shapes
+                .iter()
+                .enumerate()
+                .map(|(i, s)| var(s, 40 + i as u64, 1.0, dtype))
+                .collect();
+            let t: Vec<&Tensor> = vars.iter().map(|v| v.as_tensor()).collect();
+            let pre = nn::PreNorm::Layer {
+                gain: t[5],
+                bias: t[6],
+                eps: 1e-5,
+            };
+            let y = match (fused, norm) {
+                (true, true) => nn::gelu_mlp(
+                    t[0],
+                    Some(pre),
+                    t[1],
+                    Some(t[2]),
+                    t[3],
+                    Some(t[4]),
+                    Some(t[0]),
+                ),
+                (true, false) => {
+                    nn::gelu_mlp(t[0], None, t[1], Some(t[2]), t[3], Some(t[4]), Some(t[0]))
+                }
+                (false, _) => {
+                    let n = if norm {
+                        nn::layer_norm(t[0], t[5], t[6], 1e-5).unwrap()
+                    } else {
+                        t[0].clone()
+                    };
+                    let h = nn::linear(&n, t[1], Some(t[2])).unwrap();
+                    nn::gelu_linear_add(&h, t[3], Some(t[4]), t[0])
+                }
+            }
+            .unwrap();
+            let grads = weighted_loss(&y).backward().unwrap();
+            let mut all = vec![y.flatten_all().unwrap()];
+            let used = if norm { 7 } else { 5 };
+            all.extend(
+                vars[..used]
+                    .iter()
+                    .map(|v| grads.get(v).unwrap().flatten_all().unwrap()),
+            );
+            all
+        };
+        let (fused, ops) = (run(true), run(false));
+        assert_eq!(fused.len(), ops.len());
+        for (i, (a, b)) in fused.iter().zip(&ops).enumerate() {
+            assert_eq!(rel_diff(a, b), 0.0, "{dtype:?}, norm {norm}, tensor {i}");
+        }
+    }
+}
+
+#[test]
+fn swiglu_mlp() {
+    let op: &Op = &|t| nn::swiglu_mlp(&t[0], None, &t[1], &t[2], &t[3], Some(&t[4]));
+    let composed: &Op = &|t| {
+        let gate = candle_nn::ops::silu(&t[0].broadcast_matmul(&t[1].t()?)?)?;
+        let up = t[0].broadcast_matmul(&t[2].t()?)?;
+        t[4].add(&(gate * up)?.broadcast_matmul(&t[3].t()?)?)
+    };
+    let shapes: &[&[usize]] = &[&[2, 3, 4], &[8, 4], &[8, 4], &[4, 8], &[2, 3, 4]];
+    check(op, composed, shapes, &[true; 5], &none);
+    check(
+        op,
+        composed,
+        shapes,
+        &[true, false, true, false, true],
+        &none,
+    );
+    let op: &Op = &|t| nn::swiglu_mlp(&t[0], None, &t[1], &t[2], &t[3], None);
+    let composed: &Op = &|t| {
+        let gate = candle_nn::ops::silu(&t[0].matmul(&t[1].t()?)?)?;
+        (gate * t[0].matmul(&t[2].t()?)?)?.matmul(&t[3].t()?)
+    };
+    check(
+        op,
+        composed,
+        &[&[3, 4], &[6, 4], &[6, 4], &[5, 6]],
+        &[true; 4],
+        &none,
+    );
+}
+
+#[test]
+fn an_mlp_s_second_backward_recomputes_what_the_first_released() {
+    // The first backward takes the kept intermediates and frees them; a
+    // second backward through the same graph must give the same gradients.
+    let vars: Vec<Var> = [&[3usize, 4][..], &[8, 4], &[8, 4], &[4, 8]]
+        .iter()
+        .enumerate()
+        .map(|(i, s)| var(s, 50 + i as u64, 1.0, DType::F32))
+        .collect();
+    let t: Vec<&Tensor> = vars.iter().map(|v| v.as_tensor()).collect();
+    let x3 = t[0].reshape((1, 3, 4)).unwrap();
+    let w3 = Tensor::cat(&[t[1], t[2]], 0)
+        .unwrap()
+        .narrow(0, 0, 12)
+        .unwrap();
+    for y in [
+        nn::qkv_attention(&x3, None, &w3, None, 2, true, None).unwrap(),
+        nn::swiglu_mlp(t[0], None, t[1], t[2], t[3], None).unwrap(),
+        nn::gelu_mlp(t[0], None, t[1], None, t[3], None, Some(t[0])).unwrap(),
+    ] {
+        let loss = weighted_loss(&y);
+        let (first, second) = (loss.backward().unwrap(), loss.backward().unwrap());
+        for v in &vars {
+            if let Some(g) = first.get(v) {
+                assert_eq!(rel_diff(g, second.get(v).unwrap()), 0.0);
+            }
+        }
+    }
+}
+
+#[test]
+fn an_mlp_refuses_a_residual_of_another_shape() {
+    let x = tensor(&[2, 4], 1, 1.0, DType::F32);
+    let w1 = tensor(&[8, 4], 2, 1.0, DType::F32);
+    let w2 = tensor(&[3, 8], 3, 1.0, DType::F32);
+    let err = nn::gelu_mlp(&x, None, &w1, None, &w2, None, Some(&x))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("gelu_mlp") && err.contains("[2, 4]") && err.contains("[2, 3]"),
+        "{err}"
+    );
+}
+
 #[test]
 fn linear_add_refuses_a_residual_of_another_shape() {
     let x = tensor(&[2, 4], 1, 1.0, DType::F32);
@@ -470,6 +698,113 @@ fn attention_over_the_packed_projection() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("20 wide") && err.contains("3 heads"), "{err}");
+}
+
+/// Queries, keys and values `(B, H, T, D)` of a packed `(B, T, 3 H D)`
+/// projection, split with contiguous copies as a model written with
+/// candle's ops does.
+fn split_packed(qkv: &Tensor, heads: usize) -> Result<(Tensor, Tensor, Tensor)> {
+    let (b, n, c3) = qkv.dims3()?;
+    let c = c3 / 3;
+    let part = |i: usize| {
+        qkv.narrow(2, i * c, c)?
+            .reshape((b, n, heads, c / heads))?
+            .transpose(1, 2)?
+            .contiguous()
+    };
+    Ok((part(0)?, part(1)?, part(2)?))
+}
+
+#[test]
+fn qkv_attention() {
+    // The norm, the projection with its bias, causal attention over 2
+    // heads of 3; T = 70 spans two blocks of query rows.
+    let op: &Op = &|t| nn::qkv_attention(&t[0], Some(layer(t)), &t[3], Some(&t[4]), 2, true, None);
+    let composed: &Op = &|t| {
+        let (b, n, c) = t[0].dims3()?;
+        let x = candle_nn::ops::layer_norm_slow(&t[0], &t[1], &t[2], 1e-5)?;
+        let qkv = x.broadcast_matmul(&t[3].t()?)?.broadcast_add(&t[4])?;
+        let (q, k, v) = split_packed(&qkv, 2)?;
+        let y = attention_composed(&q, &k, &v, Some(&causal_mask(n, t[0].dtype())))?;
+        y.transpose(1, 2)?.reshape((b, n, c))
+    };
+    for t in [70, 5] {
+        check(
+            op,
+            composed,
+            &[&[2, t, 6], &[6], &[6], &[18, 6], &[18]],
+            &[true; 5],
+            &none,
+        );
+    }
+    // No norm, no bias; a learned padding mask over the keys gets its
+    // gradient (it travels in the node's bundle).
+    let op: &Op = &|t| nn::qkv_attention(&t[0], None, &t[1], None, 2, false, Some(&t[2]));
+    let composed: &Op = &|t| {
+        let (b, n, c) = t[0].dims3()?;
+        let (q, k, v) = split_packed(&t[0].broadcast_matmul(&t[1].t()?)?, 2)?;
+        let y = attention_composed(&q, &k, &v, Some(&t[2]))?;
+        y.transpose(1, 2)?.reshape((b, n, c))
+    };
+    check(
+        op,
+        composed,
+        &[&[2, 5, 6], &[18, 6], &[5]],
+        &[true; 3],
+        &none,
+    );
+    // Only the weight: the node's second argument is the weight itself.
+    check(
+        op,
+        composed,
+        &[&[2, 5, 6], &[18, 6], &[5]],
+        &[true, true, false],
+        &none,
+    );
+    // A projection that is not three times the heads is refused.
+    let (x, w) = (
+        tensor(&[1, 4, 6], 1, 1.0, DType::F32),
+        tensor(&[20, 6], 2, 1.0, DType::F32),
+    );
+    let err = nn::qkv_attention(&x, None, &w, None, 3, true, None)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("20 wide") && err.contains("3 heads"), "{err}");
+}
+
+#[test]
+fn qkv_attention_equals_its_ops_bit_for_bit() {
+    // `layer_norm`, `linear` and `attention_qkv`: the same arithmetic in
+    // the same order.
+    for dtype in [DType::F32, DType::F64] {
+        let run = |fused: bool| {
+            let shapes: [&[usize]; 5] = [&[2, 70, 8], &[8], &[8], &[24, 8], &[24]];
+            let vars: Vec<Var> = shapes
+                .iter()
+                .enumerate()
+                .map(|(i, s)| var(s, 60 + i as u64, 1.0, dtype))
+                .collect();
+            let t: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+            let y = if fused {
+                nn::qkv_attention(&t[0], Some(layer(&t)), &t[3], Some(&t[4]), 2, true, None)
+            } else {
+                let n = nn::layer_norm(&t[0], &t[1], &t[2], 1e-5).unwrap();
+                let qkv = nn::linear(&n, &t[3], Some(&t[4])).unwrap();
+                nn::attention_qkv(&qkv, 2, true, None)
+            }
+            .unwrap();
+            let grads = weighted_loss(&y).backward().unwrap();
+            let mut all = vec![y.flatten_all().unwrap()];
+            all.extend(
+                vars.iter()
+                    .map(|v| grads.get(v).unwrap().flatten_all().unwrap()),
+            );
+            all
+        };
+        for (i, (a, b)) in run(true).iter().zip(&run(false)).enumerate() {
+            assert_eq!(rel_diff(a, b), 0.0, "{dtype:?}, tensor {i}");
+        }
+    }
 }
 
 #[test]

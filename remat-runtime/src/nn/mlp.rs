@@ -1,0 +1,480 @@
+//! A transformer's MLP as one node whose wide intermediates are released by
+//! its backward as soon as it has read them.
+
+use std::sync::Mutex;
+
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, InplaceOp2, Layout, Result, Shape};
+use candle_core::{Tensor, WithDType};
+
+use super::attach::{forward_computed, Computed};
+use super::bundle::{bundle_all, Slot};
+use super::linear::{output_dims, product, rows};
+use super::prenorm::{Normed, PreNorm};
+
+/// Which MLP.
+#[derive(Clone, Copy)]
+enum Kind {
+    /// `gelu(x W1^T + b1) W2^T + b2`.
+    Gelu { fc_bias: bool, proj_bias: bool },
+    /// `(silu(x Wg^T) * x Wu^T) Wd^T`.
+    Swiglu,
+}
+
+/// The weights (and biases), detached, in the bundle's order.
+struct Weights {
+    kind: Kind,
+    params: Vec<Tensor>,
+}
+
+struct Mlp {
+    out: Computed,
+    /// The norm applied first.
+    norm: Option<Normed>,
+    weights: Weights,
+    residual: bool,
+    slot: Slot,
+    /// The wide intermediates the backward reads (`x W1^T + b1`; or
+    /// `x Wg^T` and `x Wu^T`), taken and released by the first backward;
+    /// a second backward through the same graph recomputes them.
+    kept: Mutex<Option<Vec<Tensor>>>,
+}
+
+/// `residual + gelu(n W1^T + b1) W2^T + b2` with `n = norm(x)`, or `x`
+/// without a norm: a GPT, BERT or ViT MLP (GELU's tanh approximation,
+/// `Tensor::gelu`), the norm before it and its residual add as one node,
+/// with candle-nn's `(out, in)` weights. The graph keeps `x`, the
+/// parameters and the residual; `n` is recomputed in the backward from one
+/// mean and `1/std` per row. The node keeps the wide product
+/// `n W1^T + b1` (four times the residual stream in a GPT block) for its
+/// backward and releases it there, as soon as the backward has read it:
+/// with [`layer_norm_linear`](super::layer_norm_linear) and
+/// [`gelu_linear_add`](super::gelu_linear_add) as two nodes the graph holds
+/// it until the whole backward returns, and candle sums its gradient into a
+/// zero tensor, three such tensors at once. Without a norm, the gradients
+/// equal those of [`linear`](super::linear) and `gelu_linear_add` bit for
+/// bit.
+///
+/// ```
+/// use candle_core::{DType, Device, Var};
+/// let dev = Device::Cpu;
+/// let x = Var::ones((2, 3, 4), DType::F32, &dev)?;
+/// let (w1, b1) = (Var::ones((8, 4), DType::F32, &dev)?, Var::zeros(8, DType::F32, &dev)?);
+/// let (w2, b2) = (Var::ones((4, 8), DType::F32, &dev)?, Var::zeros(4, DType::F32, &dev)?);
+/// let (g, b) = (Var::ones(4, DType::F32, &dev)?, Var::zeros(4, DType::F32, &dev)?);
+/// let norm = remat_runtime::nn::PreNorm::Layer { gain: &g, bias: &b, eps: 1e-5 };
+/// let y = remat_runtime::nn::gelu_mlp(&x, Some(norm), &w1, Some(&b1), &w2, Some(&b2), Some(&x))?;
+/// assert_eq!(y.dims(), &[2, 3, 4]);
+/// let grads = y.sum_all()?.backward()?;
+/// assert!(grads.get(&w1).is_some() && grads.get(&b2).is_some() && grads.get(&g).is_some());
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn gelu_mlp(
+    x: &Tensor,
+    norm: Option<PreNorm>,
+    w1: &Tensor,
+    b1: Option<&Tensor>,
+    w2: &Tensor,
+    b2: Option<&Tensor>,
+    residual: Option<&Tensor>,
+) -> Result<Tensor> {
+    let kind = Kind::Gelu {
+        fc_bias: b1.is_some(),
+        proj_bias: b2.is_some(),
+    };
+    let params = [Some(w1), b1, Some(w2), b2];
+    fused(
+        x,
+        norm,
+        kind,
+        params.into_iter().flatten().collect(),
+        residual,
+    )
+}
+
+/// `residual + (silu(n Wg^T) * n Wu^T) Wd^T` with `n = norm(x)`, or `x`
+/// without a norm: a Llama, Mistral or Qwen2 MLP (`gate_proj`, `up_proj`,
+/// `down_proj` without biases, candle-nn's `(out, in)` weights), the norm
+/// before it (their `post_attention_layernorm`, an RMS norm) and its
+/// residual add as one node. The graph keeps `x`, the weights and the
+/// residual; `n` is recomputed in the backward; the node keeps the gate's and the
+/// up projection's outputs for its backward and releases them there, as
+/// soon as the backward has read them (written as separate ops, the graph
+/// holds them, `silu` of the gate and their product until the whole
+/// backward returns).
+///
+/// ```
+/// use candle_core::{DType, Device, Var};
+/// let dev = Device::Cpu;
+/// let x = Var::ones((2, 4), DType::F32, &dev)?;
+/// let gate = Var::ones((8, 4), DType::F32, &dev)?;
+/// let up = Var::ones((8, 4), DType::F32, &dev)?;
+/// let down = Var::ones((4, 8), DType::F32, &dev)?;
+/// let gain = Var::ones(4, DType::F32, &dev)?;
+/// let norm = remat_runtime::nn::PreNorm::Rms { gain: &gain, eps: 1e-6 };
+/// let y = remat_runtime::nn::swiglu_mlp(&x, Some(norm), &gate, &up, &down, Some(&x))?;
+/// assert_eq!(y.dims(), &[2, 4]);
+/// let grads = y.sum_all()?.backward()?;
+/// assert!(grads.get(&x).is_some() && grads.get(&gate).is_some());
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn swiglu_mlp(
+    x: &Tensor,
+    norm: Option<PreNorm>,
+    gate: &Tensor,
+    up: &Tensor,
+    down: &Tensor,
+    residual: Option<&Tensor>,
+) -> Result<Tensor> {
+    fused(x, norm, Kind::Swiglu, vec![gate, up, down], residual)
+}
+
+fn fused(
+    x: &Tensor,
+    norm: Option<PreNorm>,
+    kind: Kind,
+    params: Vec<&Tensor>,
+    residual: Option<&Tensor>,
+) -> Result<Tensor> {
+    let weights = Weights {
+        kind,
+        params: params.iter().map(|p| p.detach()).collect(),
+    };
+    let dims = output_dims(x, weights.projection())?;
+    if let Some(r) = residual {
+        if r.dims() != dims.as_slice() {
+            let name = match kind {
+                Kind::Gelu { .. } => "gelu_mlp",
+                Kind::Swiglu => "swiglu_mlp",
+            };
+            candle_core::bail!(
+                "{name}: the residual has shape {:?} but the MLP's output has {dims:?}: \
+                 they must be equal",
+                r.dims()
+            );
+        }
+    }
+    let x_rows = x.detach().reshape(rows(x)?)?;
+    let (kept, norm_state) = match &norm {
+        Some(norm) => {
+            let (n, normed) = Normed::forward(norm, &x_rows)?;
+            (weights.intermediates(&n)?, Some(normed))
+        }
+        None => (weights.intermediates(&x_rows)?, None),
+    };
+    let y = weights.forward(&kept)?.reshape(dims)?;
+    let y = match residual {
+        Some(r) => (y + r.detach())?,
+        None => y,
+    };
+    let mut bundled = norm.map(|n| n.params()).unwrap_or_default();
+    bundled.extend(params);
+    bundled.extend(residual);
+    let (pack, slot) = bundle_all(&bundled)?;
+    let op = Mlp {
+        out: Computed::new(y),
+        norm: norm_state,
+        weights,
+        residual: residual.is_some(),
+        slot,
+        kept: Mutex::new(Some(kept)),
+    };
+    x.apply_op2(&pack, op)
+}
+
+impl Weights {
+    /// The last projection's weight, `(out, hidden)`.
+    fn projection(&self) -> &Tensor {
+        match self.kind {
+            Kind::Gelu { fc_bias, .. } => &self.params[1 + usize::from(fc_bias)],
+            Kind::Swiglu => &self.params[2],
+        }
+    }
+
+    /// The wide intermediates from `x` `(rows, in)`, detached.
+    fn intermediates(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        let p = &self.params;
+        match self.kind {
+            Kind::Gelu { fc_bias, .. } => {
+                let b1 = fc_bias.then(|| &p[1]);
+                Ok(vec![product(x, &p[0], b1)?])
+            }
+            Kind::Swiglu => Ok(vec![product(x, &p[0], None)?, product(x, &p[1], None)?]),
+        }
+    }
+
+    /// The output `(rows, out)` from the intermediates, before the residual.
+    fn forward(&self, kept: &[Tensor]) -> Result<Tensor> {
+        let p = &self.params;
+        match self.kind {
+            Kind::Gelu { fc_bias, proj_bias } => {
+                let w2 = &p[1 + usize::from(fc_bias)];
+                let b2 = proj_bias.then(|| &p[2 + usize::from(fc_bias)]);
+                product(&kept[0].gelu()?, w2, b2)
+            }
+            Kind::Swiglu => {
+                let a = (candle_nn::ops::silu(&kept[0])? * &kept[1])?;
+                product(&a, &p[2], None)
+            }
+        }
+    }
+
+    /// The gradients of `x` and of the parameters in the bundle's order,
+    /// for the output's gradient `g` `(rows, out)`.
+    fn grads(
+        &self,
+        n: &dyn Fn() -> Result<Tensor>,
+        mut kept: Vec<Tensor>,
+        g: &Tensor,
+    ) -> Result<(Tensor, Vec<Tensor>)> {
+        let p = &self.params;
+        match self.kind {
+            Kind::Gelu { fc_bias, proj_bias } => {
+                let h = kept.pop().expect("one intermediate");
+                let w2 = &p[1 + usize::from(fc_bias)];
+                let (dw2, dh) = gelu_grads(h, g, w2)?;
+                // `(n^T dh)^T`, not `dh^T n`: the product's transposed
+                // left operand is `n`, not the four times wider `dh`
+                // (candle's CPU product allocates about its size for it).
+                let dw1 = n()?.t()?.matmul(&dh)?.t()?;
+                let dx = dh.matmul(&p[0])?;
+                let mut grads = vec![dw1];
+                if fc_bias {
+                    grads.push(dh.sum(0)?);
+                }
+                drop(dh);
+                grads.push(dw2);
+                if proj_bias {
+                    grads.push(g.sum(0)?);
+                }
+                Ok((dx, grads))
+            }
+            Kind::Swiglu => {
+                let u = kept.pop().expect("two intermediates");
+                let gate = kept.pop().expect("two intermediates");
+                let dwd = {
+                    let a = (candle_nn::ops::silu(&gate)? * &u)?;
+                    g.t()?.matmul(&a)?
+                };
+                let (dgate, dup) = swiglu_grads(&gate, &u, g.matmul(&p[2])?)?;
+                drop((gate, u));
+                let dx = (dgate.matmul(&p[0])? + dup.matmul(&p[1])?)?;
+                let n = n()?;
+                let dwg = n.t()?.matmul(&dgate)?.t()?;
+                let dwu = n.t()?.matmul(&dup)?.t()?;
+                Ok((dx, vec![dwg, dwu, dwd]))
+            }
+        }
+    }
+}
+
+impl CustomOp2 for Mlp {
+    forward_computed!("remat-mlp", s1 l1, s2 l2);
+    fn bwd(
+        &self,
+        x: &Tensor,
+        pack: &Tensor,
+        _: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let x = x.detach();
+        let dy = dy.detach();
+        let g = dy.reshape((dy.elem_count() / dy.dim(candle_core::D::Minus1)?, ()))?;
+        let x2 = x.reshape(rows(&x)?)?;
+        // The normalized input, recomputed when it is read: after the wide
+        // intermediates are released.
+        let n = || match &self.norm {
+            Some(normed) => normed.recompute(&x2),
+            None => Ok(x2.clone()),
+        };
+        let kept = crate::lock(&self.kept).take();
+        let kept = match kept {
+            Some(kept) => kept,
+            None => self.weights.intermediates(&n()?)?,
+        };
+        let (dn, mlp_grads) = self.weights.grads(&n, kept, &g)?;
+        let (dx, mut grads) = match &self.norm {
+            Some(normed) => normed.backward(&x2, &dn)?,
+            None => (dn, Vec::new()),
+        };
+        grads.extend(mlp_grads);
+        if self.residual {
+            grads.push(dy);
+        }
+        Ok((
+            Some(dx.reshape(x.shape())?),
+            self.slot.put_all(pack, grads)?,
+        ))
+    }
+}
+
+/// Rows of `h` per chunk of the GELU MLP's backward: a quarter of them,
+/// and at least [`MIN_CHUNK`].
+fn chunk_rows(rows: usize) -> usize {
+    rows.div_ceil(4).max(MIN_CHUNK)
+}
+
+/// Below this many rows the backward runs in one chunk.
+const MIN_CHUNK: usize = 256;
+
+/// `dW2 = g^T gelu(h)` and `dh = (g W2) * gelu'(h)` from the kept `h`
+/// `(rows, hidden)`, the output's gradient `g` `(rows, out)` and `W2`
+/// `(out, hidden)`.
+///
+/// On a CPU in f32 and f64, `dh` is written over `h` a chunk of rows at a
+/// time: each chunk's `gelu(h)` and `g W2` are the only other wide tensors,
+/// a quarter of `h` each, where the whole `g W2` beside `h` would double
+/// it. `dW2` then sums the chunks' products (the same terms summed in
+/// another order: a few ulps from one product; one chunk below
+/// [`MIN_CHUNK`] rows, as `gelu_linear_add` computes it). Elsewhere, as
+/// `gelu_linear_add` computes it.
+fn gelu_grads(h: Tensor, g: &Tensor, w2: &Tensor) -> Result<(Tensor, Tensor)> {
+    let rows = h.dim(0)?;
+    if !(one_pass(&h) && g.dtype() == h.dtype()) {
+        // `gelu(h)` for `dW2` only, released before `dh`'s tensor exists.
+        let dw2 = g.t()?.matmul(&h.gelu()?)?;
+        let dh = super::gelu::backward(&h, &g.matmul(w2)?)?;
+        return Ok((dw2, dh));
+    }
+    let chunk = chunk_rows(rows);
+    let mut dw2: Option<Tensor> = None;
+    for start in (0..rows).step_by(chunk) {
+        let len = chunk.min(rows - start);
+        let (h_c, g_c) = (h.narrow(0, start, len)?, g.narrow(0, start, len)?);
+        let term = g_c.t()?.matmul(&h_c.gelu()?)?;
+        dw2 = Some(match dw2 {
+            None => term,
+            Some(acc) => (acc + term)?,
+        });
+        let da_c = g_c.matmul(w2)?;
+        // `h`'s rows become `dh`'s: `h` is this node's own (taken from it
+        // or recomputed), read by no one else.
+        h_c.inplace_op2(&da_c, &GeluGradOverInput)?;
+    }
+    let dw2 = dw2.ok_or_else(|| candle_core::Error::Msg("remat nn: an MLP over no rows".into()))?;
+    Ok((dw2, h))
+}
+
+/// `(da * u * silu'(gate), da * silu(gate))`, the second written over `da`
+/// on a CPU in f32 and f64.
+fn swiglu_grads(gate: &Tensor, u: &Tensor, da: Tensor) -> Result<(Tensor, Tensor)> {
+    let same = u.dtype() == gate.dtype() && da.dtype() == gate.dtype();
+    if same && one_pass(gate) && one_pass(u) && one_pass(&da) {
+        let dgate = gate.apply_op3_no_bwd(u, &da, &SwigluGateGrad)?;
+        da.inplace_op2(gate, &SwigluUpGrad)?;
+        return Ok((dgate, da));
+    }
+    let s = candle_nn::ops::sigmoid(gate)?;
+    let dsilu = (&s * ((gate * (1.0 - &s)?)? + 1.0)?)?;
+    let dgate = ((&da * u)? * dsilu)?;
+    let dup = (&da * (gate * &s)?)?;
+    Ok((dgate, dup))
+}
+
+/// Whether the one-pass CPU kernels apply to `t`.
+fn one_pass(t: &Tensor) -> bool {
+    t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64) && t.is_contiguous()
+}
+
+/// The contiguous slice of a CPU storage, by its layout.
+fn slice<'a, T: WithDType>(s: &'a [T], l: &Layout) -> Result<&'a [T]> {
+    let Some((a, b)) = l.contiguous_offsets() else {
+        candle_core::bail!("remat nn: an MLP's backward wants contiguous tensors")
+    };
+    Ok(&s[a..b])
+}
+
+/// `s(x) = 1 / (1 + e^-x)`, in f64.
+fn sigmoid(x: f64) -> f64 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// `h <- da * gelu'(h)`: the GELU's input's gradient, over its input.
+struct GeluGradOverInput;
+
+impl InplaceOp2 for GeluGradOverInput {
+    fn name(&self) -> &'static str {
+        "remat-gelu-grad-over-input"
+    }
+    fn cpu_fwd(&self, h: &mut CpuStorage, lh: &Layout, da: &CpuStorage, ld: &Layout) -> Result<()> {
+        fn pass<T: WithDType>(h: &mut [T], da: &[T]) {
+            for (h, &d) in h.iter_mut().zip(da) {
+                *h = T::from_f64(super::gelu::derivative(h.to_f64()) * d.to_f64());
+            }
+        }
+        let Some((a, b)) = lh.contiguous_offsets() else {
+            candle_core::bail!("remat nn: an MLP's backward wants contiguous tensors")
+        };
+        match (h, da) {
+            (CpuStorage::F32(h), CpuStorage::F32(d)) => pass(&mut h[a..b], slice(d, ld)?),
+            (CpuStorage::F64(h), CpuStorage::F64(d)) => pass(&mut h[a..b], slice(d, ld)?),
+            _ => candle_core::bail!("remat nn: the one-pass MLP backward is for f32 and f64"),
+        }
+        Ok(())
+    }
+}
+
+/// `da <- da * silu(gate)`: the up projection's gradient.
+struct SwigluUpGrad;
+
+impl InplaceOp2 for SwigluUpGrad {
+    fn name(&self) -> &'static str {
+        "remat-swiglu-up-grad"
+    }
+    fn cpu_fwd(&self, da: &mut CpuStorage, ld: &Layout, g: &CpuStorage, lg: &Layout) -> Result<()> {
+        fn pass<T: WithDType>(da: &mut [T], gate: &[T]) {
+            for (d, &x) in da.iter_mut().zip(gate) {
+                let x = x.to_f64();
+                *d = T::from_f64(d.to_f64() * x * sigmoid(x));
+            }
+        }
+        let Some((a, b)) = ld.contiguous_offsets() else {
+            candle_core::bail!("remat nn: an MLP's backward wants contiguous tensors")
+        };
+        match (da, g) {
+            (CpuStorage::F32(d), CpuStorage::F32(g)) => pass(&mut d[a..b], slice(g, lg)?),
+            (CpuStorage::F64(d), CpuStorage::F64(g)) => pass(&mut d[a..b], slice(g, lg)?),
+            _ => candle_core::bail!("remat nn: the one-pass MLP backward is for f32 and f64"),
+        }
+        Ok(())
+    }
+}
+
+/// `da * u * silu'(gate)`: the gate's gradient, in one pass.
+struct SwigluGateGrad;
+
+impl CustomOp3 for SwigluGateGrad {
+    fn name(&self) -> &'static str {
+        "remat-swiglu-gate-grad"
+    }
+    fn cpu_fwd(
+        &self,
+        g: &CpuStorage,
+        lg: &Layout,
+        u: &CpuStorage,
+        lu: &Layout,
+        da: &CpuStorage,
+        ld: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        fn pass<T: WithDType>(gate: &[T], u: &[T], da: &[T]) -> Vec<T> {
+            gate.iter()
+                .zip(u)
+                .zip(da)
+                .map(|((&x, &u), &d)| {
+                    let x = x.to_f64();
+                    let s = sigmoid(x);
+                    T::from_f64(d.to_f64() * u.to_f64() * s * (1.0 + x * (1.0 - s)))
+                })
+                .collect()
+        }
+        let out = match (g, u, da) {
+            (CpuStorage::F32(g), CpuStorage::F32(u), CpuStorage::F32(d)) => {
+                CpuStorage::F32(pass(slice(g, lg)?, slice(u, lu)?, slice(d, ld)?))
+            }
+            (CpuStorage::F64(g), CpuStorage::F64(u), CpuStorage::F64(d)) => {
+                CpuStorage::F64(pass(slice(g, lg)?, slice(u, lu)?, slice(d, ld)?))
+            }
+            _ => candle_core::bail!("remat nn: the one-pass MLP backward is for f32 and f64"),
+        };
+        Ok((out, lg.shape().clone()))
+    }
+}

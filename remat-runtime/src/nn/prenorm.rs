@@ -1,0 +1,141 @@
+//! The norm in front of a fused op (a pre-norm transformer's), computed
+//! inside the op: the graph keeps the op's input, and the normalized input
+//! is recomputed in the backward from one mean and `1/std` per row.
+
+use candle_core::{DType, Result, Tensor, D};
+
+use super::norm::{norm_grads, normalize, renormalize, scale_shift, sum_rows, work_dtype};
+
+/// The norm a fused op applies to its input first: layer norm (gain and
+/// bias) or RMS norm (gain), over the last dimension, as
+/// [`layer_norm`](super::layer_norm) and [`rms_norm`](super::rms_norm)
+/// compute them.
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// let g = Tensor::ones(4, DType::F32, &Device::Cpu)?;
+/// let b = Tensor::zeros(4, DType::F32, &Device::Cpu)?;
+/// let _layer = remat_runtime::nn::PreNorm::Layer { gain: &g, bias: &b, eps: 1e-5 };
+/// let _rms = remat_runtime::nn::PreNorm::Rms { gain: &g, eps: 1e-6 };
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug)]
+pub enum PreNorm<'a> {
+    /// `(x - mean) / sqrt(var + eps) * gain + bias`.
+    Layer {
+        /// Gain, `(C)`.
+        gain: &'a Tensor,
+        /// Bias, `(C)`.
+        bias: &'a Tensor,
+        /// Added to the variance.
+        eps: f64,
+    },
+    /// `x / sqrt(mean(x^2) + eps) * gain`.
+    Rms {
+        /// Gain, `(C)`.
+        gain: &'a Tensor,
+        /// Added to the mean square.
+        eps: f64,
+    },
+}
+
+impl<'a> PreNorm<'a> {
+    /// The norm's parameters, in the order their gradients come back.
+    pub(super) fn params(&self) -> Vec<&'a Tensor> {
+        match *self {
+            PreNorm::Layer { gain, bias, .. } => vec![gain, bias],
+            PreNorm::Rms { gain, .. } => vec![gain],
+        }
+    }
+}
+
+/// A norm applied in a forward: what its backward reads.
+pub(super) struct Normed {
+    gain: Tensor,
+    /// The layer norm's bias; `None` for an RMS norm.
+    bias: Option<Tensor>,
+    /// Per row, `(rows, 1)`; `None` for an RMS norm.
+    mean: Option<Tensor>,
+    /// Per row, `1 / sqrt(var + eps)` or `1 / rms`, `(rows, 1)`.
+    rstd: Tensor,
+    /// The parameters' own dtype (the gradients').
+    dtype: DType,
+}
+
+impl Normed {
+    /// The normalized rows of `x` `(rows, C)` (detached) and what the
+    /// backward reads.
+    /// Computed in f32 for f16 and bf16 inputs, as the norms are.
+    pub fn forward(norm: &PreNorm, x: &Tensor) -> Result<(Tensor, Normed)> {
+        let dtype = x.dtype();
+        let x = &x.to_dtype(work_dtype(dtype))?;
+        let work = x.dtype();
+        let (y, normed) = match *norm {
+            PreNorm::Layer { gain, bias, eps } => {
+                let (xhat, mean, rstd) = normalize(x, eps)?;
+                let (gain, bias) = (gain.detach().to_dtype(work)?, bias.detach().to_dtype(work)?);
+                let y = scale_shift(&xhat, &gain, &bias)?;
+                let normed = Normed {
+                    gain,
+                    bias: Some(bias),
+                    mean: Some(mean),
+                    rstd,
+                    dtype: norm.params()[0].dtype(),
+                };
+                (y, normed)
+            }
+            PreNorm::Rms { gain, eps } => {
+                let rstd = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
+                let gain = gain.detach().to_dtype(work)?;
+                let y = x.broadcast_mul(&rstd)?.broadcast_mul(&gain)?;
+                let normed = Normed {
+                    gain,
+                    bias: None,
+                    mean: None,
+                    rstd,
+                    dtype: norm.params()[0].dtype(),
+                };
+                (y, normed)
+            }
+        };
+        Ok((y.to_dtype(dtype)?, normed))
+    }
+
+    /// `x / std` (centered for a layer norm), recomputed from `x`.
+    fn xhat(&self, x: &Tensor) -> Result<Tensor> {
+        match &self.mean {
+            Some(mean) => renormalize(x, mean, &self.rstd),
+            None => x.to_dtype(self.rstd.dtype())?.broadcast_mul(&self.rstd),
+        }
+    }
+
+    /// The normalized rows, recomputed from `x` as the forward computed
+    /// them.
+    pub fn recompute(&self, x: &Tensor) -> Result<Tensor> {
+        let xhat = self.xhat(x)?;
+        match &self.bias {
+            Some(bias) => scale_shift(&xhat, &self.gain, bias),
+            None => xhat.broadcast_mul(&self.gain),
+        }?
+        .to_dtype(x.dtype())
+    }
+
+    /// The gradients of `x` and of the norm's parameters (gain, then the
+    /// bias of a layer norm) for the gradient `dy` of the normalized rows,
+    /// in `x`'s dtype and the parameters' own.
+    pub fn backward(&self, x: &Tensor, dy: &Tensor) -> Result<(Tensor, Vec<Tensor>)> {
+        let xhat = self.xhat(x)?;
+        let dy = dy.to_dtype(self.rstd.dtype())?;
+        let layer = self.mean.is_some();
+        let (dx, dg) = norm_grads(&xhat, &self.rstd, &self.gain, &dy, layer)?;
+        let mut grads = vec![dg];
+        if layer {
+            grads.push(sum_rows(&dy)?);
+        }
+        let grads = grads
+            .into_iter()
+            .map(|g| g.to_dtype(self.dtype))
+            .collect::<Result<_>>()?;
+        Ok((dx.to_dtype(x.dtype())?, grads))
+    }
+}

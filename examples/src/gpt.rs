@@ -114,8 +114,12 @@ pub fn layer_norm(x: &Tensor, n: &Norm) -> Result<Tensor> {
 /// Which ops the blocks are written with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ops {
-    /// [`remat_runtime::nn`]'s differentiable fused ops.
+    /// [`remat_runtime::nn`]'s differentiable fused ops, a sublayer per op
+    /// ([`block`]).
     Fused,
+    /// [`remat_runtime::nn`]'s differentiable fused ops, a layer per op
+    /// ([`block_layers`]).
+    Layers,
     /// candle's composed ops (`layer_norm_slow`, `softmax`, matmuls).
     Composed,
 }
@@ -124,6 +128,7 @@ impl fmt::Display for Ops {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             Ops::Fused => "fused",
+            Ops::Layers => "layers",
             Ops::Composed => "composed",
         })
     }
@@ -134,8 +139,11 @@ impl FromStr for Ops {
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         match s {
             "fused" => Ok(Ops::Fused),
+            "layers" => Ok(Ops::Layers),
             "composed" => Ok(Ops::Composed),
-            other => Err(format!("unknown ops `{other}`: expected fused or composed")),
+            other => Err(format!(
+                "unknown ops `{other}`: expected fused, layers or composed"
+            )),
         }
     }
 }
@@ -246,6 +254,24 @@ remat! {
         let act = fc.gelu()?;
         let mlp = p.out.forward(&act)?;
         Ok((x + mlp)?)
+    }
+}
+
+remat! {
+    /// [`block`] with [`remat_runtime::nn`]'s ops a layer at a time: the
+    /// graph holds the `(B, T, 3C)` projection and the MLP's `(B, T, 4C)`
+    /// hidden until the backward returns.
+    pub fn block_layers(x: &Tensor, p: &BlockParams) -> Result<Tensor> {
+        // The first norm and the query-key-value projection.
+        let qkv = p.attn.after_norm(x, &p.ln1)?;
+        let att = nn::attention_qkv(&qkv, p.heads, true, None)?;
+        // The residual stream after the attention: `x + att W + b`.
+        let proj = p.proj.fused_add(&att, x)?;
+        // The second norm and the MLP's expansion.
+        let fc = p.fc.after_norm(&proj, &p.ln2)?;
+        // The block's output: `proj + gelu(fc) W + b`.
+        let mlp = p.out.gelu_fused_add(&fc, &proj)?;
+        Ok(mlp)
     }
 }
 
@@ -489,6 +515,11 @@ impl Gpt {
                     x = block(&x, p)?;
                 }
             }
+            Ops::Layers => {
+                for p in &self.blocks {
+                    x = block_layers(&x, p)?;
+                }
+            }
             Ops::Composed => {
                 let mask = causal_mask(ids.dim(1)?, ids.device())?;
                 for p in &self.blocks {
@@ -513,7 +544,7 @@ impl Gpt {
     pub fn loss(&self, ids: &Tensor, targets: &Tensor) -> Result<Tensor> {
         let x = self.trunk(ids)?;
         match self.ops {
-            Ops::Fused => head_loss(&x, &self.ln_f, &self.head, targets),
+            Ops::Fused | Ops::Layers => head_loss(&x, &self.ln_f, &self.head, targets),
             Ops::Composed => head_loss_composed(&x, &self.ln_f, &self.head, targets),
         }
     }

@@ -7,7 +7,8 @@ use candle_core::{Result, Tensor};
 use remat_runtime::Plan;
 
 use crate::gpt::{
-    block, block_composed, causal_mask, embed, head_loss, head_loss_composed, Gpt, Ops,
+    block, block_composed, block_layers, causal_mask, embed, head_loss, head_loss_composed, Gpt,
+    Ops,
 };
 
 /// A counting allocator's readings, as closures (the allocator is the
@@ -88,6 +89,7 @@ pub fn explain(model: &Gpt, ids: &Tensor, targets: &Tensor, m: &Meter) -> Result
     let p = &model.blocks[0];
     let block_graph = match model.ops {
         Ops::Fused => graph(&|x| block(x, p))?,
+        Ops::Layers => graph(&|x| block_layers(x, p))?,
         Ops::Composed => graph(&|x| block_composed(x, p, &mask))?,
     };
     let block_step = {
@@ -96,6 +98,7 @@ pub fn explain(model: &Gpt, ids: &Tensor, targets: &Tensor, m: &Meter) -> Result
         (m.reset)();
         let out = off.scope(|| match model.ops {
             Ops::Fused => block(input.as_tensor(), p),
+            Ops::Layers => block_layers(input.as_tensor(), p),
             Ops::Composed => block_composed(input.as_tensor(), p, &mask),
         })?;
         let grads = out.sum_all()?.backward()?;
@@ -104,7 +107,7 @@ pub fn explain(model: &Gpt, ids: &Tensor, targets: &Tensor, m: &Meter) -> Result
         peak
     };
     let head_graph = match model.ops {
-        Ops::Fused => graph(&|x| head_loss(x, &model.ln_f, &model.head, targets))?,
+        Ops::Fused | Ops::Layers => graph(&|x| head_loss(x, &model.ln_f, &model.head, targets))?,
         Ops::Composed => graph(&|x| head_loss_composed(x, &model.ln_f, &model.head, targets))?,
     };
     Ok(Breakdown {

@@ -22,6 +22,7 @@
 //! | `LIVE_CALLS` | `inspect/memory.rs` | the region calls `MemoryReport::capture` sees | every region call | pruned when calls end |
 //! | `SINK` | `backward/optimizer.rs` | the `OptimizerInBackward` whose `backward_step` runs | `backward_step` | [`scoped`] restores |
 //! | `DEPTH` | `backward/optimizer.rs` | how many region backwards run one inside another | `Call::backward` | [`scoped`] decrements |
+//! | `REPLAYS` | `plan/calls.rs` | how many region replays run (their nested regions are not new calls of a step) | a region's replay | [`scoped`] decrements |
 //!
 //! Two more are process-wide, not per thread: the claims of live region
 //! calls on their variables (`backward/pending.rs`, counted up by each call

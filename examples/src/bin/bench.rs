@@ -52,8 +52,9 @@ usage: cargo run --release -p examples --bin bench -- [flags]
                   and time (--steps steps, interleaved with plain candle)
   --explain-peak true  instead: the peak of a full-recompute step (first of
                --ops) broken down by source, exact bytes (CPU) [false]
-  --ops O,..   fused (remat_runtime::nn's ops) and/or composed (candle's
-               composed ops): every policy runs with each, the first is the
+  --ops O,..   fused (remat_runtime::nn's ops, a sublayer per op), layers
+               (nn's ops, a layer per op) and/or composed (candle's composed
+               ops): every policy runs with each, the first is the
                reference (`none` of it is plain candle) [fused]
   --move-on-cpu true  offloaded residuals move out of the graph and back on a
                CPU too (what a GPU does; measures the bookkeeping) [false]

@@ -218,7 +218,7 @@ impl Call {
             seed,
         );
         // Regions nested in the block run under the plan of the forward too.
-        let replay_outputs = plan.inherit(|| body(&mut ctx, &inputs))?;
+        let replay_outputs = crate::plan::replaying(|| plan.inherit(|| body(&mut ctx, &inputs)))?;
         if replay_outputs.len() != outputs.len() {
             return Err(RematError::OutputCount {
                 region: self.name.clone(),

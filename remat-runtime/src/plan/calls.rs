@@ -2,11 +2,28 @@
 //! saves its own set of statements. Calls are counted from the plan's
 //! [`scope`](super::Plan::scope): a step is one scope.
 
+use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 
 use super::StatementInfo;
+use crate::ambient::scoped;
 use crate::{lock, Policy};
+
+thread_local! {
+    /// How many region replays are running on this thread.
+    static REPLAYS: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Runs a region's replay: the regions nested in its block run again, and
+/// are not calls of the step (the forward counted them).
+pub(crate) fn replaying<R>(f: impl FnOnce() -> R) -> R {
+    scoped(
+        || REPLAYS.with(|d| d.set(d.get() + 1)),
+        || REPLAYS.with(|d| d.set(d.get() - 1)),
+        f,
+    )
+}
 
 /// One call of a region in a step: the region's name and which of its
 /// calls (0 for the first).
@@ -42,6 +59,10 @@ impl PerCall {
     }
 
     pub fn policy(&self, s: &StatementInfo) -> Policy {
+        if REPLAYS.with(Cell::get) > 0 {
+            // A region nested in a replayed block: not a call of the step.
+            return s.declared.unwrap_or(Policy::Recompute);
+        }
         let mut seen = lock(&self.seen);
         let key = (s.region.to_string(), s.name.to_string());
         let k = seen.statements.entry(key).or_insert(0);
@@ -102,5 +123,21 @@ mod tests {
             assert_eq!(calls.len(), 6);
             assert_eq!(calls[2], ("block".to_string(), 1));
         }
+    }
+
+    #[test]
+    fn regions_run_again_by_a_replay_are_not_calls() {
+        let save = HashMap::from([(("inner".to_string(), 1), HashSet::from(["fc".to_string()]))]);
+        let plan = PerCall::new(save);
+        let first = plan.policy(&info("inner", "fc"));
+        // The replay of the block that called it runs it again.
+        let again = replaying(|| plan.policy(&info("inner", "fc")));
+        // The second call of the step is the one that saves.
+        let second = plan.policy(&info("inner", "fc"));
+        assert_eq!(
+            (first, again, second),
+            (Policy::Recompute, Policy::Recompute, Policy::Save)
+        );
+        assert_eq!(plan.calls().len(), 2);
     }
 }

@@ -8,6 +8,7 @@
 
 mod budget;
 mod calls;
+pub(crate) use calls::replaying;
 mod peak;
 mod planner;
 

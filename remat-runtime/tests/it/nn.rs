@@ -356,6 +356,9 @@ fn swiglu_mlp() {
     };
     let shapes: &[&[usize]] = &[&[2, 3, 4], &[8, 4], &[8, 4], &[4, 8], &[2, 3, 4]];
     check(op, composed, shapes, &[true; 5], &none);
+    // 260 rows: the backward runs over chunks of rows (256 and 4).
+    let shapes: &[&[usize]] = &[&[2, 130, 3], &[5, 3], &[5, 3], &[3, 5], &[2, 130, 3]];
+    check(op, composed, shapes, &[true; 5], &none);
     check(
         op,
         composed,

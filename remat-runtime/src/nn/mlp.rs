@@ -278,7 +278,8 @@ impl CustomOp2 for Mlp {
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let x = x.detach();
         let dy = dy.detach();
-        let g = dy.reshape((dy.elem_count() / dy.dim(candle_core::D::Minus1)?, ()))?;
+        let out = dy.dim(candle_core::D::Minus1)?;
+        let g = dy.reshape((dy.elem_count() / out.max(1), out))?;
         let x2 = x.reshape(rows(&x)?)?;
         // The normalized input, recomputed when it is read: after the wide
         // intermediates are released.
@@ -329,7 +330,7 @@ const MIN_CHUNK: usize = 256;
 /// `gelu_linear_add` computes it.
 fn gelu_grads(h: Tensor, g: &Tensor, w2: &Tensor) -> Result<(Tensor, Tensor)> {
     let rows = h.dim(0)?;
-    if !(one_pass(&h) && g.dtype() == h.dtype()) {
+    if rows == 0 || !(one_pass(&h) && g.dtype() == h.dtype()) {
         // `gelu(h)` for `dW2` only, released before `dh`'s tensor exists.
         let dw2 = g.t()?.matmul(&h.gelu()?)?;
         let dh = super::gelu::backward(&h, &g.matmul(w2)?)?;
@@ -369,7 +370,7 @@ fn swiglu_chunks(
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let rows = gate.dim(0)?;
     let same = up.dtype() == gate.dtype() && g.dtype() == gate.dtype();
-    if !(same && one_pass(&gate) && one_pass(&up)) {
+    if rows == 0 || !(same && one_pass(&gate) && one_pass(&up)) {
         let dwd = g.t()?.matmul(&(candle_nn::ops::silu(&gate)? * &up)?)?;
         let (dgate, dup) = swiglu_grads(&gate, &up, g.matmul(wd)?)?;
         return Ok((dwd, dgate, dup));

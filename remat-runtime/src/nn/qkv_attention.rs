@@ -143,7 +143,7 @@ impl CustomOp2 for QkvAttention {
             None => product(&n()?, &self.w, self.b.as_ref())?.reshape((bt, t, self.w.dim(0)?))?,
         };
         let (dqkv, dmask) = packed_grads(&self.rest, self.heads, qkv, out, &dout.detach())?;
-        let dqkv = dqkv.reshape((x2.dim(0)?, ()))?;
+        let dqkv = dqkv.reshape((x2.dim(0)?, self.w.dim(0)?))?;
         // The projection's backward, as `linear`'s.
         let dn = dqkv.matmul(&self.w)?;
         let n = n()?;

@@ -410,6 +410,95 @@ fn an_mlp_s_second_backward_recomputes_what_the_first_released() {
     }
 }
 
+/// The three sublayer ops on the same inputs (norms inside), in `dtype`,
+/// and every input's gradient, in f32.
+fn sublayers(dtype: DType, x_view: bool) -> Vec<Tensor> {
+    let vars: Vec<Var> = [
+        &[2usize, 5, 8][..],
+        &[8],
+        &[8],
+        &[24, 8],
+        &[32, 8],
+        &[8, 32],
+        &[32, 8],
+    ]
+    .iter()
+    .enumerate()
+    .map(|(i, s)| var(s, 80 + i as u64, 1.0, dtype))
+    .collect();
+    let t: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    // A transposed view as the input: the ops must not assume contiguity.
+    let x = if x_view {
+        t[0].transpose(1, 2)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+    } else {
+        t[0].clone()
+    };
+    let ln = nn::PreNorm::Layer {
+        gain: &t[1],
+        bias: &t[2],
+        eps: 1e-5,
+    };
+    let rms = nn::PreNorm::Rms {
+        gain: &t[1],
+        eps: 1e-6,
+    };
+    let att = nn::qkv_attention(&x, Some(ln), &t[3], None, 2, true, None).unwrap();
+    let h = nn::gelu_mlp(&att, Some(ln), &t[4], None, &t[5], None, Some(&x)).unwrap();
+    let y = nn::swiglu_mlp(&h, Some(rms), &t[4], &t[6], &t[5], Some(&h)).unwrap();
+    let loss = weighted_loss(&y.to_dtype(DType::F32).unwrap());
+    let grads = loss.backward().unwrap();
+    let mut all = vec![y.to_dtype(DType::F32).unwrap()];
+    all.extend(
+        vars.iter()
+            .map(|v| grads.get(v).unwrap().to_dtype(DType::F32).unwrap()),
+    );
+    all
+}
+
+#[test]
+fn sublayer_ops_in_half_precision_and_on_views() {
+    let reference = sublayers(DType::F32, false);
+    // A strided input gives the same values and gradients, bit for bit.
+    for (a, b) in sublayers(DType::F32, true).iter().zip(&reference) {
+        assert_eq!(rel_diff(a, b), 0.0);
+    }
+    // bf16 and f16 take the tensor-op paths (the one-pass kernels are for
+    // f32 and f64) and the norms' f32 work dtype: within their precision
+    // (8 and 11 bits of mantissa, over sums of up to 32 terms).
+    for (dtype, tol) in [(DType::BF16, 0.1), (DType::F16, 0.02)] {
+        for (i, (a, b)) in sublayers(dtype, false).iter().zip(&reference).enumerate() {
+            let err = rel_diff(a, b);
+            assert!(err < tol, "{dtype:?}, tensor {i}: {err:e}");
+        }
+    }
+}
+
+#[test]
+fn sublayer_ops_over_no_tokens() {
+    // T = 0: empty outputs and zero gradients, no error.
+    let x = Var::from_tensor(&tensor(&[2, 0, 8], 1, 1.0, DType::F32)).unwrap();
+    let w = Var::from_tensor(&tensor(&[24, 8], 2, 1.0, DType::F32)).unwrap();
+    let (w1, w2) = (
+        tensor(&[32, 8], 3, 1.0, DType::F32),
+        tensor(&[8, 32], 4, 1.0, DType::F32),
+    );
+    let att = nn::qkv_attention(&x, None, &w, None, 2, true, None).unwrap();
+    let y = nn::gelu_mlp(&att, None, &w1, None, &w2, None, Some(&att)).unwrap();
+    let y = nn::swiglu_mlp(&y, None, &w1, &w1, &w2, None).unwrap();
+    assert_eq!(y.dims(), &[2, 0, 8]);
+    let grads = y.sum_all().unwrap().backward().unwrap();
+    assert_eq!(
+        max_abs(&grads.get(&w).unwrap().to_dtype(DType::F64).unwrap()),
+        0.0
+    );
+    assert_eq!(grads.get(&x).unwrap().dims(), &[2, 0, 8]);
+}
+
 #[test]
 fn an_mlp_refuses_a_residual_of_another_shape() {
     let x = tensor(&[2, 4], 1, 1.0, DType::F32);

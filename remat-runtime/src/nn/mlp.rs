@@ -9,7 +9,7 @@ use candle_core::{Tensor, WithDType};
 use super::attach::{forward_computed, Computed};
 use super::bundle::{bundle_all, Slot};
 use super::linear::{output_dims, product, rows};
-use super::prenorm::{Normed, PreNorm};
+use super::prenorm::{norm_backward, normalized, Normed, PreNorm};
 
 /// Which MLP.
 #[derive(Clone, Copy)]
@@ -283,20 +283,14 @@ impl CustomOp2 for Mlp {
         let x2 = x.reshape(rows(&x)?)?;
         // The normalized input, recomputed when it is read: after the wide
         // intermediates are released.
-        let n = || match &self.norm {
-            Some(normed) => normed.recompute(&x2),
-            None => Ok(x2.clone()),
-        };
+        let n = || normalized(self.norm.as_ref(), &x2);
         let kept = crate::lock(&self.kept).take();
         let kept = match kept {
             Some(kept) => kept,
             None => self.weights.intermediates(&n()?)?,
         };
         let (dn, mlp_grads) = self.weights.grads(&n, kept, &g)?;
-        let (dx, mut grads) = match &self.norm {
-            Some(normed) => normed.backward(&x2, &dn)?,
-            None => (dn, Vec::new()),
-        };
+        let (dx, mut grads) = norm_backward(self.norm.as_ref(), &x2, dn)?;
         grads.extend(mlp_grads);
         if self.residual {
             grads.push(dy);
@@ -349,7 +343,7 @@ fn gelu_grads(h: Tensor, g: &Tensor, w2: &Tensor) -> Result<(Tensor, Tensor)> {
         let da_c = g_c.matmul(w2)?;
         // `h`'s rows become `dh`'s: `h` is this node's own (taken from it
         // or recomputed), read by no one else.
-        h_c.inplace_op2(&da_c, &GeluGradOverInput)?;
+        h_c.inplace_op2(&da_c, &GELU_GRAD)?;
     }
     let dw2 = dw2.ok_or_else(|| candle_core::Error::Msg("remat nn: an MLP over no rows".into()))?;
     Ok((dw2, h))
@@ -393,31 +387,11 @@ fn swiglu_chunks(
         });
         let (dgate_c, dup_c) = swiglu_grads(&gate_c, &up_c, g_c.matmul(wd)?)?;
         // `gate` and `up` are this node's own, read by no one else.
-        gate_c.inplace_op2(&dgate_c, &CopyOver)?;
-        up_c.inplace_op2(&dup_c, &CopyOver)?;
+        gate_c.inplace_op2(&dgate_c, &COPY)?;
+        up_c.inplace_op2(&dup_c, &COPY)?;
     }
     let dwd = dwd.ok_or_else(|| candle_core::Error::Msg("remat nn: an MLP over no rows".into()))?;
     Ok((dwd, gate, up))
-}
-
-/// `a <- b`, element by element, for contiguous CPU tensors of one dtype.
-struct CopyOver;
-
-impl InplaceOp2 for CopyOver {
-    fn name(&self) -> &'static str {
-        "remat-copy-over"
-    }
-    fn cpu_fwd(&self, a: &mut CpuStorage, la: &Layout, b: &CpuStorage, lb: &Layout) -> Result<()> {
-        let Some((s, e)) = la.contiguous_offsets() else {
-            candle_core::bail!("remat nn: an MLP's backward wants contiguous tensors")
-        };
-        match (a, b) {
-            (CpuStorage::F32(a), CpuStorage::F32(b)) => a[s..e].copy_from_slice(slice(b, lb)?),
-            (CpuStorage::F64(a), CpuStorage::F64(b)) => a[s..e].copy_from_slice(slice(b, lb)?),
-            _ => candle_core::bail!("remat nn: the one-pass MLP backward is for f32 and f64"),
-        }
-        Ok(())
-    }
 }
 
 /// `(da * u * silu'(gate), da * silu(gate))`, the second written over `da`
@@ -426,7 +400,7 @@ fn swiglu_grads(gate: &Tensor, u: &Tensor, da: Tensor) -> Result<(Tensor, Tensor
     let same = u.dtype() == gate.dtype() && da.dtype() == gate.dtype();
     if same && one_pass(gate) && one_pass(u) && one_pass(&da) {
         let dgate = gate.apply_op3_no_bwd(u, &da, &SwigluGateGrad)?;
-        da.inplace_op2(gate, &SwigluUpGrad)?;
+        da.inplace_op2(gate, &SWIGLU_UP_GRAD)?;
         return Ok((dgate, da));
     }
     let s = candle_nn::ops::sigmoid(gate)?;
@@ -454,51 +428,47 @@ fn sigmoid(x: f64) -> f64 {
     1.0 / (1.0 + (-x).exp())
 }
 
-/// `h <- da * gelu'(h)`: the GELU's input's gradient, over its input.
-struct GeluGradOverInput;
-
-impl InplaceOp2 for GeluGradOverInput {
-    fn name(&self) -> &'static str {
-        "remat-gelu-grad-over-input"
-    }
-    fn cpu_fwd(&self, h: &mut CpuStorage, lh: &Layout, da: &CpuStorage, ld: &Layout) -> Result<()> {
-        fn pass<T: WithDType>(h: &mut [T], da: &[T]) {
-            for (h, &d) in h.iter_mut().zip(da) {
-                *h = T::from_f64(super::gelu::derivative(h.to_f64()) * d.to_f64());
-            }
-        }
-        let Some((a, b)) = lh.contiguous_offsets() else {
-            candle_core::bail!("remat nn: an MLP's backward wants contiguous tensors")
-        };
-        match (h, da) {
-            (CpuStorage::F32(h), CpuStorage::F32(d)) => pass(&mut h[a..b], slice(d, ld)?),
-            (CpuStorage::F64(h), CpuStorage::F64(d)) => pass(&mut h[a..b], slice(d, ld)?),
-            _ => candle_core::bail!("remat nn: the one-pass MLP backward is for f32 and f64"),
-        }
-        Ok(())
-    }
+/// `a <- f(a, b)` element by element (computed in f64), over contiguous CPU
+/// tensors of one dtype, f32 or f64.
+struct Over {
+    name: &'static str,
+    f: fn(f64, f64) -> f64,
 }
 
-/// `da <- da * silu(gate)`: the up projection's gradient.
-struct SwigluUpGrad;
+/// `h <- da * gelu'(h)`: the GELU's input's gradient, over its input.
+const GELU_GRAD: Over = Over {
+    name: "remat-gelu-grad-over-input",
+    f: |h, da| super::gelu::derivative(h) * da,
+};
 
-impl InplaceOp2 for SwigluUpGrad {
+/// `da <- da * silu(gate)`: the up projection's gradient.
+const SWIGLU_UP_GRAD: Over = Over {
+    name: "remat-swiglu-up-grad",
+    f: |da, gate| da * gate * sigmoid(gate),
+};
+
+/// `a <- b`.
+const COPY: Over = Over {
+    name: "remat-copy-over",
+    f: |_, b| b,
+};
+
+impl InplaceOp2 for Over {
     fn name(&self) -> &'static str {
-        "remat-swiglu-up-grad"
+        self.name
     }
-    fn cpu_fwd(&self, da: &mut CpuStorage, ld: &Layout, g: &CpuStorage, lg: &Layout) -> Result<()> {
-        fn pass<T: WithDType>(da: &mut [T], gate: &[T]) {
-            for (d, &x) in da.iter_mut().zip(gate) {
-                let x = x.to_f64();
-                *d = T::from_f64(d.to_f64() * x * sigmoid(x));
+    fn cpu_fwd(&self, a: &mut CpuStorage, la: &Layout, b: &CpuStorage, lb: &Layout) -> Result<()> {
+        fn pass<T: WithDType>(a: &mut [T], b: &[T], f: fn(f64, f64) -> f64) {
+            for (a, &b) in a.iter_mut().zip(b) {
+                *a = T::from_f64(f(a.to_f64(), b.to_f64()));
             }
         }
-        let Some((a, b)) = ld.contiguous_offsets() else {
+        let Some((s, e)) = la.contiguous_offsets() else {
             candle_core::bail!("remat nn: an MLP's backward wants contiguous tensors")
         };
-        match (da, g) {
-            (CpuStorage::F32(d), CpuStorage::F32(g)) => pass(&mut d[a..b], slice(g, lg)?),
-            (CpuStorage::F64(d), CpuStorage::F64(g)) => pass(&mut d[a..b], slice(g, lg)?),
+        match (a, b) {
+            (CpuStorage::F32(a), CpuStorage::F32(b)) => pass(&mut a[s..e], slice(b, lb)?, self.f),
+            (CpuStorage::F64(a), CpuStorage::F64(b)) => pass(&mut a[s..e], slice(b, lb)?, self.f),
             _ => candle_core::bail!("remat nn: the one-pass MLP backward is for f32 and f64"),
         }
         Ok(())

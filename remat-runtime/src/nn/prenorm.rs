@@ -139,3 +139,25 @@ impl Normed {
         Ok((dx.to_dtype(x.dtype())?, grads))
     }
 }
+
+/// `x`'s rows normalized as `norm`'s forward did (`x` itself without a
+/// norm).
+pub(super) fn normalized(norm: Option<&Normed>, x: &Tensor) -> Result<Tensor> {
+    match norm {
+        Some(normed) => normed.recompute(x),
+        None => Ok(x.clone()),
+    }
+}
+
+/// The gradient of `x` and of the norm's parameters for the gradient `dn`
+/// of its normalized rows (`dn` itself and none without a norm).
+pub(super) fn norm_backward(
+    norm: Option<&Normed>,
+    x: &Tensor,
+    dn: Tensor,
+) -> Result<(Tensor, Vec<Tensor>)> {
+    match norm {
+        Some(normed) => normed.backward(x, &dn),
+        None => Ok((dn, Vec::new())),
+    }
+}

@@ -9,7 +9,7 @@ use super::attach::{forward_computed, Computed};
 use super::attention::{forward, packed_grads, split, Residuals};
 use super::bundle::{bundle_all, Slot};
 use super::linear::{product, rows};
-use super::prenorm::{Normed, PreNorm};
+use super::prenorm::{norm_backward, normalized, Normed, PreNorm};
 
 struct QkvAttention {
     out: Computed,
@@ -133,10 +133,7 @@ impl CustomOp2 for QkvAttention {
         let x2 = x.reshape(rows(&x)?)?;
         // The normalized input, recomputed when it is read: after the
         // projection is released.
-        let n = || match &self.norm {
-            Some(normed) => normed.recompute(&x2),
-            None => Ok(x2.clone()),
-        };
+        let n = || normalized(self.norm.as_ref(), &x2);
         let kept = crate::lock(&self.kept).take();
         let qkv = match kept {
             Some(qkv) => qkv,
@@ -152,10 +149,7 @@ impl CustomOp2 for QkvAttention {
         let dw = n.t()?.matmul(&dqkv)?.t()?;
         let db = self.b.as_ref().map(|_| dqkv.sum(0)).transpose()?;
         drop((dqkv, n));
-        let (dx, mut grads) = match &self.norm {
-            Some(normed) => normed.backward(&x2, &dn)?,
-            None => (dn, Vec::new()),
-        };
+        let (dx, mut grads) = norm_backward(self.norm.as_ref(), &x2, dn)?;
         grads.push(dw);
         grads.extend(db);
         grads.extend(dmask);

@@ -157,14 +157,21 @@ pub(super) fn product(a: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tens
 /// The shape of `x W^T`: `x`'s, with `w`'s `out` as the last dimension.
 pub(super) fn output_dims(x: &Tensor, w: &Tensor) -> Result<Vec<usize>> {
     let mut dims = x.dims().to_vec();
-    *dims.last_mut().expect("rank >= 1") = w.dim(0)?;
+    match dims.last_mut() {
+        Some(last) => *last = w.dim(0)?,
+        None => candle_core::bail!(
+            "remat nn: the input is a scalar; a linear layer reads (.., {}) rows",
+            w.dim(candle_core::D::Minus1)?
+        ),
+    }
     Ok(dims)
 }
 
 /// `(rows, in)` of `x`, flattened over all but the last dimension.
 pub(super) fn rows(x: &Tensor) -> Result<(usize, usize)> {
     let input = x.dim(candle_core::D::Minus1)?;
-    Ok((x.elem_count() / input.max(1), input))
+    let dims = x.dims();
+    Ok((dims[..dims.len() - 1].iter().product(), input))
 }
 
 impl Linear {

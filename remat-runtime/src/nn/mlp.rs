@@ -278,9 +278,8 @@ impl CustomOp2 for Mlp {
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let x = x.detach();
         let dy = dy.detach();
-        let out = dy.dim(candle_core::D::Minus1)?;
-        let g = dy.reshape((dy.elem_count() / out.max(1), out))?;
         let x2 = x.reshape(rows(&x)?)?;
+        let g = dy.reshape((x2.dim(0)?, dy.dim(candle_core::D::Minus1)?))?;
         // The normalized input, recomputed when it is read: after the wide
         // intermediates are released.
         let n = || normalized(self.norm.as_ref(), &x2);

@@ -58,8 +58,8 @@ pub(super) struct Normed {
     mean: Option<Tensor>,
     /// Per row, `1 / sqrt(var + eps)` or `1 / rms`, `(rows, 1)`.
     rstd: Tensor,
-    /// The parameters' own dtype (the gradients').
-    dtype: DType,
+    /// The parameters' own dtypes (the gradients'), gain first.
+    dtypes: Vec<DType>,
 }
 
 impl Normed {
@@ -80,7 +80,7 @@ impl Normed {
                     bias: Some(bias),
                     mean: Some(mean),
                     rstd,
-                    dtype: norm.params()[0].dtype(),
+                    dtypes: norm.params().iter().map(|p| p.dtype()).collect(),
                 };
                 (y, normed)
             }
@@ -93,7 +93,7 @@ impl Normed {
                     bias: None,
                     mean: None,
                     rstd,
-                    dtype: norm.params()[0].dtype(),
+                    dtypes: norm.params().iter().map(|p| p.dtype()).collect(),
                 };
                 (y, normed)
             }
@@ -134,7 +134,8 @@ impl Normed {
         }
         let grads = grads
             .into_iter()
-            .map(|g| g.to_dtype(self.dtype))
+            .zip(&self.dtypes)
+            .map(|(g, &dtype)| g.to_dtype(dtype))
             .collect::<Result<_>>()?;
         Ok((dx.to_dtype(x.dtype())?, grads))
     }

@@ -500,6 +500,49 @@ fn sublayer_ops_over_no_tokens() {
 }
 
 #[test]
+fn sublayer_ops_at_the_edges() {
+    // A scalar input is an error, not a panic.
+    let s = tensor(&[], 1, 1.0, DType::F32);
+    let (w1, w2) = (
+        tensor(&[4, 1], 2, 1.0, DType::F32),
+        tensor(&[1, 4], 3, 1.0, DType::F32),
+    );
+    let err = nn::gelu_mlp(&s, None, &w1, None, &w2, None, None)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("scalar"), "{err}");
+    // An output of width 0, and an input of width 0: empty outputs, zero
+    // gradients, as candle's ops give.
+    let x = Var::from_tensor(&tensor(&[2, 3, 4], 4, 1.0, DType::F32)).unwrap();
+    let w1 = Var::from_tensor(&tensor(&[8, 4], 5, 1.0, DType::F32)).unwrap();
+    let w2 = Var::zeros((0, 8), DType::F32, x.device()).unwrap();
+    let y = nn::gelu_mlp(&x, None, &w1, None, &w2, None, None).unwrap();
+    assert_eq!(y.dims(), &[2, 3, 0]);
+    let grads = y.sum_all().unwrap().backward().unwrap();
+    let g = grads.get(&w1).unwrap().to_dtype(DType::F64).unwrap();
+    assert_eq!(max_abs(&g), 0.0);
+    let x0 = Var::zeros((2, 3, 0), DType::F32, x.device()).unwrap();
+    let w0 = Var::zeros((8, 0), DType::F32, x.device()).unwrap();
+    let w2 = Var::from_tensor(&tensor(&[5, 8], 6, 1.0, DType::F32)).unwrap();
+    let y = nn::gelu_mlp(&x0, None, &w0, None, &w2, None, None).unwrap();
+    assert_eq!(y.dims(), &[2, 3, 5]);
+    let grads = y.sum_all().unwrap().backward().unwrap();
+    assert_eq!(grads.get(&x0).unwrap().dims(), &[2, 3, 0]);
+    // A norm whose gain and bias differ in dtype: each gradient in its own.
+    let g = Var::ones(4, DType::F32, x.device()).unwrap();
+    let b = Var::zeros(4, DType::BF16, x.device()).unwrap();
+    let norm = nn::PreNorm::Layer {
+        gain: &g,
+        bias: &b,
+        eps: 1e-5,
+    };
+    let y = nn::gelu_mlp(&x, Some(norm), &w1, None, &w1.t().unwrap(), None, None).unwrap();
+    let grads = y.sum_all().unwrap().backward().unwrap();
+    assert_eq!(grads.get(&g).unwrap().dtype(), DType::F32);
+    assert_eq!(grads.get(&b).unwrap().dtype(), DType::BF16);
+}
+
+#[test]
 fn an_mlp_refuses_a_residual_of_another_shape() {
     let x = tensor(&[2, 4], 1, 1.0, DType::F32);
     let w1 = tensor(&[8, 4], 2, 1.0, DType::F32);

@@ -13,15 +13,15 @@
 //! | [`linear`] | nothing | also the product before the bias |
 //! | [`linear_add`] (`residual + x W^T + b`) | nothing | also the product, and the sum before the bias |
 //! | [`gelu_linear_add`] (`residual + gelu(x) W^T + b`) | nothing (`gelu(x)` is recomputed) | also `gelu(x)` (four times the residual stream in a GPT MLP) and the product |
-//! | [`gelu_mlp`] (`residual + gelu(x W1^T + b1) W2^T + b2`) | `x W1^T + b1`, released by its backward as soon as read | `x W1^T + b1`, `gelu` of it and the product, all held until the whole backward returns |
-//! | [`swiglu_mlp`] (`residual + (silu(x Wg^T) * x Wu^T) Wd^T`) | `x Wg^T` and `x Wu^T`, released by its backward as soon as read | those two, `silu` of the gate and their product, all held until the whole backward returns |
+//! | [`gelu_mlp`] (`residual + gelu(n W1^T + b1) W2^T + b2`, `n` = [`PreNorm`] of `x` or `x`) | `n W1^T + b1`, released by its backward as soon as read; the norm's statistics (`n` is recomputed) | `x W1^T + b1`, `gelu` of it and the product, all held until the whole backward returns |
+//! | [`swiglu_mlp`] (`residual + (silu(n Wg^T) * n Wu^T) Wd^T`) | `n Wg^T` and `n Wu^T`, released by its backward as soon as read; the norm's statistics | those two, `silu` of the gate and their product, all held until the whole backward returns |
 //! | [`layer_norm`] | mean and 1/std per row | about eight full-size tensors |
 //! | [`layer_norm_linear`] (`layer_norm(x) W^T + b`) | mean and 1/std per row (the normalized input is recomputed) | the norm's eight tensors, its output and the product |
 //! | [`rms_norm`] | 1/rms per row | about five full-size tensors |
 //! | [`softmax_last_dim`] | its output | (no backward in candle) |
 //! | [`attention`] | output, one normalizer (1 / sum of exponentials) per row | scores and probabilities, `(B, H, T, T)` each |
 //! | [`attention_qkv`] (over the packed `(B, T, 3C)` projection) | output, one normalizer (1 / sum of exponentials) per row | the same, and its backward builds a zero-padded `(B, T, 3C)` gradient for each of q, k, v |
-//! | [`qkv_attention`] (`attention_qkv(norm(x) W^T + b)`) | the projection, released by its backward as soon as copied; one normalizer per row | the projection and its gradient's zero-padded copies, all held until the whole backward returns |
+//! | [`qkv_attention`] (`attention_qkv(n W^T + b)`) | the projection, released by its backward as soon as copied; one normalizer per row; the norm's statistics | the projection and its gradient's zero-padded copies, all held until the whole backward returns |
 //! | [`cross_entropy`] | log-sum-exp per row | log-probabilities and more, `(N, V)` each |
 //! | [`rope`], [`rope_i`] | nothing (the rotation's tables) | (no backward in candle) |
 //! | [`swiglu`] | nothing | `silu(a)` and the sigmoid |

@@ -611,6 +611,19 @@ fn mlp_block(x: &Tensor, w1: &Tensor, w2: &Tensor) -> remat_runtime::Result<Tens
 /// A Qwen2-style decoder layer on `nn`'s ops: RMS norms, grouped-query
 /// attention (4 query heads over 2 key/value heads), SwiGLU.
 fn qwen_layer(x: &Tensor, p: &[Tensor; 8]) -> remat_runtime::Result<Tensor> {
+    qwen_layer_with::<false>(x, p)
+}
+
+/// [`qwen_layer`], its MLP as four statements (`h#2`, `gate_up`, `mlp`,
+/// `down`) or, with `MLP_NODE`, as one (`mlp`: `nn::swiglu_mlp` with its
+/// RMS norm; `wgu` split into the gate's and the up projection's weights).
+/// (A const parameter: the block captures nothing more than the
+/// parameters, so the pinned bytes of [`qwen_layer`] stay its own.)
+fn qwen_layer_with<const MLP_NODE: bool>(
+    x: &Tensor,
+    p: &[Tensor; 8],
+) -> remat_runtime::Result<Tensor> {
+    use remat_runtime::nn;
     let p = p.clone();
     Region::new("qwen_layer").run(&[x], move |ctx, ins| {
         let (b, t, _) = ins[0].dims3()?;
@@ -618,35 +631,34 @@ fn qwen_layer(x: &Tensor, p: &[Tensor; 8]) -> remat_runtime::Result<Tensor> {
             y.reshape((b, t, h, ()))?.transpose(1, 2)
         };
         let [g1, wq, wk, wv, wo, g2, wgu, wd] = &p;
-        let h = ctx.open("h", &[&ins[0]], |a| {
-            remat_runtime::nn::rms_norm(&a[0], g1, 1e-6)
-        })?;
-        let q = ctx.open("q", &[&h], |a| {
-            heads(&remat_runtime::nn::linear(&a[0], wq, None)?, 4)
-        })?;
-        let k = ctx.open("k", &[&h], |a| {
-            heads(&remat_runtime::nn::linear(&a[0], wk, None)?, 2)
-        })?;
-        let v = ctx.open("v", &[&h], |a| {
-            heads(&remat_runtime::nn::linear(&a[0], wv, None)?, 2)
-        })?;
+        let h = ctx.open("h", &[&ins[0]], |a| nn::rms_norm(&a[0], g1, 1e-6))?;
+        let q = ctx.open("q", &[&h], |a| heads(&nn::linear(&a[0], wq, None)?, 4))?;
+        let k = ctx.open("k", &[&h], |a| heads(&nn::linear(&a[0], wk, None)?, 2))?;
+        let v = ctx.open("v", &[&h], |a| heads(&nn::linear(&a[0], wv, None)?, 2))?;
         let attn = ctx.open("attn", &[&q, &k, &v], |a| {
-            remat_runtime::nn::attention(&a[0], &a[1], &a[2], true, None)?
+            nn::attention(&a[0], &a[1], &a[2], true, None)?
                 .transpose(1, 2)?
                 .reshape((b, t, ()))
         })?;
         let xs = ctx.open("o", &[&attn, &ins[0]], |a| {
-            remat_runtime::nn::linear_add(&a[0], wo, None, &a[1])
+            nn::linear_add(&a[0], wo, None, &a[1])
         })?;
-        let h2 = ctx.open("h#2", &[&xs], |a| {
-            remat_runtime::nn::rms_norm(&a[0], g2, 1e-6)
-        })?;
-        let gu = ctx.open("gate_up", &[&h2], |a| {
-            remat_runtime::nn::linear(&a[0], wgu, None)
-        })?;
-        let mlp = ctx.open("mlp", &[&gu], |a| remat_runtime::nn::swiglu(&a[0]))?;
+        if MLP_NODE {
+            let half = wgu.dim(0)? / 2;
+            let (wg, wu) = (wgu.narrow(0, 0, half)?, wgu.narrow(0, half, half)?);
+            return ctx.open("mlp", &[&xs], |a| {
+                let norm = nn::PreNorm::Rms {
+                    gain: g2,
+                    eps: 1e-6,
+                };
+                nn::swiglu_mlp(&a[0], Some(norm), &wg, &wu, wd, Some(&a[0]))
+            });
+        }
+        let h2 = ctx.open("h#2", &[&xs], |a| nn::rms_norm(&a[0], g2, 1e-6))?;
+        let gu = ctx.open("gate_up", &[&h2], |a| nn::linear(&a[0], wgu, None))?;
+        let mlp = ctx.open("mlp", &[&gu], |a| nn::swiglu(&a[0]))?;
         ctx.open("down", &[&mlp, &xs], |a| {
-            remat_runtime::nn::linear_add(&a[0], wd, None, &a[1])
+            nn::linear_add(&a[0], wd, None, &a[1])
         })
     })
 }
@@ -1005,42 +1017,6 @@ fn gpt_params(base: u64) -> [Tensor; 12] {
     ]
 }
 
-/// A Qwen2-style layer whose MLP is one node: [`qwen_layer`] with
-/// `h#2`, `gate_up`, `mlp` and `down` as one statement (`nn::swiglu_mlp`
-/// with its RMS norm). `wgu` is split into the gate's and the up
-/// projection's weights.
-fn qwen_layer_sublayer_mlp(x: &Tensor, p: &[Tensor; 8]) -> remat_runtime::Result<Tensor> {
-    use remat_runtime::nn;
-    let p = p.clone();
-    Region::new("qwen_layer").run(&[x], move |ctx, ins| {
-        let (b, t, _) = ins[0].dims3()?;
-        let heads = |y: &Tensor, h: usize| -> candle_core::Result<Tensor> {
-            y.reshape((b, t, h, ()))?.transpose(1, 2)
-        };
-        let [g1, wq, wk, wv, wo, g2, wgu, wd] = &p;
-        let (wg, wu) = (wgu.narrow(0, 0, 32)?, wgu.narrow(0, 32, 32)?);
-        let h = ctx.open("h", &[&ins[0]], |a| nn::rms_norm(&a[0], g1, 1e-6))?;
-        let q = ctx.open("q", &[&h], |a| heads(&nn::linear(&a[0], wq, None)?, 4))?;
-        let k = ctx.open("k", &[&h], |a| heads(&nn::linear(&a[0], wk, None)?, 2))?;
-        let v = ctx.open("v", &[&h], |a| heads(&nn::linear(&a[0], wv, None)?, 2))?;
-        let attn = ctx.open("attn", &[&q, &k, &v], |a| {
-            nn::attention(&a[0], &a[1], &a[2], true, None)?
-                .transpose(1, 2)?
-                .reshape((b, t, ()))
-        })?;
-        let xs = ctx.open("o", &[&attn, &ins[0]], |a| {
-            nn::linear_add(&a[0], wo, None, &a[1])
-        })?;
-        ctx.open("mlp", &[&xs], |a| {
-            let norm = nn::PreNorm::Rms {
-                gain: g2,
-                eps: 1e-6,
-            };
-            nn::swiglu_mlp(&a[0], Some(norm), &wg, &wu, wd, Some(&a[0]))
-        })
-    })
-}
-
 fn exact_peak_of_sublayer_nodes() {
     use remat_runtime::Plan;
     // Three GPT-style blocks: batch 2 x 16 tokens, width 32, 4 heads.
@@ -1081,9 +1057,9 @@ fn exact_peak_of_sublayer_nodes() {
         let mut h = xq.as_tensor().clone();
         for p in &layers {
             h = if fused {
-                qwen_layer_sublayer_mlp(&h, p)?
+                qwen_layer_with::<true>(&h, p)?
             } else {
-                qwen_layer(&h, p)?
+                qwen_layer_with::<false>(&h, p)?
             };
         }
         Ok(h)

@@ -9,7 +9,7 @@ use candle_core::{Tensor, WithDType};
 use super::attach::{forward_computed, Computed};
 use super::bundle::{bundle_all, Slot};
 use super::linear::{output_dims, product, rows};
-use super::prenorm::{norm_backward, normalized, Normed, PreNorm};
+use super::prenorm::{norm_backward, norm_forward, normalized, Normed, PreNorm};
 
 /// Which MLP.
 #[derive(Clone, Copy)]
@@ -159,13 +159,9 @@ fn fused(
         }
     }
     let x_rows = x.detach().reshape(rows(x)?)?;
-    let (kept, norm_state) = match &norm {
-        Some(norm) => {
-            let (n, normed) = Normed::forward(norm, &x_rows)?;
-            (weights.intermediates(&n)?, Some(normed))
-        }
-        None => (weights.intermediates(&x_rows)?, None),
-    };
+    let (n, norm_state) = norm_forward(norm.as_ref(), x_rows)?;
+    let kept = weights.intermediates(&n)?;
+    drop(n);
     let y = weights.forward(&kept)?.reshape(dims)?;
     let y = match residual {
         Some(r) => (y + r.detach())?,

@@ -141,6 +141,18 @@ impl Normed {
     }
 }
 
+/// The rows `x` normalized by `norm`, and what its backward reads (`x`
+/// itself and nothing without a norm).
+pub(super) fn norm_forward(norm: Option<&PreNorm>, x: Tensor) -> Result<(Tensor, Option<Normed>)> {
+    match norm {
+        Some(norm) => {
+            let (n, normed) = Normed::forward(norm, &x)?;
+            Ok((n, Some(normed)))
+        }
+        None => Ok((x, None)),
+    }
+}
+
 /// `x`'s rows normalized as `norm`'s forward did (`x` itself without a
 /// norm).
 pub(super) fn normalized(norm: Option<&Normed>, x: &Tensor) -> Result<Tensor> {

@@ -9,7 +9,7 @@ use super::attach::{forward_computed, Computed};
 use super::attention::{forward, packed_grads, split, Residuals};
 use super::bundle::{bundle_all, Slot};
 use super::linear::{product, rows};
-use super::prenorm::{norm_backward, normalized, Normed, PreNorm};
+use super::prenorm::{norm_backward, norm_forward, normalized, Normed, PreNorm};
 
 struct QkvAttention {
     out: Computed,
@@ -79,13 +79,7 @@ pub fn qkv_attention(
         );
     }
     let x_rows = x.detach().reshape(rows(x)?)?;
-    let (n, normed) = match &norm {
-        Some(norm) => {
-            let (n, normed) = Normed::forward(norm, &x_rows)?;
-            (n, Some(normed))
-        }
-        None => (x_rows, None),
-    };
+    let (n, normed) = norm_forward(norm.as_ref(), x_rows)?;
     let (w0, b0) = (w.detach(), b.map(Tensor::detach));
     let qkv = product(&n, &w0, b0.as_ref())?.reshape((bt, t, c3))?;
     drop(n);

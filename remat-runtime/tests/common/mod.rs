@@ -317,6 +317,21 @@ impl Gpt {
 }
 
 /// Additive causal mask: 0 on and below the diagonal, -inf above.
+/// Queries, keys and values `(B, H, T, D)` of a packed `(B, T, 3 H D)`
+/// projection, split with contiguous copies as a model written with
+/// candle's ops does.
+pub fn split_heads(qkv: &Tensor, n_head: usize) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+    let (b, t, c3) = qkv.dims3()?;
+    let c = c3 / 3;
+    let split = |i: usize| {
+        qkv.narrow(2, i * c, c)?
+            .reshape((b, t, n_head, c / n_head))?
+            .transpose(1, 2)?
+            .contiguous()
+    };
+    Ok((split(0)?, split(1)?, split(2)?))
+}
+
 pub fn causal_mask(t: usize, dtype: DType) -> Tensor {
     let v: Vec<f32> = (0..t * t)
         .map(|i| {

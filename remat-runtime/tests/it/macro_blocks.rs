@@ -80,18 +80,6 @@ fn layer_norm(x: &Tensor, n: &Norm) -> Result<Tensor> {
     candle_nn::ops::layer_norm_slow(x, &n.g, &n.b, 1e-5)
 }
 
-fn split_heads(qkv: &Tensor, n_head: usize) -> Result<(Tensor, Tensor, Tensor)> {
-    let (b, t, c3) = qkv.dims3()?;
-    let c = c3 / 3;
-    let split = |i: usize| {
-        qkv.narrow(2, i * c, c)?
-            .reshape((b, t, n_head, c / n_head))?
-            .transpose(1, 2)?
-            .contiguous()
-    };
-    Ok((split(0)?, split(1)?, split(2)?))
-}
-
 fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Result<Tensor> {
     let (b, h, t, d) = q.dims4()?;
     let att = (q.matmul(&k.t()?)? * (1.0 / (d as f64).sqrt()))?.broadcast_add(mask)?;

@@ -236,6 +236,18 @@ fn gelu_mlp() {
     );
 }
 
+/// Variables of `shapes` in `dtype`, drawn from seeds `seed`, `seed + 1`,
+/// .., and their tensors.
+fn vars_of(shapes: &[&[usize]], seed: u64, dtype: DType) -> (Vec<Var>, Vec<Tensor>) {
+    let vars: Vec<Var> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, s)| var(s, seed + i as u64, 1.0, dtype))
+        .collect();
+    let tensors = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    (vars, tensors)
+}
+
 /// A layer norm with gain `t[1]` and bias `t[2]`.
 fn layer(t: &[Tensor]) -> nn::PreNorm<'_> {
     nn::PreNorm::Layer {
@@ -293,12 +305,8 @@ fn gelu_mlp_equals_its_ops_bit_for_bit() {
     for (dtype, norm) in [(DType::F32, false), (DType::F64, false), (DType::F32, true)] {
         let run = |fused: bool| {
             let shapes: [&[usize]; 7] = [&[2, 5, 6], &[16, 6], &[16], &[6, 16], &[6], &[6], &[6]];
-            let vars: Vec<Var> = shapes
-                .iter()
-                .enumerate()
-                .map(|(i, s)| var(s, 40 + i as u64, 1.0, dtype))
-                .collect();
-            let t: Vec<&Tensor> = vars.iter().map(|v| v.as_tensor()).collect();
+            let (vars, ts) = vars_of(&shapes, 40, dtype);
+            let t: Vec<&Tensor> = ts.iter().collect();
             let pre = nn::PreNorm::Layer {
                 gain: t[5],
                 bias: t[6],
@@ -384,12 +392,8 @@ fn swiglu_mlp() {
 fn an_mlp_s_second_backward_recomputes_what_the_first_released() {
     // The first backward takes the kept intermediates and frees them; a
     // second backward through the same graph must give the same gradients.
-    let vars: Vec<Var> = [&[3usize, 4][..], &[8, 4], &[8, 4], &[4, 8]]
-        .iter()
-        .enumerate()
-        .map(|(i, s)| var(s, 50 + i as u64, 1.0, DType::F32))
-        .collect();
-    let t: Vec<&Tensor> = vars.iter().map(|v| v.as_tensor()).collect();
+    let (vars, ts) = vars_of(&[&[3, 4], &[8, 4], &[8, 4], &[4, 8]], 50, DType::F32);
+    let t: Vec<&Tensor> = ts.iter().collect();
     let x3 = t[0].reshape((1, 3, 4)).unwrap();
     let w3 = Tensor::cat(&[t[1], t[2]], 0)
         .unwrap()
@@ -413,20 +417,16 @@ fn an_mlp_s_second_backward_recomputes_what_the_first_released() {
 /// The three sublayer ops on the same inputs (norms inside), in `dtype`,
 /// and every input's gradient, in f32.
 fn sublayers(dtype: DType, x_view: bool) -> Vec<Tensor> {
-    let vars: Vec<Var> = [
-        &[2usize, 5, 8][..],
+    let shapes: [&[usize]; 7] = [
+        &[2, 5, 8],
         &[8],
         &[8],
         &[24, 8],
         &[32, 8],
         &[8, 32],
         &[32, 8],
-    ]
-    .iter()
-    .enumerate()
-    .map(|(i, s)| var(s, 80 + i as u64, 1.0, dtype))
-    .collect();
-    let t: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    ];
+    let (vars, t) = vars_of(&shapes, 80, dtype);
     // A transposed view as the input: the ops must not assume contiguity.
     let x = if x_view {
         t[0].transpose(1, 2)
@@ -835,21 +835,6 @@ fn attention_over_the_packed_projection() {
     assert!(err.contains("20 wide") && err.contains("3 heads"), "{err}");
 }
 
-/// Queries, keys and values `(B, H, T, D)` of a packed `(B, T, 3 H D)`
-/// projection, split with contiguous copies as a model written with
-/// candle's ops does.
-fn split_packed(qkv: &Tensor, heads: usize) -> Result<(Tensor, Tensor, Tensor)> {
-    let (b, n, c3) = qkv.dims3()?;
-    let c = c3 / 3;
-    let part = |i: usize| {
-        qkv.narrow(2, i * c, c)?
-            .reshape((b, n, heads, c / heads))?
-            .transpose(1, 2)?
-            .contiguous()
-    };
-    Ok((part(0)?, part(1)?, part(2)?))
-}
-
 #[test]
 fn qkv_attention() {
     // The norm, the projection with its bias, causal attention over 2
@@ -859,7 +844,7 @@ fn qkv_attention() {
         let (b, n, c) = t[0].dims3()?;
         let x = candle_nn::ops::layer_norm_slow(&t[0], &t[1], &t[2], 1e-5)?;
         let qkv = x.broadcast_matmul(&t[3].t()?)?.broadcast_add(&t[4])?;
-        let (q, k, v) = split_packed(&qkv, 2)?;
+        let (q, k, v) = split_heads(&qkv, 2)?;
         let y = attention_composed(&q, &k, &v, Some(&causal_mask(n, t[0].dtype())))?;
         y.transpose(1, 2)?.reshape((b, n, c))
     };
@@ -877,7 +862,7 @@ fn qkv_attention() {
     let op: &Op = &|t| nn::qkv_attention(&t[0], None, &t[1], None, 2, false, Some(&t[2]));
     let composed: &Op = &|t| {
         let (b, n, c) = t[0].dims3()?;
-        let (q, k, v) = split_packed(&t[0].broadcast_matmul(&t[1].t()?)?, 2)?;
+        let (q, k, v) = split_heads(&t[0].broadcast_matmul(&t[1].t()?)?, 2)?;
         let y = attention_composed(&q, &k, &v, Some(&t[2]))?;
         y.transpose(1, 2)?.reshape((b, n, c))
     };
@@ -914,12 +899,7 @@ fn qkv_attention_equals_its_ops_bit_for_bit() {
     for dtype in [DType::F32, DType::F64] {
         let run = |fused: bool| {
             let shapes: [&[usize]; 5] = [&[2, 70, 8], &[8], &[8], &[24, 8], &[24]];
-            let vars: Vec<Var> = shapes
-                .iter()
-                .enumerate()
-                .map(|(i, s)| var(s, 60 + i as u64, 1.0, dtype))
-                .collect();
-            let t: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+            let (vars, t) = vars_of(&shapes, 60, dtype);
             let y = if fused {
                 nn::qkv_attention(&t[0], Some(layer(&t)), &t[3], Some(&t[4]), 2, true, None)
             } else {

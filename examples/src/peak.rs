@@ -232,6 +232,8 @@ impl fmt::Display for WithUpdate {
 pub struct PeakPlans {
     /// The candidates the profile kept.
     pub candidates: usize,
+    /// The lowest peak among them, bytes.
+    pub lowest: usize,
     /// (requested bytes, measured bytes, time vs plain, plan).
     pub rows: Vec<(usize, usize, f64, String)>,
 }
@@ -239,7 +241,7 @@ pub struct PeakPlans {
 /// Profiles `model`'s step with a `PeakPlan`, asks it for `requests` peaks
 /// from full recomputation's to plain candle's, and measures each plan it
 /// gives: its peak (one step after a warm-up) and its median step time over
-/// `steps` steps, interleaved with plain candle's.
+/// `steps` steps, interleaved with plain candle's (each first in turn).
 pub fn peak_plans(
     model: &Gpt,
     ids: &Tensor,
@@ -284,10 +286,17 @@ pub fn peak_plans(
             .map_err(candle_core::Error::wrap)?;
         peak(&plan)?;
         let measured = peak(&plan)?;
+        // Turn about (plain first, then the plan first), so that whatever
+        // the second of two steps gains or loses falls on both alike.
         let (mut ours, mut theirs) = (Vec::new(), Vec::new());
-        for _ in 0..steps {
-            theirs.push(seconds(&Plan::off())?);
-            ours.push(seconds(&plan)?);
+        for i in 0..steps {
+            if i % 2 == 0 {
+                theirs.push(seconds(&Plan::off())?);
+                ours.push(seconds(&plan)?);
+            } else {
+                ours.push(seconds(&plan)?);
+                theirs.push(seconds(&Plan::off())?);
+            }
         }
         rows.push((
             request,
@@ -298,6 +307,7 @@ pub fn peak_plans(
     }
     Ok(PeakPlans {
         candidates: profile.candidates().len(),
+        lowest: profile.candidates()[0].peak,
         rows,
     })
 }
@@ -320,6 +330,11 @@ impl fmt::Display for PeakPlans {
                 time
             )?;
         }
-        write!(f, "({} plans kept by the profile)", self.candidates)
+        write!(
+            f,
+            "({} plans kept by the profile, the lowest peaking at {:.1} MiB)",
+            self.candidates,
+            mib(self.lowest)
+        )
     }
 }

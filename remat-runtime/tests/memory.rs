@@ -882,8 +882,10 @@ fn one_peak(plan: &remat_runtime::Plan, f: &dyn Fn() -> remat_runtime::Result<Te
 /// Profiles `f` with a `PeakPlan`, then asks it for 8 peaks spread from
 /// full recomputation's to plain candle's: each plan it gives peaks, when
 /// run again, at most the request, never lower for a larger request.
-/// Returns (request, measured) pairs.
-fn peak_plan_requests(f: &dyn Fn() -> remat_runtime::Result<Tensor>) -> Vec<(usize, usize)> {
+/// Returns (request, measured) pairs and the lowest peak of the profile.
+fn peak_plan_requests(
+    f: &dyn Fn() -> remat_runtime::Result<Tensor>,
+) -> (Vec<(usize, usize)>, usize) {
     use remat_runtime::plan::PeakPlan;
     use remat_runtime::Plan;
     let profile = PeakPlan::profile(|plan| Ok(one_peak(plan, f))).unwrap();
@@ -903,20 +905,20 @@ fn peak_plan_requests(f: &dyn Fn() -> remat_runtime::Result<Tensor>) -> Vec<(usi
         }
         rows.push((request, measured));
     }
-    rows
+    (rows, lowest)
 }
 
 fn exact_peak_of_peak_plans() {
     use candle_core::Var;
     let (x, ws) = mlp_stack(32);
     let run = || run_mlp_stack(&x, &ws);
-    let rows = peak_plan_requests(&run);
+    let (rows, _) = peak_plan_requests(&run);
     println!("four mlp blocks, peak plan (request, measured): {rows:?}");
-    // Saving the last blocks first is free here: the lowest plan saves all
-    // of blocks 2 and 3 at full recomputation's peak. Each block is two
-    // statements, which only a full budget saves (so their order does not
-    // depend on timings), and the steps between plans are coarse (up to 83
-    // KiB).
+    // Saving the last blocks is free here: a plan saving most of blocks 2
+    // and 3 peaks at full recomputation's peak. A statement of block 0 or
+    // 1 holds its `(B, T, 4C)` hidden until the end of the backward: every
+    // plan saving one peaks at least 83 KiB higher (16% of the range), so
+    // three requests get 4-11% below what they asked.
     let measured: Vec<usize> = rows.iter().map(|r| r.1).collect();
     assert_eq!(
         measured,
@@ -928,14 +930,16 @@ fn exact_peak_of_peak_plans() {
         .map(|l| qwen_params(100 * l).map(|v| v.as_tensor().clone()))
         .collect();
     let run = || run_qwen_stack(&xq, &layers);
-    let rows = peak_plan_requests(&run);
+    let (rows, lowest) = peak_plan_requests(&run);
     println!("three qwen2-style layers, peak plan (request, measured): {rows:?}");
-    // Ten statements a layer: every request is met within 5% (2% in the
-    // runs so far). Within a layer, statements are saved in the order the
-    // budget planner picks from their measured times, so the plans between
-    // the ends, and their peaks, may differ a little from run to run: only
-    // the ends are pinned.
-    assert_eq!((rows[0].1, rows[7].1), (219892, 291124));
+    // Ten statements a layer: every request is met within 5% (3% in the
+    // runs so far), and the lowest plan peaks below full recomputation
+    // (about 0.9x: saving the last layer's statements spares their
+    // replay). The greedy search weighs measured times, so the plans
+    // between the ends, and their peaks, may differ a little from run to
+    // run: only plain candle's end is pinned.
+    assert!(lowest * 100 <= 219892 * 95, "{lowest}");
+    assert_eq!(rows[7].1, 291124);
     for (request, measured) in rows {
         assert!(measured * 100 >= request * 95, "{measured} for {request}");
     }

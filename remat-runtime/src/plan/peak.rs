@@ -7,11 +7,7 @@ use std::sync::Arc;
 
 use super::calls::{Call, PerCall};
 use super::{Plan, Rule};
-use crate::{Policy, RematError, Result};
-
-/// The budget fractions whose solutions order the statements a call
-/// saves: first those the smallest budget saves.
-const LEVELS: [f64; 4] = [0.25, 0.5, 0.75, 1.0];
+use crate::{RematError, Result};
 
 /// One plan the profile measured, with the peak of its step.
 #[derive(Debug, Clone)]
@@ -21,37 +17,43 @@ pub struct PeakCandidate {
     pub plan: Plan,
     /// The peak its step reached, in the unit `step` measured it in.
     pub peak: usize,
+    /// The forward time of the statements it recomputes, as measured by
+    /// one profiling step (0 for plain candle).
+    pub recompute_seconds: f64,
 }
 
-/// Plans for the peak of a training step: [`PeakPlan::profile`] measures a
-/// series of plans, from full recomputation to plain candle, each saving a
-/// little more than the one before; [`PeakPlan::for_peak`] then gives the
-/// fastest of them whose step peaks at most a requested number of bytes.
+/// Plans for the peak of a training step: [`PeakPlan::profile`] measures
+/// the peaks of plans from full recomputation to plain candle, deciding
+/// call by call (the k-th call of a region saves its own statements);
+/// [`PeakPlan::for_peak`] then gives the fastest of them whose step peaks
+/// at most a requested number of bytes.
 ///
-/// The series saves **the last calls first**: a call's saved residuals are
-/// alive from its forward until its backward, which comes sooner the later
-/// the call (the head before the last block, the last block before the
-/// first), so saving late in the model costs the peak least. Within a
-/// call, statements are added one at a time, in the order budget plans
-/// ([`Plan::budget`] at 25, 50, 75 and 100% of the range) first save them:
-/// those that recompute the most time per byte first. That order comes
-/// from measured times, so on a busy machine two profiles may order
-/// statements of similar cost differently. Plain candle ends the series.
+/// The search is greedy: from full recomputation, each round tries every
+/// statement not yet saved, one more at a time, measures the peak of each
+/// such plan, and keeps the statement that saves the most recompute time
+/// per byte it adds to the peak (often the last calls first: a call's
+/// saved residuals live from its forward to its backward, which comes
+/// sooner the later the call). Every plan measured is a candidate, so the
+/// profile holds many plans between the two ends, not one series. Times
+/// are a model: the forward time of the statements a plan recomputes, as
+/// one profiling step measured them (on a busy machine two profiles may
+/// order statements of similar cost differently). Peaks are measured.
 ///
-/// Only the candidates no faster one beats on peak are kept, so the peak
-/// of the plan [`for_peak`](PeakPlan::for_peak) gives never falls when the
-/// request grows (tested over requests from full recomputation's peak to
-/// plain candle's), and is at most the request: it is the measured peak of
-/// the same step, not a model of it.
+/// Only the candidates no other beats on both peak and time are kept, and
+/// each is measured once more (as a step after its first), so the plan
+/// [`for_peak`](PeakPlan::for_peak) gives peaks at most the request, and
+/// never lower when the request grows (tested over requests from full
+/// recomputation's peak to plain candle's).
 ///
 /// `step` runs one training step (forward and backward) of the model
 /// under the plan it is given and returns the step's peak: on the CPU from
 /// a [`CountingAlloc`](crate::inspect::CountingAlloc), on CUDA from
-/// [`device_memory_peak`](crate::inspect::device_memory_peak). The profile
-/// runs it 4 + 2 x (2 + the open statements of every call of a step)
-/// times. Its forwards and backwards must not change the weights (no
-/// optimizer step), and the batch must have the shapes of the steps the
-/// plan will run.
+/// [`device_memory_peak`](crate::inspect::device_memory_peak). With `n`
+/// open statements over all the calls of a step, the profile runs it
+/// `5 + n (n + 1) / 2` times, plus once for each plan kept (470 and then
+/// some for three layers of ten statements). Its forwards and backwards
+/// must not change the weights (no optimizer step), and the batch must
+/// have the shapes of the steps the plan will run.
 ///
 /// ```
 /// use candle_core::{DType, Device, Tensor, Var};
@@ -89,56 +91,83 @@ pub struct PeakPlan {
 }
 
 impl PeakPlan {
-    /// Measures the series of plans with `step` (see [`PeakPlan`]).
+    /// Measures plans with `step` (see [`PeakPlan`]).
     pub fn profile(mut step: impl FnMut(&Plan) -> Result<usize>) -> Result<Self> {
-        // Each plan runs twice and the second step counts: the first warms
+        // What recomputing each open statement costs: its forward time,
+        // measured by a budget plan's first call (which saves them all).
+        let budget = Plan::budget(1.0);
+        step(&budget)?;
+        let mut seconds: HashMap<String, Vec<(String, f64)>> = HashMap::new();
+        for solution in budget.solutions() {
+            let open = solution.statements.into_iter().filter(|p| !p.declared);
+            let open = open.map(|p| (p.name, p.seconds.max(0.0)));
+            seconds.insert(solution.region, open.collect());
+        }
+        // Full recomputation, call by call: twice, the first step warms
         // what a step allocates once (caches, maps).
-        fn measure(step: &mut impl FnMut(&Plan) -> Result<usize>, plan: &Plan) -> Result<usize> {
-            step(plan)?;
-            step(plan)
-        }
-        // The order in which each region's statements are saved: by the
-        // smallest budget whose solution saves them, then in block order.
-        let mut order: HashMap<String, Vec<String>> = HashMap::new();
-        for fraction in LEVELS {
-            let plan = Plan::budget(fraction);
-            step(&plan)?;
-            for solution in plan.solutions() {
-                let names = order.entry(solution.region).or_default();
-                for p in solution.statements {
-                    if p.policy == Policy::Save && !p.declared && !names.contains(&p.name) {
-                        names.push(p.name);
-                    }
-                }
-            }
-        }
-        let mut measured = Vec::new();
-        let mut assigned: HashMap<Call, Vec<String>> = HashMap::new();
-        let (plan, rule) = per_call(&assigned, "recompute all (by call)");
-        let peak = measure(&mut step, &plan)?;
+        let (plan, rule) = per_call(&HashMap::new(), "recompute all (by call)");
+        step(&plan)?;
+        let mut current = step(&plan)?;
         let calls = rule.calls();
-        measured.push(PeakCandidate { plan, peak });
-        for call in calls.iter().rev() {
-            for name in order.get(&call.0).into_iter().flatten() {
-                assigned.entry(call.clone()).or_default().push(name.clone());
-                let (plan, _) = per_call(&assigned, &label(&assigned, &calls));
-                let peak = measure(&mut step, &plan)?;
-                measured.push(PeakCandidate { plan, peak });
+        let open: Vec<Open> = calls
+            .iter()
+            .flat_map(|call| {
+                let names = seconds.get(&call.0).into_iter().flatten();
+                names.map(|(name, seconds)| Open {
+                    call: call.clone(),
+                    name: name.clone(),
+                    seconds: *seconds,
+                })
+            })
+            .collect();
+        let total: f64 = open.iter().map(|o| o.seconds).sum();
+        let mut measured = vec![PeakCandidate {
+            plan,
+            peak: current,
+            recompute_seconds: total,
+        }];
+        // Greedy: each round measures every statement not yet saved added
+        // to the plan so far, and keeps the one that saves the most time
+        // per byte it adds to the peak.
+        let mut saved: Vec<usize> = Vec::new();
+        while saved.len() < open.len() {
+            let mut best: Option<(f64, usize, usize)> = None;
+            for i in (0..open.len()).filter(|i| !saved.contains(i)) {
+                let with: Vec<usize> = saved.iter().copied().chain([i]).collect();
+                let (plan, time) = plan_of(&open, &with, &calls, total);
+                let peak = step(&plan)?;
+                let score = (peak as f64 - current as f64) / open[i].seconds.max(1e-12);
+                if best.is_none_or(|(s, _, _)| score < s) {
+                    best = Some((score, i, peak));
+                }
+                measured.push(PeakCandidate {
+                    plan,
+                    peak,
+                    recompute_seconds: time,
+                });
             }
+            let Some((_, i, peak)) = best else { break };
+            saved.push(i);
+            current = peak;
         }
         let off = Plan::off();
-        let peak = measure(&mut step, &off)?;
-        measured.push(PeakCandidate { plan: off, peak });
-        // From the fastest (the last) back: keep a candidate only if its
-        // peak is below that of every faster one.
-        let mut candidates: Vec<PeakCandidate> = Vec::new();
-        for c in measured.into_iter().rev() {
-            if candidates.last().is_none_or(|faster| c.peak < faster.peak) {
-                candidates.push(c);
-            }
+        step(&off)?;
+        let peak = step(&off)?;
+        measured.push(PeakCandidate {
+            plan: off,
+            peak,
+            recompute_seconds: 0.0,
+        });
+        // The plans no other beats on both peak and time, measured once
+        // more: a plan's first step also counts what the plan allocates
+        // once (its tally of the step's calls), its later steps do not.
+        let mut candidates = front(measured);
+        for c in &mut candidates {
+            c.peak = step(&c.plan)?;
         }
-        candidates.reverse();
-        Ok(PeakPlan { candidates })
+        Ok(PeakPlan {
+            candidates: front(candidates),
+        })
     }
 
     /// The fastest measured plan whose step peaked at most `bytes` (run
@@ -163,6 +192,52 @@ impl PeakPlan {
     pub fn candidates(&self) -> &[PeakCandidate] {
         &self.candidates
     }
+}
+
+/// An open statement of one call of a step.
+struct Open {
+    call: Call,
+    name: String,
+    /// Its measured forward time: what recomputing it costs.
+    seconds: f64,
+}
+
+/// The plan saving `open[i]` for each `i` in `saved`, and the time it
+/// spends recomputing the others.
+fn plan_of(open: &[Open], saved: &[usize], calls: &[Call], total: f64) -> (Plan, f64) {
+    let mut assigned: HashMap<Call, Vec<String>> = HashMap::new();
+    let mut time = total;
+    for &i in saved {
+        let o = &open[i];
+        assigned
+            .entry(o.call.clone())
+            .or_default()
+            .push(o.name.clone());
+        time -= o.seconds;
+    }
+    let (plan, _) = per_call(&assigned, &label(&assigned, calls));
+    (plan, time.max(0.0))
+}
+
+/// The candidates no other has both a peak as low and a shorter
+/// recompute time (plain candle counts as the fastest of all), from the
+/// lowest peak (the slowest) to the highest (the fastest).
+fn front(mut measured: Vec<PeakCandidate>) -> Vec<PeakCandidate> {
+    let time = |c: &PeakCandidate| {
+        if c.plan.is_off() {
+            -1.0
+        } else {
+            c.recompute_seconds
+        }
+    };
+    measured.sort_by(|a, b| a.peak.cmp(&b.peak).then(time(a).total_cmp(&time(b))));
+    let mut kept: Vec<PeakCandidate> = Vec::new();
+    for c in measured {
+        if kept.last().is_none_or(|slower| time(&c) < time(slower)) {
+            kept.push(c);
+        }
+    }
+    kept
 }
 
 /// A plan saving, in each call of `assigned`, the statements named there.

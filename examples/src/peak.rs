@@ -234,6 +234,8 @@ pub struct PeakPlans {
     pub candidates: usize,
     /// The lowest peak among them, bytes.
     pub lowest: usize,
+    /// The steps the profile ran.
+    pub profiled: usize,
     /// (requested bytes, measured bytes, time vs plain, plan).
     pub rows: Vec<(usize, usize, f64, String)>,
 }
@@ -261,8 +263,12 @@ pub fn peak_plans(
         drop((loss, grads));
         Ok(peak)
     };
-    let profile = PeakPlan::profile(|plan| peak(plan).map_err(Into::into))
-        .map_err(candle_core::Error::wrap)?;
+    let mut profiled = 0;
+    let profile = PeakPlan::profile(|plan| {
+        profiled += 1;
+        peak(plan).map_err(Into::into)
+    })
+    .map_err(candle_core::Error::wrap)?;
     let full = {
         peak(&Plan::recompute_all())?;
         peak(&Plan::recompute_all())?
@@ -308,6 +314,7 @@ pub fn peak_plans(
     Ok(PeakPlans {
         candidates: profile.candidates().len(),
         lowest: profile.candidates()[0].peak,
+        profiled,
         rows,
     })
 }
@@ -332,8 +339,9 @@ impl fmt::Display for PeakPlans {
         }
         write!(
             f,
-            "({} plans kept by the profile, the lowest peaking at {:.1} MiB)",
+            "({} plans kept by the profile of {} steps, the lowest peaking at {:.1} MiB)",
             self.candidates,
+            self.profiled,
             mib(self.lowest)
         )
     }

@@ -919,11 +919,7 @@ fn exact_peak_of_peak_plans() {
     // 1 holds its `(B, T, 4C)` hidden until the end of the backward: every
     // plan saving one peaks at least 83 KiB higher (16% of the range), so
     // three requests get 4-11% below what they asked.
-    let measured: Vec<usize> = rows.iter().map(|r| r.1).collect();
-    assert_eq!(
-        measured,
-        [519462, 522841, 522841, 522841, 605705, 622145, 622145, 678476]
-    );
+    assert_eq!((rows[0].1, rows[7].1), (519462, 678476));
 
     let xq = Var::from_tensor(&tensor(&[2, 16, 32], 10, 1.0, DType::F32)).unwrap();
     let layers: Vec<[Tensor; 8]> = (0..3u64)
@@ -938,11 +934,21 @@ fn exact_peak_of_peak_plans() {
     // replay). The greedy search weighs measured times, so the plans
     // between the ends, and their peaks, may differ a little from run to
     // run: only plain candle's end is pinned.
-    assert!(lowest * 100 <= 219892 * 95, "{lowest}");
+    assert!(lowest * 100 <= rows[0].0 * 95, "{lowest}");
     assert_eq!(rows[7].1, 291124);
     for (request, measured) in rows {
         assert!(measured * 100 >= request * 95, "{measured} for {request}");
     }
+
+    // Five layers, 50 statements: past 40 the search measures lazily.
+    // Every plan it gives still peaks at most the request and never lower
+    // for a larger one (checked by `peak_plan_requests`).
+    let layers: Vec<[Tensor; 8]> = (0..5u64)
+        .map(|l| qwen_params(100 * l).map(|v| v.as_tensor().clone()))
+        .collect();
+    let run = || run_qwen_stack(&xq, &layers);
+    let (rows, _) = peak_plan_requests(&run);
+    println!("five qwen2-style layers, lazy peak plan (request, measured): {rows:?}");
 }
 
 /// A GPT-style pre-norm block (4 heads) on `nn`'s ops: a layer per op

@@ -1,6 +1,7 @@
 //! Plans for the peak of a training step: measured candidates from full
 //! recomputation to plain candle, and the fastest of them under a peak.
 
+use std::cmp::Ordering;
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::sync::Arc;
@@ -17,8 +18,9 @@ pub struct PeakCandidate {
     pub plan: Plan,
     /// The peak its step reached, in the unit `step` measured it in.
     pub peak: usize,
-    /// The forward time of the statements it recomputes, as measured by
-    /// one profiling step (0 for plain candle).
+    /// The forward time of the open statements it recomputes, each call
+    /// timed as its region's first call was in one profiling step (0 for
+    /// plain candle): the model the profile ranks plans by.
     pub recompute_seconds: f64,
 }
 
@@ -28,16 +30,27 @@ pub struct PeakCandidate {
 /// [`PeakPlan::for_peak`] then gives the fastest of them whose step peaks
 /// at most a requested number of bytes.
 ///
-/// The search is greedy: from full recomputation, each round tries every
-/// statement not yet saved, one more at a time, measures the peak of each
-/// such plan, and keeps the statement that saves the most recompute time
-/// per byte it adds to the peak (often the last calls first: a call's
-/// saved residuals live from its forward to its backward, which comes
-/// sooner the later the call). Every plan measured is a candidate, so the
-/// profile holds many plans between the two ends, not one series. Times
-/// are a model: the forward time of the statements a plan recomputes, as
-/// one profiling step measured them (on a busy machine two profiles may
-/// order statements of similar cost differently). Peaks are measured.
+/// The search is greedy, from both ends. From full recomputation, each
+/// round measures the peak of the plans that save one more statement than
+/// the plan so far, and keeps the statement that saves the most recompute
+/// time per byte it adds to the peak (a statement that adds nothing first;
+/// often those of the last calls: a call's saved residuals live from its
+/// forward to its backward, which comes sooner the later the call), until
+/// the plan peaks as high as plain candle. From every open statement
+/// saved, each round recomputes the statement whose recompute time buys
+/// the most bytes off the peak, until the plan peaks as low as full
+/// recomputation. Every plan measured is a candidate, so the profile holds
+/// many plans between the two ends, near each end as densely as in the
+/// middle. Past 40 open statements in a step, only the first search runs,
+/// and lazily: its first round measures every statement, later rounds the
+/// most promising first by what each added when last measured, stopping
+/// once no earlier measurement says another could do better (fewer plans
+/// between the ends). Times are a model: the forward time of the open
+/// statements a plan recomputes, each call timed as its region's first
+/// call was in one profiling step (on a busy machine two profiles may order
+/// statements of similar cost differently; a region called inside another
+/// region's statement is counted twice, in its own statements and in the
+/// statement calling it). Peaks are measured.
 ///
 /// Only the candidates no other beats on both peak and time are kept, and
 /// each is measured once more (as a step after its first), so the plan
@@ -49,11 +62,12 @@ pub struct PeakCandidate {
 /// under the plan it is given and returns the step's peak: on the CPU from
 /// a [`CountingAlloc`](crate::inspect::CountingAlloc), on CUDA from
 /// [`device_memory_peak`](crate::inspect::device_memory_peak). With `n`
-/// open statements over all the calls of a step, the profile runs it
-/// `5 + n (n + 1) / 2` times, plus once for each plan kept (470 and then
-/// some for three layers of ten statements). Its forwards and backwards
-/// must not change the weights (no optimizer step), and the batch must
-/// have the shapes of the steps the plan will run.
+/// open statements over all the calls of a step, the profile runs it at
+/// most `5 + n (n + 1)` times, plus once for each plan kept (on the bench
+/// GPT, 16 statements: 313 steps); past 40 statements, `n` times in
+/// the first round and at least 3 times in each later one. Its forwards
+/// and backwards must not change the weights (no optimizer step), and the
+/// batch must have the shapes of the steps the plan will run.
 ///
 /// ```
 /// use candle_core::{DType, Device, Tensor, Var};
@@ -93,6 +107,12 @@ pub struct PeakPlan {
 impl PeakPlan {
     /// Measures plans with `step` (see [`PeakPlan`]).
     pub fn profile(mut step: impl FnMut(&Plan) -> Result<usize>) -> Result<Self> {
+        // Plain candle first: it warms what a step allocates once (caches,
+        // maps, threads) before anything is timed, and no plan that peaks
+        // as high as it is worth measuring further.
+        let off = Plan::off();
+        step(&off)?;
+        let plain = step(&off)?;
         // What recomputing each open statement costs: its forward time,
         // measured by a budget plan's first call (which saves them all).
         let budget = Plan::budget(1.0);
@@ -103,11 +123,11 @@ impl PeakPlan {
             let open = open.map(|p| (p.name, p.seconds.max(0.0)));
             seconds.insert(solution.region, open.collect());
         }
-        // Full recomputation, call by call: twice, the first step warms
-        // what a step allocates once (caches, maps).
+        // Full recomputation, call by call. Every plan below is measured
+        // by its first step, which also counts the plan's tally of calls:
+        // so is this one, so that their peaks compare.
         let (plan, rule) = per_call(&HashMap::new(), "recompute all (by call)");
-        step(&plan)?;
-        let mut current = step(&plan)?;
+        let full = step(&plan)?;
         let calls = rule.calls();
         let open: Vec<Open> = calls
             .iter()
@@ -121,43 +141,30 @@ impl PeakPlan {
             })
             .collect();
         let total: f64 = open.iter().map(|o| o.seconds).sum();
-        let mut measured = vec![PeakCandidate {
-            plan,
-            peak: current,
-            recompute_seconds: total,
-        }];
-        // Greedy: each round measures every statement not yet saved added
-        // to the plan so far, and keeps the one that saves the most time
-        // per byte it adds to the peak.
-        let mut saved: Vec<usize> = Vec::new();
-        while saved.len() < open.len() {
-            let mut best: Option<(f64, usize, usize)> = None;
-            for i in (0..open.len()).filter(|i| !saved.contains(i)) {
-                let with: Vec<usize> = saved.iter().copied().chain([i]).collect();
-                let (plan, time) = plan_of(&open, &with, &calls, total);
-                let peak = step(&plan)?;
-                let score = (peak as f64 - current as f64) / open[i].seconds.max(1e-12);
-                if best.is_none_or(|(s, _, _)| score < s) {
-                    best = Some((score, i, peak));
-                }
-                measured.push(PeakCandidate {
+        let lazy = open.len() > EXHAUSTIVE;
+        let mut search = Search {
+            step: &mut step,
+            open,
+            calls,
+            total,
+            measured: vec![
+                PeakCandidate {
                     plan,
-                    peak,
-                    recompute_seconds: time,
-                });
-            }
-            let Some((_, i, peak)) = best else { break };
-            saved.push(i);
-            current = peak;
+                    peak: full,
+                    recompute_seconds: total,
+                },
+                PeakCandidate {
+                    plan: off,
+                    peak: plain,
+                    recompute_seconds: 0.0,
+                },
+            ],
+        };
+        search.saving_up(full, plain, lazy)?;
+        if !lazy {
+            search.recomputing_down(full)?;
         }
-        let off = Plan::off();
-        step(&off)?;
-        let peak = step(&off)?;
-        measured.push(PeakCandidate {
-            plan: off,
-            peak,
-            recompute_seconds: 0.0,
-        });
+        let measured = search.measured;
         // The plans no other beats on both peak and time, measured once
         // more: a plan's first step also counts what the plan allocates
         // once (its tally of the step's calls), its later steps do not.
@@ -194,6 +201,148 @@ impl PeakPlan {
     }
 }
 
+/// Up to this many open statements in a step, the greedy search runs from
+/// both ends, and every round measures every statement left (at most 1645
+/// steps in all).
+const EXHAUSTIVE: usize = 40;
+/// Past [`EXHAUSTIVE`], the statements each round measures at least.
+const PER_ROUND: usize = 3;
+
+/// The greedy searches of a profile: the open statements of a step, and
+/// every plan measured so far.
+struct Search<'a, S> {
+    step: &'a mut S,
+    open: Vec<Open>,
+    calls: Vec<Call>,
+    /// The recompute time of full recomputation.
+    total: f64,
+    measured: Vec<PeakCandidate>,
+}
+
+impl<S: FnMut(&Plan) -> Result<usize>> Search<'_, S> {
+    /// Measures the plan saving `open[i]` for each `i` in `saved`; it
+    /// becomes a candidate.
+    fn measure(&mut self, saved: &[usize]) -> Result<usize> {
+        let (plan, time) = plan_of(&self.open, saved, &self.calls, self.total);
+        let peak = (self.step)(&plan)?;
+        self.measured.push(PeakCandidate {
+            plan,
+            peak,
+            recompute_seconds: time,
+        });
+        Ok(peak)
+    }
+
+    /// From full recomputation (peak `current`): each round adds the
+    /// statement that saves the most time per byte it adds to the peak,
+    /// until the plan peaks as high as plain candle (`plain`). Every round
+    /// measures every statement left; when `lazy`, the first does, and
+    /// later ones the most promising by what they added when last
+    /// measured, at least `PER_ROUND` of them and then on while one
+    /// measured before could still beat the best of the round (what a
+    /// statement adds rarely shrinks as more is saved).
+    fn saving_up(&mut self, mut current: usize, plain: usize, lazy: bool) -> Result<()> {
+        let n = self.open.len();
+        let mut saved: Vec<usize> = Vec::new();
+        let mut added: Vec<Option<i64>> = vec![None; n];
+        while saved.len() < n && current < plain {
+            let seconds = |i: usize| self.open[i].seconds;
+            let mut order: Vec<usize> = (0..n).filter(|i| !saved.contains(i)).collect();
+            order.sort_by(|&a, &b| match (added[a], added[b]) {
+                (None, None) => Ordering::Equal,
+                (None, Some(_)) => Ordering::Less,
+                (Some(_), None) => Ordering::Greater,
+                (Some(x), Some(y)) => rank(x, seconds(a), y, seconds(b)),
+            });
+            let mut best: Option<(usize, i64, usize)> = None;
+            for (k, &i) in order.iter().enumerate() {
+                let seconds = |i: usize| self.open[i].seconds;
+                if let (Some((b, by, _)), Some(was)) = (best, added[i]) {
+                    let hopeless = rank(was, seconds(i), by, seconds(b)).is_ge();
+                    if lazy && k >= PER_ROUND && hopeless {
+                        break;
+                    }
+                }
+                let with: Vec<usize> = saved.iter().copied().chain([i]).collect();
+                let peak = self.measure(&with)?;
+                let by = peak as i64 - current as i64;
+                added[i] = Some(by);
+                let seconds = |i: usize| self.open[i].seconds;
+                if best.is_none_or(|(b, bb, _)| rank(by, seconds(i), bb, seconds(b)).is_lt()) {
+                    best = Some((i, by, peak));
+                }
+            }
+            let Some((i, _, peak)) = best else { break };
+            saved.push(i);
+            current = peak;
+        }
+        Ok(())
+    }
+
+    /// From every open statement saved: each round recomputes the
+    /// statement whose recompute time buys the most bytes off the peak,
+    /// until the plan peaks as low as full recomputation (`full`), so that
+    /// plans near plain candle's peak are measured as densely as those
+    /// near full recomputation's.
+    fn recomputing_down(&mut self, full: usize) -> Result<()> {
+        let mut kept: Vec<usize> = (0..self.open.len()).collect();
+        let mut current = self.measure(&kept)?;
+        while !kept.is_empty() && current > full {
+            let mut best: Option<(usize, i64, usize)> = None;
+            for i in kept.clone() {
+                let without: Vec<usize> = kept.iter().copied().filter(|&k| k != i).collect();
+                let peak = self.measure(&without)?;
+                let by = current as i64 - peak as i64;
+                let seconds = |i: usize| self.open[i].seconds;
+                if best
+                    .is_none_or(|(b, bb, _)| rank_recompute(by, seconds(i), bb, seconds(b)).is_lt())
+                {
+                    best = Some((i, by, peak));
+                }
+            }
+            let Some((i, _, peak)) = best else { break };
+            kept.retain(|&k| k != i);
+            current = peak;
+        }
+        Ok(())
+    }
+}
+
+/// Which of two statements to save first, given the bytes each added to
+/// the peak (`a`, `b`) and the recompute time each saves: first those
+/// that add nothing, the most time first; then the fewest bytes per
+/// second saved.
+fn rank(a: i64, a_seconds: f64, b: i64, b_seconds: f64) -> Ordering {
+    match (a <= 0, b <= 0) {
+        (true, false) => Ordering::Less,
+        (false, true) => Ordering::Greater,
+        (true, true) => b_seconds.total_cmp(&a_seconds).then(a.cmp(&b)),
+        (false, false) => {
+            let per = |bytes: i64, seconds: f64| bytes as f64 / seconds.max(1e-12);
+            per(a, a_seconds).total_cmp(&per(b, b_seconds))
+        }
+    }
+}
+
+/// Which of two saved statements to recompute first, given the bytes
+/// recomputing each took off the peak (`a`, `b`) and the recompute time
+/// each adds: first those that lower the peak, the most bytes per second
+/// first; then those that change nothing, the cheapest first; then the
+/// fewest bytes added.
+fn rank_recompute(a: i64, a_seconds: f64, b: i64, b_seconds: f64) -> Ordering {
+    let class = |bytes: i64| match bytes.cmp(&0) {
+        Ordering::Greater => 0,
+        Ordering::Equal => 1,
+        Ordering::Less => 2,
+    };
+    let per = |bytes: i64, seconds: f64| bytes as f64 / seconds.max(1e-12);
+    class(a).cmp(&class(b)).then_with(|| match class(a) {
+        0 => per(b, b_seconds).total_cmp(&per(a, a_seconds)),
+        1 => a_seconds.total_cmp(&b_seconds),
+        _ => b.cmp(&a).then(a_seconds.total_cmp(&b_seconds)),
+    })
+}
+
 /// An open statement of one call of a step.
 struct Open {
     call: Call,
@@ -219,8 +368,8 @@ fn plan_of(open: &[Open], saved: &[usize], calls: &[Call], total: f64) -> (Plan,
     (plan, time.max(0.0))
 }
 
-/// The candidates no other has both a peak as low and a shorter
-/// recompute time (plain candle counts as the fastest of all), from the
+/// The candidates no other has both a peak as low and a recompute time
+/// as short (plain candle counts as the fastest of all), from the
 /// lowest peak (the slowest) to the highest (the fastest).
 fn front(mut measured: Vec<PeakCandidate>) -> Vec<PeakCandidate> {
     let time = |c: &PeakCandidate| {

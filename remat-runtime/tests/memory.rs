@@ -694,6 +694,13 @@ fn run_qwen_stack(x: &candle_core::Var, layers: &[[Tensor; 8]]) -> remat_runtime
     Ok(h)
 }
 
+/// The parameters of `n` [`qwen_layer`]s, as tensors.
+fn qwen_layers(n: u64) -> Vec<[Tensor; 8]> {
+    (0..n)
+        .map(|l| qwen_params(100 * l).map(|v| v.as_tensor().clone()))
+        .collect()
+}
+
 /// The parameters of a [`qwen_layer`] of hidden size 32, 4 query heads of
 /// 8 over 2 key/value heads, SwiGLU of 64, drawn from seeds `base + ..`.
 fn qwen_params(base: u64) -> [candle_core::Var; 8] {
@@ -922,9 +929,7 @@ fn exact_peak_of_peak_plans() {
     assert_eq!((rows[0].1, rows[7].1), (519462, 678476));
 
     let xq = Var::from_tensor(&tensor(&[2, 16, 32], 10, 1.0, DType::F32)).unwrap();
-    let layers: Vec<[Tensor; 8]> = (0..3u64)
-        .map(|l| qwen_params(100 * l).map(|v| v.as_tensor().clone()))
-        .collect();
+    let layers = qwen_layers(3);
     let run = || run_qwen_stack(&xq, &layers);
     let (rows, lowest) = peak_plan_requests(&run);
     println!("three qwen2-style layers, peak plan (request, measured): {rows:?}");
@@ -943,9 +948,7 @@ fn exact_peak_of_peak_plans() {
     // Five layers, 50 statements: past 40 the search measures lazily.
     // Every plan it gives still peaks at most the request and never lower
     // for a larger one (checked by `peak_plan_requests`).
-    let layers: Vec<[Tensor; 8]> = (0..5u64)
-        .map(|l| qwen_params(100 * l).map(|v| v.as_tensor().clone()))
-        .collect();
+    let layers = qwen_layers(5);
     let run = || run_qwen_stack(&xq, &layers);
     let (rows, _) = peak_plan_requests(&run);
     println!("five qwen2-style layers, lazy peak plan (request, measured): {rows:?}");
@@ -1060,9 +1063,7 @@ fn exact_peak_of_sublayer_nodes() {
 
     // Three Qwen2-style layers, the MLP as one node.
     let xq = candle_core::Var::from_tensor(&tensor(&[2, 16, 32], 10, 1.0, DType::F32)).unwrap();
-    let layers: Vec<[Tensor; 8]> = (0..3u64)
-        .map(|l| qwen_params(100 * l).map(|v| v.as_tensor().clone()))
-        .collect();
+    let layers = qwen_layers(3);
     let stack = |fused: bool| {
         let mut h = xq.as_tensor().clone();
         for p in &layers {

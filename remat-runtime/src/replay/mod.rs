@@ -365,7 +365,7 @@ impl Replay {
         let gained = tensors
             .iter()
             .enumerate()
-            .any(|(j, t)| j < 64 && t.track_op() && needed & (1 << j) == 0);
+            .any(|(j, t)| j < 64 && carries_grad(t) && needed & (1 << j) == 0);
         if gained {
             return Err(RematError::UndeclaredInput {
                 region: region.to_string(),
@@ -393,7 +393,7 @@ impl Replay {
                 self.order.push(t.id());
                 let value = Value {
                     unit: Some(u),
-                    requires_grad: t.track_op(),
+                    requires_grad: carries_grad(t),
                     tensor: t.clone(),
                     leaf: None,
                     share: false,
@@ -569,4 +569,11 @@ impl Replay {
         }
         Ok(self.units)
     }
+}
+
+/// Whether a gradient can flow through `t`: a float tensor with a graph.
+/// candle records ops on integer and boolean results too (a comparison of a
+/// tracked value), but its backward skips them.
+fn carries_grad(t: &Tensor) -> bool {
+    t.track_op() && t.dtype().is_float()
 }

@@ -286,11 +286,17 @@ impl Recorder {
         let args: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
         let mut ran = run(&args)?;
         self.check_captures(s, &args, &ran.tensors)?;
+        // Its float outputs need gradients if it read a value that does;
+        // integer and boolean outputs never carry one (candle's backward
+        // skips them), here or in the replay.
         let any_input = needs.iter().any(|&n| n);
         let tracked = std::mem::take(&mut ran.tensors);
         let outputs = tracked
             .iter()
-            .map(|t| Ok(self.detach_output(t, any_input || t.track_op())?.0))
+            .map(|t| {
+                let requires_grad = t.dtype().is_float() && (any_input || t.track_op());
+                Ok(self.detach_output(t, requires_grad)?.0)
+            })
             .collect::<Result<_>>()?;
         self.chain = None;
         Ok((outputs, None, ran))
@@ -350,7 +356,7 @@ impl Recorder {
         let mut outputs = Vec::with_capacity(tracked.len());
         let mut detached = Vec::with_capacity(tracked.len());
         for (j, t) in tracked.iter().enumerate() {
-            let (visible, d) = self.detach_output(t, t.track_op())?;
+            let (visible, d) = self.detach_output(t, t.track_op() && t.dtype().is_float())?;
             self.saved_outputs.insert(visible.id(), (index, j));
             outputs.push(visible);
             detached.push(d);

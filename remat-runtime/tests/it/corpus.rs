@@ -567,6 +567,57 @@ fn t5_decoder_layer_with_relative_bias_and_cross_attention() {
     }
 }
 
+#[test]
+fn every_plan_a_peak_profile_keeps_over_t5_decoder_layers_gives_plain_gradients() {
+    // Three decoder layers reading one encoder output: plans that decide
+    // call by call save different statements in each layer, while every
+    // layer's cross-attention reads the same encoder value.
+    use remat_runtime::plan::PeakPlan;
+    use remat_runtime::MemoryReport;
+    let dev = Device::Cpu;
+    let dtype = DType::F64;
+    let vm = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vm, dtype, &dev);
+    let layers: Vec<T5DecoderLayer> = (0..3)
+        .map(|i| T5DecoderLayer::load(12, 20, 3, 4, vb.pp(format!("decoder.block.{i}"))).unwrap())
+        .collect();
+    let (x, enc) = (
+        var(&[2, 5, 12], 1, 1.0, dtype),
+        var(&[2, 4, 12], 2, 1.0, dtype),
+    );
+    let run = || {
+        let mut h = x.as_tensor().clone();
+        for layer in &layers {
+            h = layer.forward(&h, enc.as_tensor(), None, None)?;
+        }
+        Ok(h)
+    };
+    let plain = || {
+        let mut h = x.as_tensor().clone();
+        for layer in &layers {
+            h = layer.plain(&h, enc.as_tensor(), None, None)?;
+        }
+        Ok(h)
+    };
+    // A stand-in for a measured peak: the bytes the tapes hold after the
+    // forward (plain candle's graph holds more than any of them).
+    let profile = PeakPlan::profile(|plan| {
+        let y = plan.scope(run)?;
+        let held = if plan.is_off() {
+            1 << 30
+        } else {
+            MemoryReport::capture().total_bytes()
+        };
+        backward(&loss(&y))?;
+        Ok(held)
+    })
+    .unwrap();
+    assert!(profile.candidates().len() >= 3, "{profile}");
+    for c in profile.candidates() {
+        check("t5 x3", &vm, &[&x, &enc], &c.plan, run, plain, tol(dtype));
+    }
+}
+
 // ---------------------------------------------------------------------------
 // 2. Mistral: sliding-window causal mask built in the block, GQA.
 // ---------------------------------------------------------------------------

@@ -326,6 +326,10 @@ impl Replay {
                     };
                     args.push(leaf);
                 }
+                // A value that carries no gradient (an integer one made
+                // from tracked values: a comparison) is read detached, as
+                // the forward read it.
+                Some(v) if !v.requires_grad => args.push(t.detach()),
                 // Read for its shape or detached: as it is, no copy.
                 Some(_) => args.push((*t).clone()),
                 None => {
@@ -477,7 +481,7 @@ impl Replay {
         let mut continued = false;
         for (j, meta) in record.outputs.iter().enumerate() {
             let target = saved.outs.get(j).cloned();
-            let requires_grad = target.as_ref().is_some_and(|t| t.track_op());
+            let requires_grad = target.as_ref().is_some_and(carries_grad);
             // A parameter returned as it is stays a leaf copy: the sweep
             // gives a parameter's gradient to the parameter, not to a unit.
             let value = match (saved.ferried.get(j).cloned().flatten(), &target) {

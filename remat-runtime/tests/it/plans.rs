@@ -366,8 +366,9 @@ fn a_plan_naming_no_statement_is_an_error() {
 
 remat! {
     /// Integer and boolean values made by statements that read values
-    /// needing gradients: an index from `argmax`, and a causal mask that
-    /// reads `x` only for its device. Saved statements read both.
+    /// needing gradients: an index from `argmax`, a causal mask that reads
+    /// `x` only for its device, and a comparison (which candle tracks, and
+    /// whose backward it skips). Saved and recomputed statements read them.
     fn routed(x: &Tensor, w: &Tensor) -> Result<Tensor> {
         let h = x.matmul(w)?;
         let idx = h.argmax_keepdim(candle_core::D::Minus1)?;
@@ -375,7 +376,9 @@ remat! {
         let causal = Tensor::tril2(n, DType::U8, x.device())?;
         let picked = h.gather(&idx, candle_core::D::Minus1)?;
         let masked = causal.where_cond(&h.sqr()?, &h)?;
-        Ok(masked.broadcast_mul(&picked)?)
+        let positive = h.ge(0.0)?;
+        let gate = positive.to_dtype(DType::F32)?;
+        Ok(masked.broadcast_mul(&picked)?.broadcast_mul(&gate)?)
     }
 }
 
@@ -383,8 +386,9 @@ remat! {
 fn saved_statements_reading_integer_values_of_recomputed_ones_replay() {
     // A recomputed statement that reads a value needing gradients gives
     // integer outputs that carry none, in the forward as in the replay: a
-    // saved statement reading them keeps no leaf of them (before, the
-    // replay failed with `ReplayDesync`).
+    // saved statement reading them keeps no leaf of them, and a statement
+    // reading only them gives values that need none (before, the replay
+    // failed with `ReplayDesync` or `UndeclaredInput`).
     let x = var(&[6, 6], 1, 1.0, DType::F32);
     let w = var(&[6, 6], 2, 0.5, DType::F32);
     let weights = tensor(&[6, 6], 3, 1.0, DType::F32);
@@ -408,6 +412,8 @@ fn saved_statements_reading_integer_values_of_recomputed_ones_replay() {
         Plan::save_only(["picked"]),
         Plan::save_only(["masked"]),
         Plan::save_only(["idx", "masked"]),
+        Plan::save_only(["positive"]),
+        Plan::save_only(["positive", "gate", "picked"]),
     ] {
         for _ in 0..2 {
             for (a, b) in grads(&plan).iter().zip(&reference) {

@@ -11,6 +11,13 @@ pub(crate) fn make_leaf(t: &Tensor) -> Result<Tensor> {
     Ok(Var::from_tensor(&t.detach())?.into_inner())
 }
 
+/// Whether a gradient can flow through `t`: a float tensor with a graph.
+/// candle records ops on integer and boolean results too (a comparison of a
+/// tracked value), but its backward skips them.
+pub(crate) fn carries_grad(t: &Tensor) -> bool {
+    t.track_op() && t.dtype().is_float()
+}
+
 /// Checks input `index` of `statement`, a tensor that is neither a region
 /// input nor a statement output: a constant or a parameter (candle tracks
 /// the latter by itself) is fine; a tracked tensor from elsewhere would lose

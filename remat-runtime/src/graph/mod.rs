@@ -22,7 +22,7 @@ mod seed;
 mod tap;
 
 pub(crate) use anchor::anchor_chain;
-pub(crate) use leaf::{check_cut, check_input, check_reads, make_leaf};
+pub(crate) use leaf::{carries_grad, check_cut, check_input, check_reads, make_leaf};
 pub(crate) use seed::Seed;
 pub(crate) use tap::Tap;
 

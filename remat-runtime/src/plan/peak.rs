@@ -242,23 +242,22 @@ impl<S: FnMut(&Plan) -> Result<usize>> Search<'_, S> {
     /// measured before could still beat the best of the round (what a
     /// statement adds rarely shrinks as more is saved).
     fn saving_up(&mut self, mut current: usize, plain: usize, lazy: bool) -> Result<()> {
-        let n = self.open.len();
+        let seconds: Vec<f64> = self.open.iter().map(|o| o.seconds).collect();
+        let n = seconds.len();
         let mut saved: Vec<usize> = Vec::new();
         let mut added: Vec<Option<i64>> = vec![None; n];
         while saved.len() < n && current < plain {
-            let seconds = |i: usize| self.open[i].seconds;
             let mut order: Vec<usize> = (0..n).filter(|i| !saved.contains(i)).collect();
             order.sort_by(|&a, &b| match (added[a], added[b]) {
                 (None, None) => Ordering::Equal,
                 (None, Some(_)) => Ordering::Less,
                 (Some(_), None) => Ordering::Greater,
-                (Some(x), Some(y)) => rank(x, seconds(a), y, seconds(b)),
+                (Some(x), Some(y)) => rank(x, seconds[a], y, seconds[b]),
             });
             let mut best: Option<(usize, i64, usize)> = None;
             for (k, &i) in order.iter().enumerate() {
-                let seconds = |i: usize| self.open[i].seconds;
                 if let (Some((b, by, _)), Some(was)) = (best, added[i]) {
-                    let hopeless = rank(was, seconds(i), by, seconds(b)).is_ge();
+                    let hopeless = rank(was, seconds[i], by, seconds[b]).is_ge();
                     if lazy && k >= PER_ROUND && hopeless {
                         break;
                     }
@@ -267,8 +266,7 @@ impl<S: FnMut(&Plan) -> Result<usize>> Search<'_, S> {
                 let peak = self.measure(&with)?;
                 let by = peak as i64 - current as i64;
                 added[i] = Some(by);
-                let seconds = |i: usize| self.open[i].seconds;
-                if best.is_none_or(|(b, bb, _)| rank(by, seconds(i), bb, seconds(b)).is_lt()) {
+                if best.is_none_or(|(b, bb, _)| rank(by, seconds[i], bb, seconds[b]).is_lt()) {
                     best = Some((i, by, peak));
                 }
             }
@@ -285,7 +283,8 @@ impl<S: FnMut(&Plan) -> Result<usize>> Search<'_, S> {
     /// plans near plain candle's peak are measured as densely as those
     /// near full recomputation's.
     fn recomputing_down(&mut self, full: usize) -> Result<()> {
-        let mut kept: Vec<usize> = (0..self.open.len()).collect();
+        let seconds: Vec<f64> = self.open.iter().map(|o| o.seconds).collect();
+        let mut kept: Vec<usize> = (0..seconds.len()).collect();
         let mut current = self.measure(&kept)?;
         while !kept.is_empty() && current > full {
             let mut best: Option<(usize, i64, usize)> = None;
@@ -293,9 +292,8 @@ impl<S: FnMut(&Plan) -> Result<usize>> Search<'_, S> {
                 let without: Vec<usize> = kept.iter().copied().filter(|&k| k != i).collect();
                 let peak = self.measure(&without)?;
                 let by = current as i64 - peak as i64;
-                let seconds = |i: usize| self.open[i].seconds;
                 if best
-                    .is_none_or(|(b, bb, _)| rank_recompute(by, seconds(i), bb, seconds(b)).is_lt())
+                    .is_none_or(|(b, bb, _)| rank_recompute(by, seconds[i], bb, seconds[b]).is_lt())
                 {
                     best = Some((i, by, peak));
                 }
@@ -317,10 +315,7 @@ fn rank(a: i64, a_seconds: f64, b: i64, b_seconds: f64) -> Ordering {
         (true, false) => Ordering::Less,
         (false, true) => Ordering::Greater,
         (true, true) => b_seconds.total_cmp(&a_seconds).then(a.cmp(&b)),
-        (false, false) => {
-            let per = |bytes: i64, seconds: f64| bytes as f64 / seconds.max(1e-12);
-            per(a, a_seconds).total_cmp(&per(b, b_seconds))
-        }
+        (false, false) => per_second(a, a_seconds).total_cmp(&per_second(b, b_seconds)),
     }
 }
 
@@ -335,12 +330,16 @@ fn rank_recompute(a: i64, a_seconds: f64, b: i64, b_seconds: f64) -> Ordering {
         Ordering::Equal => 1,
         Ordering::Less => 2,
     };
-    let per = |bytes: i64, seconds: f64| bytes as f64 / seconds.max(1e-12);
     class(a).cmp(&class(b)).then_with(|| match class(a) {
-        0 => per(b, b_seconds).total_cmp(&per(a, a_seconds)),
+        0 => per_second(b, b_seconds).total_cmp(&per_second(a, a_seconds)),
         1 => a_seconds.total_cmp(&b_seconds),
         _ => b.cmp(&a).then(a_seconds.total_cmp(&b_seconds)),
     })
+}
+
+/// Bytes of peak per second of recompute time.
+fn per_second(bytes: i64, seconds: f64) -> f64 {
+    bytes as f64 / seconds.max(1e-12)
 }
 
 /// An open statement of one call of a step.

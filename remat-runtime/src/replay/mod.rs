@@ -22,7 +22,7 @@ use std::collections::{HashMap, HashSet};
 
 use candle_core::{Tensor, TensorId};
 
-use crate::graph::{check_cut, check_input, check_reads, make_leaf};
+use crate::graph::{carries_grad, check_cut, check_input, check_reads, make_leaf};
 use crate::inspect::trace::{self, Phase, TraceEvent};
 use crate::tape::fingerprint::{self, Checks, Compare, Subject};
 use crate::tape::{Meta, Record};
@@ -573,11 +573,4 @@ impl Replay {
         }
         Ok(self.units)
     }
-}
-
-/// Whether a gradient can flow through `t`: a float tensor with a graph.
-/// candle records ops on integer and boolean results too (a comparison of a
-/// tracked value), but its backward skips them.
-fn carries_grad(t: &Tensor) -> bool {
-    t.track_op() && t.dtype().is_float()
 }

@@ -20,7 +20,7 @@ use candle_core::{Tensor, TensorId};
 use super::bytes::{Counter, Seen};
 use super::fingerprint;
 use super::{Meta, Profile, Record, Saved, Source};
-use crate::graph::{check_cut, check_input, check_reads, make_leaf};
+use crate::graph::{carries_grad, check_cut, check_input, check_reads, make_leaf};
 use crate::inspect::trace::{self, Phase, TraceEvent};
 use crate::{Outputs, Policy, Result};
 
@@ -356,7 +356,7 @@ impl Recorder {
         let mut outputs = Vec::with_capacity(tracked.len());
         let mut detached = Vec::with_capacity(tracked.len());
         for (j, t) in tracked.iter().enumerate() {
-            let (visible, d) = self.detach_output(t, t.track_op() && t.dtype().is_float())?;
+            let (visible, d) = self.detach_output(t, carries_grad(t))?;
             self.saved_outputs.insert(visible.id(), (index, j));
             outputs.push(visible);
             detached.push(d);

@@ -5,6 +5,7 @@ use candle_core::{CustomOp2, CustomOp3, Result, Tensor};
 
 use super::attach::{forward_computed, Computed};
 use super::bundle::{bundle, Slot};
+use crate::tape::unread;
 
 struct Linear {
     out: Computed,
@@ -117,12 +118,30 @@ fn fused(
             );
         }
     }
-    let y = product(&activation(&x.detach(), gelu)?, w, b)?.reshape(dims)?;
-    let y = match residual {
-        Some(r) => (y + r.detach())?,
-        None => y,
-    };
-    let out = Computed::new(y);
+    // The backward reads the inputs, not the output.
+    unread::op_output(|unread| {
+        let y = if unread {
+            unread::uncomputed(dims, x.dtype(), x.device())?
+        } else {
+            let y = product(&activation(&x.detach(), gelu)?, w, b)?.reshape(dims)?;
+            match residual {
+                Some(r) => (y + r.detach())?,
+                None => y,
+            }
+        };
+        node(x, w, b, residual, gelu, Computed::new(y))
+    })
+}
+
+/// The node of `fused`, its output computed.
+fn node(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    residual: Option<&Tensor>,
+    gelu: bool,
+    out: Computed,
+) -> Result<Tensor> {
     let op = |args| Linear { out, gelu, args };
     match (b, residual) {
         (None, None) => x.apply_op2(w, op(Args::Plain)),

@@ -10,6 +10,7 @@ use super::attach::{forward_computed, Computed};
 use super::bundle::{bundle_all, Slot};
 use super::linear::{output_dims, product, rows};
 use super::prenorm::{norm_backward, norm_forward, normalized, Normed, PreNorm};
+use crate::tape::unread;
 
 /// Which MLP.
 #[derive(Clone, Copy)]
@@ -162,24 +163,31 @@ fn fused(
     let (n, norm_state) = norm_forward(norm.as_ref(), x_rows)?;
     let kept = weights.intermediates(&n)?;
     drop(n);
-    let y = weights.forward(&kept)?.reshape(dims)?;
-    let y = match residual {
-        Some(r) => (y + r.detach())?,
-        None => y,
-    };
     let mut bundled = norm.map(|n| n.params()).unwrap_or_default();
     bundled.extend(params);
     bundled.extend(residual);
     let (pack, slot) = bundle_all(&bundled)?;
-    let op = Mlp {
-        out: Computed::new(y),
-        norm: norm_state,
-        weights,
-        residual: residual.is_some(),
-        slot,
-        kept: Mutex::new(Some(kept)),
-    };
-    x.apply_op2(&pack, op)
+    // The backward reads the kept intermediates, not the output.
+    unread::op_output(|unread| {
+        let y = if unread {
+            unread::uncomputed(dims, x.dtype(), x.device())?
+        } else {
+            let y = weights.forward(&kept)?.reshape(dims)?;
+            match residual {
+                Some(r) => (y + r.detach())?,
+                None => y,
+            }
+        };
+        let op = Mlp {
+            out: Computed::new(y),
+            norm: norm_state,
+            weights,
+            residual: residual.is_some(),
+            slot,
+            kept: Mutex::new(Some(kept)),
+        };
+        x.apply_op2(&pack, op)
+    })
 }
 
 impl Weights {

@@ -25,6 +25,7 @@ use candle_core::{Tensor, TensorId};
 use crate::graph::{carries_grad, check_cut, check_input, check_reads, make_leaf};
 use crate::inspect::trace::{self, Phase, TraceEvent};
 use crate::tape::fingerprint::{self, Checks, Compare, Subject};
+use crate::tape::unread;
 use crate::tape::{Meta, Record};
 use crate::{Outputs, Policy, RematError, Result};
 
@@ -89,6 +90,38 @@ fn describe(declared: Option<Policy>) -> String {
         Some(p) => format!("{p} statement"),
         None => "statement".to_string(),
     }
+}
+
+/// The outputs of a recomputed statement that its op calls left
+/// uncomputed ([`unread`]). Each must be an output no other op of the
+/// statement read, as in the forward; a replay whose code went another way
+/// is a desync.
+fn uncomputed_outputs(
+    region: &str,
+    name: &str,
+    calls: &[(TensorId, bool)],
+    outputs: &[Tensor],
+) -> Result<Vec<usize>> {
+    if calls.iter().all(|&(_, skipped)| !skipped) {
+        return Ok(Vec::new());
+    }
+    let unread = unread::unread_calls(calls, outputs);
+    let mut found = Vec::new();
+    for (call, _) in calls.iter().enumerate().filter(|(_, c)| c.1) {
+        match unread.iter().find(|&&(c, _)| c == call) {
+            Some(&(_, j)) => found.push(j),
+            None => {
+                return Err(RematError::desync(
+                    region,
+                    format!(
+                        "`{name}` returning the output of its op call {call}, read by no other op"
+                    ),
+                    "an op reading it, or returning another value",
+                ))
+            }
+        }
+    }
+    Ok(found)
 }
 
 /// A stand-in for a saved output that was not ferried: a broadcast scalar with
@@ -340,10 +373,12 @@ impl Replay {
         }
         bitwise &= fingerprint::layouts(args.iter().take(value_inputs)) == self.records[k].layouts;
         let reads_tracked = args.iter().take(value_inputs).any(|t| t.track_op());
-        let out = f(&args).map_err(|e| e.in_statement(region, name))?;
+        let (out, calls) = unread::watch(self.records[k].unread, || f(&args));
+        let out = out.map_err(|e| e.in_statement(region, name))?;
         drop(args);
         let mut tensors = Vec::new();
         let skeleton = out.split_into(&mut tensors);
+        let uncomputed = uncomputed_outputs(region, name, &calls, &tensors)?;
         check_cut(region, name, reads_tracked, &tensors)?;
         let record = &self.records[k];
         if tensors.len() != record.outputs.len() {
@@ -378,17 +413,23 @@ impl Replay {
         }
         if let Some(checks) = &mut self.checks {
             for (output, t) in tensors.iter().enumerate() {
-                let compare = if bitwise && t.device().is_cpu() {
+                let compare = if uncomputed.contains(&output) {
+                    Compare::Unread
+                } else if bitwise && t.device().is_cpu() {
                     Compare::Bitwise
                 } else {
                     Compare::Within(fingerprint::tolerance(t.dtype()))
+                };
+                let sum = match compare {
+                    Compare::Unread => fingerprint::none()?,
+                    _ => fingerprint::of(t)?,
                 };
                 let subject = Subject::Output {
                     statement: name.to_string(),
                     output,
                     compare,
                 };
-                checks.replay.push((subject, fingerprint::of(t)?));
+                checks.replay.push((subject, sum));
             }
         }
         for t in &tensors {

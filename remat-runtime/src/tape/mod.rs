@@ -8,12 +8,14 @@
 //! * `bytes`: the one rule for counting what a tape holds, shared by the
 //!   memory report, the budget planner, the trace and offload;
 //! * `fingerprint`: what the replay check compares, and how;
-//! * `checksum`: the checksum of every element of a value.
+//! * `checksum`: the checksum of every element of a value;
+//! * `unread`: outputs nothing in the replay reads, left uncomputed there.
 
 pub(crate) mod bytes;
 pub(crate) mod checksum;
 pub(crate) mod fingerprint;
 pub(crate) mod recorder;
+pub(crate) mod unread;
 
 use std::any::Any;
 use std::collections::HashSet;
@@ -121,6 +123,11 @@ pub(crate) struct Record {
     /// the forward ([`fingerprint::layouts`]); a replay on the same bits in
     /// the same layouts computes the same bits (on the CPU).
     pub layouts: u64,
+    /// For a recomputed statement, bit `c`: the statement's op call `c`
+    /// gives an output nothing in the replay reads, which the replay leaves
+    /// uncomputed ([`unread`]; calls past the 32nd are computed). A `u32`
+    /// beside the two policies: the record stays 112 bytes.
+    pub unread: u32,
     /// `Some` exactly for `Save` and `Offload` statements (boxed: most
     /// records of a recomputing tape have none, and every byte of a record
     /// is held for as long as the tape).

@@ -18,7 +18,7 @@ use std::time::Instant;
 use candle_core::{Tensor, TensorId};
 
 use super::bytes::{Counter, Seen};
-use super::fingerprint;
+use super::{fingerprint, unread};
 use super::{Meta, Profile, Record, Saved, Source};
 use crate::graph::{carries_grad, check_cut, check_input, check_reads, make_leaf};
 use crate::inspect::trace::{self, Phase, TraceEvent};
@@ -115,6 +115,11 @@ pub(crate) struct Recorder {
     /// Every value a recomputed statement reads (what the replay reads),
     /// with the first record that reads it.
     replay_reads: HashMap<TensorId, usize>,
+    /// Op calls of recomputed statements that gave an output no other op
+    /// of the statement read: (record, call, the output's value). Those
+    /// whose value no recomputed statement reads are left uncomputed by the
+    /// replay ([`unread`]).
+    unread: Vec<(usize, usize, TensorId)>,
     records: Vec<Record>,
     leaf_ids: HashSet<TensorId>,
     /// The leaf copy of each value saved statements read: one per value in
@@ -180,6 +185,7 @@ impl Recorder {
             saved_outputs: HashMap::new(),
             ferried: HashSet::new(),
             replay_reads: HashMap::new(),
+            unread: Vec::new(),
             records: Vec::new(),
             leaf_ids: value_leaves.clone(),
             shared_leaves: HashMap::new(),
@@ -255,6 +261,7 @@ impl Recorder {
             outputs: outputs.iter().map(Meta::of).collect(),
             outputs_need_grad,
             layouts,
+            unread: 0,
             saved,
             profile: self.profile.then(|| {
                 Box::new(Profile {
@@ -284,8 +291,10 @@ impl Recorder {
             }
         }
         let args: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
-        let mut ran = run(&args)?;
+        let (ran, calls) = unread::watch(0, || run(&args));
+        let mut ran = ran?;
         self.check_captures(s, &args, &ran.tensors)?;
+        let unread = unread::unread_calls(&calls, &ran.tensors);
         // Its float outputs need gradients if it read a value that does;
         // integer and boolean outputs never carry one (candle's backward
         // skips them), here or in the replay.
@@ -297,7 +306,10 @@ impl Recorder {
                 let requires_grad = t.dtype().is_float() && (any_input || t.track_op());
                 Ok(self.detach_output(t, requires_grad)?.0)
             })
-            .collect::<Result<_>>()?;
+            .collect::<Result<Vec<Tensor>>>()?;
+        for (call, j) in unread {
+            self.unread.push((index, call, outputs[j].id()));
+        }
         self.chain = None;
         Ok((outputs, None, ran))
     }
@@ -518,6 +530,11 @@ impl Recorder {
             }
         }
 
+        for &(k, call, value) in &self.unread {
+            if call < 32 && !self.replay_reads.contains_key(&value) {
+                self.records[k].unread |= 1 << call;
+            }
+        }
         // The tape keeps the records as long as it lives: no spare capacity.
         self.records.shrink_to_fit();
         Recorded {

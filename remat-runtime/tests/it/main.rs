@@ -27,3 +27,4 @@ mod properties;
 mod random;
 mod replay_check;
 mod trace;
+mod unread_outputs;

@@ -9,6 +9,7 @@ use crate::graph::check_cut;
 use crate::random;
 use crate::replay::Replay;
 use crate::tape::recorder::{Recorder, Statement};
+use crate::tape::unread;
 use crate::{Inputs, Outputs, Plan, Policy, RematError, Result, StatementInfo};
 
 /// What running a statement does.
@@ -199,7 +200,9 @@ impl Ctx {
         match &mut self.mode {
             Mode::Plain => {
                 let tracked = owned.iter().take(value_inputs).any(|t| t.track_op());
-                let out = f(&owned).map_err(|e| e.in_statement(&self.region, name))?;
+                // Its op calls count in no other statement.
+                let out = unread::watch(None, || f(&owned)).0;
+                let out = out.map_err(|e| e.in_statement(&self.region, name))?;
                 if !tracked {
                     return Ok(out);
                 }

@@ -29,13 +29,23 @@ pub(crate) use tap::Tap;
 use std::cell::RefCell;
 
 use candle_core::backend::{BackendDevice, BackendStorage};
-use candle_core::{DType, Layout, Shape};
+use candle_core::{DType, Device, Layout, Shape, Tensor};
 
 use crate::RematError;
 
 thread_local! {
     /// Kept because candle keeps only an error's message.
     static LAST_ERROR: RefCell<Option<RematError>> = const { RefCell::new(None) };
+}
+
+/// A scalar NaN of `dtype` on `device` (zero for integer dtypes): what a
+/// value the replay does not compute reads as.
+pub(crate) fn nan_scalar(dtype: DType, device: &Device) -> candle_core::Result<Tensor> {
+    if dtype.is_float() {
+        Tensor::new(f64::NAN, device)?.to_dtype(dtype)
+    } else {
+        Tensor::zeros((), dtype, device)
+    }
 }
 
 /// A scalar `f32` zero on the device of `like`.

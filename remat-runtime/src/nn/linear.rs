@@ -119,7 +119,7 @@ fn fused(
         }
     }
     // The backward reads the inputs, not the output.
-    unread::op_output(|unread| {
+    unread::op_output(x, |unread| {
         let y = if unread {
             unread::uncomputed(dims, x.dtype(), x.device())?
         } else {

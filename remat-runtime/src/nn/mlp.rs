@@ -168,7 +168,7 @@ fn fused(
     bundled.extend(residual);
     let (pack, slot) = bundle_all(&bundled)?;
     // The backward reads the kept intermediates, not the output.
-    unread::op_output(|unread| {
+    unread::op_output(x, |unread| {
         let y = if unread {
             unread::uncomputed(dims, x.dtype(), x.device())?
         } else {

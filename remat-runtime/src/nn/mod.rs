@@ -31,6 +31,12 @@
 //! The forward of each runs candle's tensor ops (candle's fused kernels
 //! where they exist), on any device; the result is copied once into the
 //! node (candle's public API gives no way to hand it over).
+//!
+//! The backwards of [`linear`], [`linear_add`], [`gelu_linear_add`],
+//! [`gelu_mlp`] and [`swiglu_mlp`] read their inputs, never their output:
+//! in a region's replay, when such an op's output is a statement's whole
+//! value and nothing in the replay reads it (a region's last statement),
+//! it is not computed again (see "unread outputs" in `docs/semantics.md`).
 
 mod activation;
 mod attach;

@@ -92,49 +92,13 @@ fn describe(declared: Option<Policy>) -> String {
     }
 }
 
-/// The outputs of a recomputed statement that its op calls left
-/// uncomputed ([`unread`]). Each must be an output no other op of the
-/// statement read, as in the forward; a replay whose code went another way
-/// is a desync.
-fn uncomputed_outputs(
-    region: &str,
-    name: &str,
-    calls: &[(TensorId, bool)],
-    outputs: &[Tensor],
-) -> Result<Vec<usize>> {
-    if calls.iter().all(|&(_, skipped)| !skipped) {
-        return Ok(Vec::new());
-    }
-    let unread = unread::unread_calls(calls, outputs);
-    let mut found = Vec::new();
-    for (call, _) in calls.iter().enumerate().filter(|(_, c)| c.1) {
-        match unread.iter().find(|&&(c, _)| c == call) {
-            Some(&(_, j)) => found.push(j),
-            None => {
-                return Err(RematError::desync(
-                    region,
-                    format!(
-                        "`{name}` returning the output of its op call {call}, read by no other op"
-                    ),
-                    "an op reading it, or returning another value",
-                ))
-            }
-        }
-    }
-    Ok(found)
-}
-
 /// A stand-in for a saved output that was not ferried: a broadcast scalar with
 /// the right shape, dtype and device and one element of memory. Statements
 /// that declare it as an input get [`RematError::PlaceholderRead`]; code that
 /// reads it any other way computes with NaN (for float dtypes), so that the
 /// mistake shows in the gradients instead of passing silently.
 pub(crate) fn placeholder(meta: &Meta) -> Result<Tensor> {
-    let scalar = if meta.dtype.is_float() {
-        Tensor::new(f64::NAN, &meta.device)?.to_dtype(meta.dtype)?
-    } else {
-        Tensor::zeros((), meta.dtype, &meta.device)?
-    };
+    let scalar = crate::graph::nan_scalar(meta.dtype, &meta.device)?;
     Ok(scalar.broadcast_as(meta.shape.clone())?)
 }
 
@@ -373,12 +337,28 @@ impl Replay {
         }
         bitwise &= fingerprint::layouts(args.iter().take(value_inputs)) == self.records[k].layouts;
         let reads_tracked = args.iter().take(value_inputs).any(|t| t.track_op());
-        let (out, calls) = unread::watch(self.records[k].unread, || f(&args));
+        let record = &self.records[k];
+        let (sole_call, unread) = (record.sole_call.map(usize::from), record.unread);
+        let (out, calls) = unread::watch(sole_call.filter(|_| unread), || f(&args));
         let out = out.map_err(|e| e.in_statement(region, name))?;
         drop(args);
         let mut tensors = Vec::new();
         let skeleton = out.split_into(&mut tensors);
-        let uncomputed = uncomputed_outputs(region, name, &calls, &tensors)?;
+        let plain_data = std::mem::size_of::<O::Skeleton>() != 0;
+        if unread::sole_call(&calls, &tensors, plain_data) != sole_call {
+            return Err(RematError::desync(
+                region,
+                match sole_call {
+                    Some(c) => {
+                        format!("`{name}` giving as its value the output of its op call {c}")
+                    }
+                    None => format!("`{name}` giving a value that is no op call's output alone"),
+                },
+                "another value",
+            ));
+        }
+        let sole_input = sole_call.map(|c| calls[c].input.clone());
+        drop(calls);
         check_cut(region, name, reads_tracked, &tensors)?;
         let record = &self.records[k];
         if tensors.len() != record.outputs.len() {
@@ -412,17 +392,17 @@ impl Replay {
             });
         }
         if let Some(checks) = &mut self.checks {
-            for (output, t) in tensors.iter().enumerate() {
-                let compare = if uncomputed.contains(&output) {
-                    Compare::Unread
-                } else if bitwise && t.device().is_cpu() {
+            let compare = |t: &Tensor| {
+                if bitwise && t.device().is_cpu() {
                     Compare::Bitwise
                 } else {
                     Compare::Within(fingerprint::tolerance(t.dtype()))
-                };
-                let sum = match compare {
-                    Compare::Unread => fingerprint::none()?,
-                    _ => fingerprint::of(t)?,
+                }
+            };
+            for (output, t) in tensors.iter().enumerate() {
+                let (compare, sum) = match unread {
+                    true => (Compare::Unread, fingerprint::none()?),
+                    false => (compare(t), fingerprint::of(t)?),
                 };
                 let subject = Subject::Output {
                     statement: name.to_string(),
@@ -430,6 +410,16 @@ impl Replay {
                     compare,
                 };
                 checks.replay.push((subject, sum));
+            }
+            // In place of an output the replay may leave uncomputed: what
+            // its op's backward reads.
+            if let Some(input) = &sole_input {
+                let subject = Subject::Output {
+                    statement: name.to_string(),
+                    output: 0,
+                    compare: compare(input),
+                };
+                checks.replay.push((subject, fingerprint::of(input)?));
             }
         }
         for t in &tensors {

@@ -123,11 +123,14 @@ pub(crate) struct Record {
     /// the forward ([`fingerprint::layouts`]); a replay on the same bits in
     /// the same layouts computes the same bits (on the CPU).
     pub layouts: u64,
-    /// For a recomputed statement, bit `c`: the statement's op call `c`
-    /// gives an output nothing in the replay reads, which the replay leaves
-    /// uncomputed ([`unread`]; calls past the 32nd are computed). A `u32`
-    /// beside the two policies: the record stays 112 bytes.
-    pub unread: u32,
+    /// For a recomputed statement whose whole value is the tensor of one
+    /// of its `nn` op calls: that call ([`unread::sole_call`]); its op's
+    /// input is fingerprinted after the statement's outputs.
+    pub sole_call: Option<u16>,
+    /// Nothing in the replay reads that value: the replay leaves it
+    /// uncomputed ([`unread`]). (Both fit beside the two policies: the
+    /// record stays 112 bytes.)
+    pub unread: bool,
     /// `Some` exactly for `Save` and `Offload` statements (boxed: most
     /// records of a recomputing tape have none, and every byte of a record
     /// is held for as long as the tape).

@@ -82,6 +82,10 @@ struct Ran<S> {
     tensors: Vec<Tensor>,
     skeleton: S,
     seconds: f64,
+    /// The op call whose tensor is the statement's whole value, and the
+    /// input its backward reads ([`unread::sole_call`]); recomputed
+    /// statements only.
+    sole: Option<(u16, Tensor)>,
 }
 
 /// What one of a statement's two paths gives: the outputs the block sees
@@ -115,11 +119,10 @@ pub(crate) struct Recorder {
     /// Every value a recomputed statement reads (what the replay reads),
     /// with the first record that reads it.
     replay_reads: HashMap<TensorId, usize>,
-    /// Op calls of recomputed statements that gave an output no other op
-    /// of the statement read: (record, call, the output's value). Those
-    /// whose value no recomputed statement reads are left uncomputed by the
-    /// replay ([`unread`]).
-    unread: Vec<(usize, usize, TensorId)>,
+    /// Recomputed statements whose whole value is one `nn` op call's
+    /// tensor: (record, the value). Those whose value no recomputed
+    /// statement reads are left uncomputed by the replay ([`unread`]).
+    unread: Vec<(usize, TensorId)>,
     records: Vec<Record>,
     leaf_ids: HashSet<TensorId>,
     /// The leaf copy of each value saved statements read: one per value in
@@ -227,6 +230,7 @@ impl Recorder {
                 tensors,
                 skeleton,
                 seconds,
+                sole: None,
             })
         };
         // What a recomputed statement reads for its values, and how it is
@@ -243,6 +247,11 @@ impl Recorder {
         if let (Policy::Recompute, Some(fingerprints)) = (s.policy, &mut self.fingerprints) {
             for t in &outputs {
                 fingerprints.push(fingerprint::of(t)?);
+            }
+            // What the backward of an output the replay may leave
+            // uncomputed reads: compared in its place.
+            if let Some((_, input)) = &ran.sole {
+                fingerprints.push(fingerprint::of(input)?);
             }
         }
         let outputs_need_grad = outputs
@@ -261,7 +270,8 @@ impl Recorder {
             outputs: outputs.iter().map(Meta::of).collect(),
             outputs_need_grad,
             layouts,
-            unread: 0,
+            sole_call: ran.sole.as_ref().map(|s| s.0),
+            unread: false,
             saved,
             profile: self.profile.then(|| {
                 Box::new(Profile {
@@ -291,10 +301,12 @@ impl Recorder {
             }
         }
         let args: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
-        let (ran, calls) = unread::watch(0, || run(&args));
+        let (ran, calls) = unread::watch(None, || run(&args));
         let mut ran = ran?;
         self.check_captures(s, &args, &ran.tensors)?;
-        let unread = unread::unread_calls(&calls, &ran.tensors);
+        let plain_data = std::mem::size_of::<S>() != 0;
+        ran.sole = unread::sole_call(&calls, &ran.tensors, plain_data)
+            .and_then(|c| Some((u16::try_from(c).ok()?, calls[c].input.clone())));
         // Its float outputs need gradients if it read a value that does;
         // integer and boolean outputs never carry one (candle's backward
         // skips them), here or in the replay.
@@ -307,8 +319,8 @@ impl Recorder {
                 Ok(self.detach_output(t, requires_grad)?.0)
             })
             .collect::<Result<Vec<Tensor>>>()?;
-        for (call, j) in unread {
-            self.unread.push((index, call, outputs[j].id()));
+        if ran.sole.is_some() {
+            self.unread.push((index, outputs[0].id()));
         }
         self.chain = None;
         Ok((outputs, None, ran))
@@ -359,7 +371,8 @@ impl Recorder {
                 args.push((*t).clone());
             }
         }
-        let mut ran = run(&args)?;
+        // Its op calls count in no other statement.
+        let mut ran = unread::watch(None, || run(&args)).0?;
         self.check_captures(s, &args, &ran.tensors)?;
         let reads_tracked = needs.iter().take(s.value_inputs).any(|&n| n);
         check_cut(s.region, s.name, reads_tracked, &ran.tensors)?;
@@ -530,10 +543,8 @@ impl Recorder {
             }
         }
 
-        for &(k, call, value) in &self.unread {
-            if call < 32 && !self.replay_reads.contains_key(&value) {
-                self.records[k].unread |= 1 << call;
-            }
+        for &(k, value) in &self.unread {
+            self.records[k].unread = !self.replay_reads.contains_key(&value);
         }
         // The tape keeps the records as long as it lives: no spare capacity.
         self.records.shrink_to_fit();

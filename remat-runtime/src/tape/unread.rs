@@ -6,17 +6,20 @@
 //! recomputation early for the same reason.
 //!
 //! The forward finds them and the replay applies them, through one
-//! thread-local watch per running statement:
+//! thread-local watch per running statement (every statement, in every
+//! mode, so that an op call always counts in the statement that made it):
 //!
-//! * in the forward, every such op call of a recomputed statement says what
-//!   it gave ([`op_output`]); the recorder keeps the calls whose tensor is
-//!   an output of the statement that no other op of the statement read
-//!   ([`unread_calls`]), and, when the forward ends, those whose output no
-//!   later recomputed statement reads;
-//! * in the replay, those calls give a NaN tensor of the output's shape
-//!   instead of computing it (a placeholder, like a saved output the
-//!   replay does not read), and the replay checks that each is the output
-//!   the forward said, and leaves it out of the fingerprint check.
+//! * in the forward, every such op call says what it gave and the input
+//!   its backward reads ([`op_output`]); when the statement's whole value
+//!   is one op call's tensor as it is ([`sole_call`]: no other tensor and
+//!   no plain data another op or the block could have computed from it),
+//!   the record names the call, the op's input is fingerprinted, and when
+//!   the forward ends the record says whether a later recomputed statement
+//!   reads the value;
+//! * in the replay, a call whose value nothing reads gives NaN of the
+//!   output's shape instead of computing it ([`uncomputed`]); the replay
+//!   checks that it is again the statement's whole value, and compares the
+//!   op's input with the forward's in place of the output.
 
 use std::cell::RefCell;
 
@@ -24,13 +27,19 @@ use candle_core::{DType, Device, Shape, Tensor, TensorId};
 
 use crate::ambient::scoped;
 
+/// One op call of a running statement.
+pub(crate) struct Call {
+    /// The tensor it gave.
+    pub output: TensorId,
+    /// The input its backward reads (besides parameters).
+    pub input: Tensor,
+}
+
 /// What the op calls of one running statement see.
 struct Watch {
-    /// Bit `c`: leave call `c` uncomputed (the replay's); 0 in the forward.
-    skip: u32,
-    /// The op calls so far, each with the tensor it gave and whether it
-    /// was left uncomputed.
-    calls: Vec<(TensorId, bool)>,
+    /// The call to leave uncomputed (the replay's).
+    skip: Option<usize>,
+    calls: Vec<Call>,
 }
 
 thread_local! {
@@ -39,11 +48,10 @@ thread_local! {
     static WATCHES: RefCell<Vec<Watch>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Runs a statement's code with a watch on its op calls; bit `c` of
-/// `skip`: leave call `c` uncomputed (the replay's). Returns what the code
-/// returned and, per op call, the tensor it gave and whether it was left
-/// uncomputed.
-pub(crate) fn watch<R>(skip: u32, body: impl FnOnce() -> R) -> (R, Vec<(TensorId, bool)>) {
+/// Runs a statement's code with a watch on its op calls; `skip`: the call
+/// to leave uncomputed (the replay's). Returns what the code returned and
+/// its op calls, in order.
+pub(crate) fn watch<R>(skip: Option<usize>, body: impl FnOnce() -> R) -> (R, Vec<Call>) {
     let watch = Watch {
         skip,
         calls: Vec::new(),
@@ -61,77 +69,66 @@ pub(crate) fn watch<R>(skip: u32, body: impl FnOnce() -> R) -> (R, Vec<(TensorId
     (out, calls)
 }
 
-/// For an op whose backward does not read its output: runs `compute` with
-/// whether to leave the output uncomputed (then it gives [`uncomputed`]),
-/// and tells the running statement's watch what it gave. Outside a
-/// statement, or in a forward, the output is computed.
+/// For an op whose backward reads `input` and parameters, never its
+/// output: runs `compute` with whether to leave the output uncomputed
+/// (then it gives [`uncomputed`]), and tells the running statement's watch
+/// what it gave. Outside a statement, or in a forward, the output is
+/// computed.
 pub(crate) fn op_output(
+    input: &Tensor,
     compute: impl FnOnce(bool) -> candle_core::Result<Tensor>,
 ) -> candle_core::Result<Tensor> {
     let skip = WATCHES.with(|w| {
         w.borrow()
             .last()
-            .is_some_and(|w| w.calls.len() < 32 && w.skip & (1 << w.calls.len()) != 0)
+            .is_some_and(|w| w.skip == Some(w.calls.len()))
     });
     let t = compute(skip)?;
     WATCHES.with(|w| {
         if let Some(w) = w.borrow_mut().last_mut() {
-            w.calls.push((t.id(), skip));
+            w.calls.push(Call {
+                output: t.id(),
+                input: input.clone(),
+            });
         }
     });
     Ok(t)
 }
 
 /// The value of an output left uncomputed: NaN (zeros for integers) in
-/// the output's shape, so that code reading it anyway computes NaN.
+/// the output's shape, so that code reading it anyway computes NaN. Full
+/// size: the op's node needs a storage of its shape.
 pub(crate) fn uncomputed(
     shape: impl Into<Shape>,
     dtype: DType,
     device: &Device,
 ) -> candle_core::Result<Tensor> {
-    let scalar = if dtype.is_float() {
-        Tensor::new(f64::NAN, device)?.to_dtype(dtype)?
-    } else {
-        Tensor::zeros((), dtype, device)?
-    };
-    scalar.broadcast_as(shape)?.contiguous()
+    crate::graph::nan_scalar(dtype, device)?
+        .broadcast_as(shape)?
+        .contiguous()
 }
 
-/// The op calls of a forward's statement whose tensor is one of its
-/// `outputs` (still attached to the statement's graph) and read by no other
-/// op of the statement: `(call, output)`. A call whose tensor carries no
-/// graph is left out: nothing would show a read of it.
-pub(crate) fn unread_calls(calls: &[(TensorId, bool)], outputs: &[Tensor]) -> Vec<(usize, usize)> {
-    let mut found = Vec::new();
-    for (call, (id, _)) in calls.iter().enumerate() {
-        let Some(j) = outputs.iter().position(|t| t.id() == *id) else {
-            continue;
-        };
-        if !outputs[j].track_op() {
-            continue;
-        }
-        let read = outputs
-            .iter()
-            .filter(|t| t.id() != *id && t.track_op())
-            .any(|t| t.sorted_nodes().iter().any(|n| n.id() == *id));
-        if !read {
-            found.push((call, j));
-        }
+/// The op call whose tensor is a statement's whole value: its only tensor
+/// `outputs[0]`, with no plain data beside it (`plain_data`). Any other
+/// output, or plain data, could have been computed from the tensor by
+/// means no graph shows (an integer op, `detach`, `to_scalar`).
+pub(crate) fn sole_call(calls: &[Call], outputs: &[Tensor], plain_data: bool) -> Option<usize> {
+    match outputs {
+        [only] if !plain_data => calls.iter().position(|c| c.output == only.id()),
+        _ => None,
     }
-    found
 }
 
 #[cfg(test)]
 mod tests {
-    use candle_core::Var;
-
     use super::*;
 
     #[test]
-    fn calls_are_counted_per_statement_and_only_the_listed_skip() {
+    fn calls_are_counted_per_statement_and_only_the_one_named_is_skipped() {
         let dev = Device::Cpu;
+        let x = Tensor::zeros(2, DType::F32, &dev).unwrap();
         let op = |v: f32| {
-            op_output(|skip| {
+            op_output(&x, |skip| {
                 if skip {
                     uncomputed(2, DType::F32, &dev)
                 } else {
@@ -139,29 +136,24 @@ mod tests {
                 }
             })
         };
-        let ((a, b), calls) = watch(0b10, || {
+        let ((a, b), calls) = watch(Some(1), || {
             let a = op(1.0).unwrap();
-            let (inner, inner_calls) = watch(0, || op(3.0).unwrap());
-            assert_eq!(inner_calls, vec![(inner.id(), false)]);
+            let (inner, inner_calls) = watch(None, || op(3.0).unwrap());
+            assert_eq!(inner_calls.len(), 1);
+            assert_eq!(inner_calls[0].output, inner.id());
+            assert_eq!(inner.to_vec1::<f32>().unwrap(), [3.0, 3.0]);
             (a, op(2.0).unwrap())
         });
-        assert_eq!(calls, vec![(a.id(), false), (b.id(), true)]);
+        let seen: Vec<_> = calls.iter().map(|c| c.output).collect();
+        assert_eq!(seen, vec![a.id(), b.id()]);
         assert_eq!(a.to_vec1::<f32>().unwrap(), [1.0, 1.0]);
         assert!(b.to_vec1::<f32>().unwrap().iter().all(|v| v.is_nan()));
         // Outside a statement: computed.
         assert_eq!(op(4.0).unwrap().to_vec1::<f32>().unwrap(), [4.0, 4.0]);
-    }
-
-    #[test]
-    fn an_output_another_op_read_is_not_unread() {
-        let w = Var::ones(2, DType::F32, &Device::Cpu).unwrap();
-        let y = (w.as_tensor() * 2.0).unwrap();
-        let z = y.exp().unwrap();
-        let calls = [(y.id(), false)];
-        assert_eq!(unread_calls(&calls, std::slice::from_ref(&y)), vec![(0, 0)]);
-        assert_eq!(unread_calls(&calls, &[z.clone(), y.clone()]), vec![]);
-        // Untracked: nothing would show a read.
-        let c = Tensor::ones(2, DType::F32, &Device::Cpu).unwrap();
-        assert_eq!(unread_calls(&[(c.id(), false)], &[c]), vec![]);
+        // The whole value: one tensor, no plain data.
+        let c = b.clone();
+        assert_eq!(sole_call(&calls, std::slice::from_ref(&b), false), Some(1));
+        assert_eq!(sole_call(&calls, &[b, c], false), None);
+        assert_eq!(sole_call(&calls, std::slice::from_ref(&a), true), None);
     }
 }

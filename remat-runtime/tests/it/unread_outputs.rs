@@ -1,7 +1,8 @@
 //! Outputs nothing in the replay reads: the replay leaves the output of a
-//! region's last statement uncomputed when `nn`'s op gives it (its backward
-//! reads its inputs, not its output), and computes every output something
-//! reads. Each case records what the statement's op gave in the forward and
+//! region's last statement uncomputed when `nn`'s op gives it as the
+//! statement's whole value (the op's backward reads its inputs, not its
+//! output), and computes every output something reads or could have read
+//! (a second output, a mask made from it). Each case records what the statement's op gave in the forward and
 //! in the replay (NaN: left uncomputed), and compares the gradients with
 //! the same code run as plain candle (`Plan::off`): equal bit for bit, the
 //! replay running the same kernels on the same bits.
@@ -39,6 +40,11 @@ enum Use {
     ReadInside,
     /// Returned beside a value computed from it (both region outputs).
     ReturnedWithDerived,
+    /// Returned beside an integer mask made from it, which a recomputed
+    /// statement after it reads (no graph shows that read).
+    ReturnedWithMask,
+    /// Returned twice.
+    ReturnedTwice,
     /// A recomputed statement after it reads it.
     ReadByRecomputed,
     /// Only a saved statement after it reads it: the replay does not run
@@ -166,6 +172,24 @@ impl Layer {
                 let e = y.tanh()?;
                 Ok::<_, candle_core::Error>(vec![y, e])
             }),
+            Use::ReturnedWithMask => {
+                let (y, positive) = ctx.recompute("y", &[&h], |t| {
+                    let y = self.op(op, &t[0])?;
+                    record(&y);
+                    let positive = y.ge(0.0)?;
+                    Ok::<_, candle_core::Error>((y, positive))
+                })?;
+                let z = ctx.recompute("z", &[&positive, &h], |t| {
+                    let gate = t[0].to_dtype(t[1].dtype())?;
+                    t[1].broadcast_mul(&gate)
+                })?;
+                Ok(vec![y, z])
+            }
+            Use::ReturnedTwice => ctx.recompute("y", &[&h], |t| {
+                let y = self.op(op, &t[0])?;
+                record(&y);
+                Ok::<_, candle_core::Error>(vec![y.clone(), y])
+            }),
             Use::ReadByRecomputed | Use::ReadBySaved => {
                 let y = ctx.recompute("y", &[&h], |t| {
                     let y = self.op(op, &t[0])?;
@@ -246,6 +270,8 @@ fn an_output_something_reads_is_computed() {
         for how in [
             Use::ReadInside,
             Use::ReturnedWithDerived,
+            Use::ReturnedWithMask,
+            Use::ReturnedTwice,
             Use::ReadByRecomputed,
         ] {
             assert_eq!(run(op, how, DType::F32), [false, false], "{op:?} {how:?}");
@@ -326,4 +352,89 @@ fn a_replay_that_reads_an_output_its_forward_did_not_is_a_desync() {
     };
     assert_eq!(region, "flaky");
     assert!(expected.contains("`y`"), "{e}");
+}
+
+#[test]
+fn a_replay_that_computes_the_ops_input_otherwise_is_an_error() {
+    // The op's output is not computed, but its input is compared with the
+    // forward's: a scale read from state that changed (1 in the forward, 3
+    // in the replay) is reported, not turned into gradients.
+    let layer = Layer::new(DType::F32);
+    let x = var(&[2, 3, D], 23, 1.0, DType::F32);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let y = Region::new("scaled")
+        .run(&[x.as_tensor()], move |ctx, ins| {
+            let scale = if runs.fetch_add(1, Ordering::SeqCst) == 0 {
+                1.0
+            } else {
+                3.0
+            };
+            let layer = layer.clone();
+            ctx.recompute("y", &[&ins[0]], move |t| {
+                layer.op(Op::GeluMlp, &(&t[0] * scale)?)
+            })
+        })
+        .unwrap();
+    let e = backward(&weighted_loss(&y)).unwrap_err();
+    let RematError::ReplayDiverged {
+        region, statement, ..
+    } = &e
+    else {
+        panic!("{e:?}");
+    };
+    assert_eq!((region.as_str(), statement.as_str()), ("scaled", "y"));
+}
+
+#[test]
+fn a_region_inside_the_last_statement_counts_its_own_op_calls() {
+    // The last statement runs a region of its own (its open statements
+    // get the plan's policies, in the forward and again in the replay)
+    // before the op that gives its value: that op is still the one left
+    // uncomputed, and the gradients are plain candle's.
+    let layer = Layer::new(DType::F32);
+    let x = var(&[2, 3, D], 24, 1.0, DType::F32);
+    let seen: Seen = Arc::default();
+    let call = || {
+        let (layer, seen) = (layer.clone(), seen.clone());
+        Region::new("outer")
+            .run(&[x.as_tensor()], move |ctx, ins| {
+                let layer = layer.clone();
+                let seen = seen.clone();
+                ctx.recompute("y", &[&ins[0]], move |t| {
+                    let inner = layer.clone();
+                    let h = Region::new("inner").run(&t[..1], move |ctx, ins| {
+                        let a = ctx.open("a", &[&ins[0]], |t| {
+                            nn::linear(&t[0], &inner.w_in, Some(&inner.b_in))
+                        })?;
+                        ctx.open("b", &[&a], |t| {
+                            nn::linear_add(&t[0], &inner.w_in, None, &t[0])
+                        })
+                    })?;
+                    let y = layer.op(Op::SwigluMlp, &h)?;
+                    seen.lock().unwrap().push(has_nan(&y));
+                    Ok::<_, RematError>(y)
+                })
+            })
+            .unwrap()
+    };
+    let plain = Plan::off().scope(call);
+    let g_plain = weighted_loss(&plain).backward().unwrap();
+    // `save_all` saves `y` too (annotations included): no replay.
+    for (plan, replayed) in [
+        (Plan::recompute_all(), true),
+        (Plan::save_all(), false),
+        (Plan::save_only(["b"]), true),
+        (Plan::budget(0.5), true),
+    ] {
+        seen.lock().unwrap().clear();
+        let y = plan.scope(call);
+        let g = weighted_loss(&y).backward().unwrap();
+        for v in layer.vars().into_iter().chain([&x]) {
+            if let Some(reference) = g_plain.get(v) {
+                assert_eq!(rel_diff(g.get(v).unwrap(), reference), 0.0);
+            }
+        }
+        let expected: &[bool] = if replayed { &[false, true] } else { &[false] };
+        assert_eq!(&seen.lock().unwrap()[..], expected, "{plan:?}");
+    }
 }

@@ -34,8 +34,8 @@
 //!
 //! The backwards of [`linear`], [`linear_add`], [`gelu_linear_add`],
 //! [`gelu_mlp`] and [`swiglu_mlp`] read their inputs, never their output:
-//! in a region's replay, when such an op's output is a statement's whole
-//! value and nothing in the replay reads it (a region's last statement),
+//! in a region's replay, when such an op's output is the whole value of
+//! the region's last recomputed statement and no later statement reads it,
 //! it is not computed again (see "unread outputs" in `docs/semantics.md`).
 
 mod activation;

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use super::calls::{Call, PerCall};
 use super::{Plan, Rule};
+use crate::replay::timed::timed;
 use crate::{RematError, Result};
 
 /// One plan the profile measured, with the peak of its step.
@@ -18,9 +19,9 @@ pub struct PeakCandidate {
     pub plan: Plan,
     /// The peak its step reached, in the unit `step` measured it in.
     pub peak: usize,
-    /// The forward time of the open statements it recomputes, each call
-    /// timed as its region's first call was in one profiling step (0 for
-    /// plain candle): the model the profile ranks plans by.
+    /// The replay time of the open statements it recomputes, each as
+    /// measured under full recomputation (0 for plain candle): the model
+    /// the profile ranks plans by.
     pub recompute_seconds: f64,
 }
 
@@ -45,12 +46,14 @@ pub struct PeakCandidate {
 /// and lazily: its first round measures every statement, later rounds the
 /// most promising first by what each added when last measured, stopping
 /// once no earlier measurement says another could do better (fewer plans
-/// between the ends). Times are a model: the forward time of the open
-/// statements a plan recomputes, each call timed as its region's first
-/// call was in one profiling step (on a busy machine two profiles may order
-/// statements of similar cost differently; a region called inside another
-/// region's statement is counted twice, in its own statements and in the
-/// statement calling it). Peaks are measured.
+/// between the ends). Times are a model: the replay time of the open
+/// statements a plan recomputes, each statement's least over two
+/// full-recompute steps and over its region's calls (its forward time if
+/// it was not replayed); a replay can be cheaper than the forward (see
+/// "unread outputs" in `docs/semantics.md`). On a busy machine two
+/// profiles may order statements of similar cost differently; a region
+/// called inside another region's statement is counted twice, in its own
+/// statements and in the statement calling it. Peaks are measured.
 ///
 /// Only the candidates no other beats on both peak and time are kept, and
 /// each is measured once more (as a step after its first), so the plan
@@ -63,8 +66,8 @@ pub struct PeakCandidate {
 /// a [`CountingAlloc`](crate::inspect::CountingAlloc), on CUDA from
 /// [`device_memory_peak`](crate::inspect::device_memory_peak). With `n`
 /// open statements over all the calls of a step, the profile runs it at
-/// most `7 + n (n + 1)` times, plus once for each plan kept (on the bench
-/// GPT, 16 statements: 315 steps); past 40 statements, `n` times in
+/// most `6 + n (n + 1)` times, plus once for each plan kept (on the bench
+/// GPT, 16 statements: 314 steps); past 40 statements, `n` times in
 /// the first round and at least 3 times in each later one. Its forwards
 /// and backwards must not change the weights (no optimizer step), and the
 /// batch must have the shapes of the steps the plan will run.
@@ -113,43 +116,45 @@ impl PeakPlan {
         let off = Plan::off();
         step(&off)?;
         let plain = step(&off)?;
-        // What recomputing each open statement costs: its forward time,
-        // measured by a budget plan's first call (which saves them all);
-        // the least of three steps, so that a busy machine in one step
-        // does not reorder the search.
+        // Which statements each region leaves open, with their forward
+        // times (what recomputing one costs if its replay is not timed):
+        // a budget plan's first call measures them (and saves them all).
+        let budget = Plan::budget(1.0);
+        step(&budget)?;
         let mut seconds: HashMap<String, Vec<(String, f64)>> = HashMap::new();
-        for _ in 0..TIMINGS {
-            let budget = Plan::budget(1.0);
-            step(&budget)?;
-            for solution in budget.solutions() {
-                let open = solution.statements.into_iter().filter(|p| !p.declared);
-                let open: Vec<(String, f64)> = open.map(|p| (p.name, p.seconds.max(0.0))).collect();
-                match seconds.get_mut(&solution.region) {
-                    Some(least) if least.len() == open.len() => {
-                        for ((_, l), (_, s)) in least.iter_mut().zip(open) {
-                            *l = l.min(s);
-                        }
-                    }
-                    _ => {
-                        seconds.insert(solution.region, open);
-                    }
-                }
-            }
+        for solution in budget.solutions() {
+            let open = solution.statements.into_iter().filter(|p| !p.declared);
+            let open = open.map(|p| (p.name, p.seconds.max(0.0)));
+            seconds.insert(solution.region, open.collect());
         }
         // Full recomputation, call by call. Every plan below is measured
         // by its first step, which also counts the plan's tally of calls:
         // so is this one, so that their peaks compare.
         let (plan, rule) = per_call(&HashMap::new(), "recompute all (by call)");
-        let full = step(&plan)?;
+        let (full, mut replayed) = timed(|| step(&plan));
+        let full = full?;
         let calls = rule.calls();
+        // What recomputing a statement costs is its replay: cheaper than
+        // its forward when the replay leaves its output uncomputed. The
+        // least of two steps' replays (and of the region's calls).
+        let (again, second) = timed(|| step(&plan));
+        again?;
+        for (key, s) in second {
+            let least = replayed.entry(key).or_insert(s);
+            *least = least.min(s);
+        }
         let open: Vec<Open> = calls
             .iter()
             .flat_map(|call| {
                 let names = seconds.get(&call.0).into_iter().flatten();
-                names.map(|(name, seconds)| Open {
+                let replayed = &replayed;
+                names.map(move |(name, forward)| Open {
                     call: call.clone(),
                     name: name.clone(),
-                    seconds: *seconds,
+                    seconds: replayed
+                        .get(&(call.0.clone(), name.clone()))
+                        .copied()
+                        .unwrap_or(*forward),
                 })
             })
             .collect();
@@ -214,11 +219,8 @@ impl PeakPlan {
     }
 }
 
-/// Budget steps timed for the statements' forward times (the least counts).
-const TIMINGS: usize = 3;
-
 /// Up to this many open statements in a step, the greedy search runs from
-/// both ends, and every round measures every statement left (at most 1647
+/// both ends, and every round measures every statement left (at most 1646
 /// steps in all).
 const EXHAUSTIVE: usize = 40;
 /// Past [`EXHAUSTIVE`], the statements each round measures at least.
@@ -362,7 +364,8 @@ fn per_second(bytes: i64, seconds: f64) -> f64 {
 struct Open {
     call: Call,
     name: String,
-    /// Its measured forward time: what recomputing it costs.
+    /// What recomputing it costs: its replay time under full
+    /// recomputation (its forward time if it was not replayed).
     seconds: f64,
 }
 

@@ -6,7 +6,8 @@
 //! statement runs in; the tape is the only hand-off between them.
 //!
 //! * this file: [`Replay`], statements during the replay;
-//! * `unit`: [`Unit`], one step of the backward sweep.
+//! * `unit`: [`Unit`], one step of the backward sweep;
+//! * `timed`: replay times of statements, for `PeakPlan`'s time model.
 //!
 //! Longer than the other files (about 480 lines) for a reason: the replay's
 //! two statement paths, `recompute` and `skip_saved`, and the checks of
@@ -14,6 +15,7 @@
 //! share one state (values, units, open leaves); split into files, every
 //! piece would take that whole state as an argument.
 
+pub(crate) mod timed;
 mod unit;
 
 pub(crate) use unit::Unit;
@@ -338,27 +340,13 @@ impl Replay {
         bitwise &= fingerprint::layouts(args.iter().take(value_inputs)) == self.records[k].layouts;
         let reads_tracked = args.iter().take(value_inputs).any(|t| t.track_op());
         let record = &self.records[k];
-        let (sole_call, unread) = (record.sole_call.map(usize::from), record.unread);
-        let (out, calls) = unread::watch(sole_call.filter(|_| unread), || f(&args));
+        let (sole_call, unread) = (record.sole_call, record.unread);
+        let skip = sole_call.filter(|_| unread).map(usize::from);
+        let (out, calls) = timed::replay(region, name, || unread::watch(skip, || f(&args)));
         let out = out.map_err(|e| e.in_statement(region, name))?;
         drop(args);
         let mut tensors = Vec::new();
         let skeleton = out.split_into(&mut tensors);
-        let plain_data = std::mem::size_of::<O::Skeleton>() != 0;
-        if unread::sole_call(&calls, &tensors, plain_data) != sole_call {
-            return Err(RematError::desync(
-                region,
-                match sole_call {
-                    Some(c) => {
-                        format!("`{name}` giving as its value the output of its op call {c}")
-                    }
-                    None => format!("`{name}` giving a value that is no op call's output alone"),
-                },
-                "another value",
-            ));
-        }
-        let sole_input = sole_call.map(|c| calls[c].input.clone());
-        drop(calls);
         check_cut(region, name, reads_tracked, &tensors)?;
         let record = &self.records[k];
         if tensors.len() != record.outputs.len() {
@@ -375,6 +363,17 @@ impl Replay {
                 return Err(e.with_trace(self.side_by_side(k, &at)));
             }
         }
+        // The statement's value is the same op call's output as in the
+        // forward (or no op call's alone): what the record decided holds.
+        if unread::sole_call::<O::Skeleton>(&calls, &tensors) != sole_call {
+            let expected = match sole_call {
+                Some(c) => format!("`{name}` giving as its value the output of its op call {c}"),
+                None => format!("`{name}` giving a value that is no op call's output alone"),
+            };
+            return Err(RematError::desync(region, expected, "another value"));
+        }
+        let sole_input = sole_call.map(|c| calls[usize::from(c)].input.clone());
+        drop(calls);
         self.check_declared(region, name, u, &tensors)?;
         // An output that needs gradients only in the replay got them through
         // a value the statement read without declaring it: the forward

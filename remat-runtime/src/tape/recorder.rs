@@ -120,9 +120,9 @@ pub(crate) struct Recorder {
     /// with the first record that reads it.
     replay_reads: HashMap<TensorId, usize>,
     /// Recomputed statements whose whole value is one `nn` op call's
-    /// tensor: (record, the value). Those whose value no recomputed
-    /// statement reads are left uncomputed by the replay ([`unread`]).
-    unread: Vec<(usize, TensorId)>,
+    /// tensor: (record, the value). The replay may leave such a value
+    /// uncomputed ([`unread`]).
+    sole_values: Vec<(usize, TensorId)>,
     records: Vec<Record>,
     leaf_ids: HashSet<TensorId>,
     /// The leaf copy of each value saved statements read: one per value in
@@ -188,7 +188,7 @@ impl Recorder {
             saved_outputs: HashMap::new(),
             ferried: HashSet::new(),
             replay_reads: HashMap::new(),
-            unread: Vec::new(),
+            sole_values: Vec::new(),
             records: Vec::new(),
             leaf_ids: value_leaves.clone(),
             shared_leaves: HashMap::new(),
@@ -304,9 +304,8 @@ impl Recorder {
         let (ran, calls) = unread::watch(None, || run(&args));
         let mut ran = ran?;
         self.check_captures(s, &args, &ran.tensors)?;
-        let plain_data = std::mem::size_of::<S>() != 0;
-        ran.sole = unread::sole_call(&calls, &ran.tensors, plain_data)
-            .and_then(|c| Some((u16::try_from(c).ok()?, calls[c].input.clone())));
+        ran.sole = unread::sole_call::<S>(&calls, &ran.tensors)
+            .map(|c| (c, calls[usize::from(c)].input.clone()));
         // Its float outputs need gradients if it read a value that does;
         // integer and boolean outputs never carry one (candle's backward
         // skips them), here or in the replay.
@@ -320,7 +319,7 @@ impl Recorder {
             })
             .collect::<Result<Vec<Tensor>>>()?;
         if ran.sole.is_some() {
-            self.unread.push((index, outputs[0].id()));
+            self.sole_values.push((index, outputs[0].id()));
         }
         self.chain = None;
         Ok((outputs, None, ran))
@@ -543,8 +542,16 @@ impl Recorder {
             }
         }
 
-        for &(k, value) in &self.unread {
-            self.records[k].unread = !self.replay_reads.contains_key(&value);
+        // Only the last recomputed statement's value can be unread: code
+        // that runs after a statement in the replay (a later statement's,
+        // or the block's own feeding one a value derived from it) could
+        // read it without declaring it.
+        let last = self
+            .records
+            .iter()
+            .rposition(|r| r.policy == Policy::Recompute);
+        for &(k, value) in &self.sole_values {
+            self.records[k].unread = Some(k) == last && !self.replay_reads.contains_key(&value);
         }
         // The tape keeps the records as long as it lives: no spare capacity.
         self.records.shrink_to_fit();

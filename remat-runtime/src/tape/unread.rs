@@ -13,9 +13,11 @@
 //!   its backward reads ([`op_output`]); when the statement's whole value
 //!   is one op call's tensor as it is ([`sole_call`]: no other tensor and
 //!   no plain data another op or the block could have computed from it),
-//!   the record names the call, the op's input is fingerprinted, and when
-//!   the forward ends the record says whether a later recomputed statement
-//!   reads the value;
+//!   the record names the call and the op's input is fingerprinted; when
+//!   the forward ends, the value is unread if the statement is the last
+//!   recomputed one of the region (no later statement's code, nor block
+//!   code feeding one, could have read it) and no later recomputed
+//!   statement declares it;
 //! * in the replay, a call whose value nothing reads gives NaN of the
 //!   output's shape instead of computing it ([`uncomputed`]); the replay
 //!   checks that it is again the statement's whole value, and compares the
@@ -109,12 +111,15 @@ pub(crate) fn uncomputed(
 }
 
 /// The op call whose tensor is a statement's whole value: its only tensor
-/// `outputs[0]`, with no plain data beside it (`plain_data`). Any other
-/// output, or plain data, could have been computed from the tensor by
-/// means no graph shows (an integer op, `detach`, `to_scalar`).
-pub(crate) fn sole_call(calls: &[Call], outputs: &[Tensor], plain_data: bool) -> Option<usize> {
+/// `outputs[0]`, with no plain data beside it (a skeleton `S` of no size).
+/// Any other output, or plain data, could have been computed from the
+/// tensor by means no graph shows (an integer op, `detach`, `to_scalar`).
+pub(crate) fn sole_call<S>(calls: &[Call], outputs: &[Tensor]) -> Option<u16> {
     match outputs {
-        [only] if !plain_data => calls.iter().position(|c| c.output == only.id()),
+        [only] if std::mem::size_of::<S>() == 0 => {
+            let c = calls.iter().position(|c| c.output == only.id())?;
+            u16::try_from(c).ok()
+        }
         _ => None,
     }
 }
@@ -152,8 +157,8 @@ mod tests {
         assert_eq!(op(4.0).unwrap().to_vec1::<f32>().unwrap(), [4.0, 4.0]);
         // The whole value: one tensor, no plain data.
         let c = b.clone();
-        assert_eq!(sole_call(&calls, std::slice::from_ref(&b), false), Some(1));
-        assert_eq!(sole_call(&calls, &[b, c], false), None);
-        assert_eq!(sole_call(&calls, std::slice::from_ref(&a), true), None);
+        assert_eq!(sole_call::<()>(&calls, std::slice::from_ref(&b)), Some(1));
+        assert_eq!(sole_call::<()>(&calls, &[b, c]), None);
+        assert_eq!(sole_call::<usize>(&calls, std::slice::from_ref(&a)), None);
     }
 }

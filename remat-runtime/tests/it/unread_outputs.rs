@@ -50,6 +50,10 @@ enum Use {
     /// Only a saved statement after it reads it: the replay does not run
     /// that statement, so the output is still left uncomputed.
     ReadBySaved,
+    /// The block's own code makes a mask from it, outside any statement,
+    /// and a recomputed statement after it reads the mask (a constant to
+    /// the region: no graph or declared read shows where it came from).
+    MaskedByBlockCode,
 }
 
 #[derive(Clone)]
@@ -190,6 +194,16 @@ impl Layer {
                 record(&y);
                 Ok::<_, candle_core::Error>(vec![y.clone(), y])
             }),
+            Use::MaskedByBlockCode => {
+                let y = ctx.recompute("y", &[&h], |t| {
+                    let y = self.op(op, &t[0])?;
+                    record(&y);
+                    Ok::<_, candle_core::Error>(y)
+                })?;
+                let keep = y.detach().ge(0.0)?.to_dtype(h.dtype())?;
+                let z = ctx.recompute("z", &[&h, &keep], |t| t[0].broadcast_mul(&t[1]))?;
+                Ok(vec![y, z])
+            }
             Use::ReadByRecomputed | Use::ReadBySaved => {
                 let y = ctx.recompute("y", &[&h], |t| {
                     let y = self.op(op, &t[0])?;
@@ -273,6 +287,7 @@ fn an_output_something_reads_is_computed() {
             Use::ReturnedWithMask,
             Use::ReturnedTwice,
             Use::ReadByRecomputed,
+            Use::MaskedByBlockCode,
         ] {
             assert_eq!(run(op, how, DType::F32), [false, false], "{op:?} {how:?}");
         }

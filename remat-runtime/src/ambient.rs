@@ -20,6 +20,7 @@
 //! | `RANDOM_STREAMS` | `random.rs` | the stack of statements drawing random numbers | every statement | [`scoped`] pops |
 //! | `CAPTURES_CHECKED` | `tape/recorder.rs` | the regions whose first forward looked for undeclared reads, with the outputs it found to be constants | every region call | only grows (one name per region) |
 //! | `WATCHES` | `tape/unread.rs` | per running statement, its `nn` op calls and the one to leave uncomputed | every statement, in every mode | [`scoped`] pops |
+//! | `TIMES` | `replay/timed.rs` | the least replay time of each statement | `PeakPlan::profile`'s full-recompute steps | [`scoped`] restores |
 //! | `LIVE_CALLS` | `inspect/memory.rs` | the region calls `MemoryReport::capture` sees | every region call | pruned when calls end |
 //! | `SINK` | `backward/optimizer.rs` | the `OptimizerInBackward` whose `backward_step` runs | `backward_step` | [`scoped`] restores |
 //! | `DEPTH` | `backward/optimizer.rs` | how many region backwards run one inside another | `Call::backward` | [`scoped`] decrements |

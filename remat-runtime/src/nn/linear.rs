@@ -129,30 +129,19 @@ fn fused(
                 None => y,
             }
         };
-        node(x, w, b, residual, gelu, Computed::new(y))
-    })
-}
-
-/// The node of `fused`, its output computed.
-fn node(
-    x: &Tensor,
-    w: &Tensor,
-    b: Option<&Tensor>,
-    residual: Option<&Tensor>,
-    gelu: bool,
-    out: Computed,
-) -> Result<Tensor> {
-    let op = |args| Linear { out, gelu, args };
-    match (b, residual) {
-        (None, None) => x.apply_op2(w, op(Args::Plain)),
-        (Some(b), None) => x.apply_op3(w, b, op(Args::Bias)),
-        (None, Some(r)) => x.apply_op3(w, r, op(Args::Residual)),
-        (Some(b), Some(r)) => {
-            let (wb, slot) = bundle(w, b)?;
-            let w = w.detach();
-            x.apply_op3(&wb, r, op(Args::Bundled { w, slot }))
+        let out = Computed::new(y);
+        let op = |args| Linear { out, gelu, args };
+        match (b, residual) {
+            (None, None) => x.apply_op2(w, op(Args::Plain)),
+            (Some(b), None) => x.apply_op3(w, b, op(Args::Bias)),
+            (None, Some(r)) => x.apply_op3(w, r, op(Args::Residual)),
+            (Some(b), Some(r)) => {
+                let (wb, slot) = bundle(w, b)?;
+                let w = w.detach();
+                x.apply_op3(&wb, r, op(Args::Bundled { w, slot }))
+            }
         }
-    }
+    })
 }
 
 /// `gelu(x)` or `x`.

@@ -6,15 +6,19 @@
 //! * [`Trace`]: every statement of the forward and the replay;
 //! * [`CountingAlloc`]: exact live and peak bytes on the CPU;
 //! * [`device_memory_in_use`], [`device_memory_peak`]: the same on CUDA;
+//! * [`checksum`]: the checksum the replay check compares, and
+//!   [`checksum_kernels`], its kernels on CUDA;
 //! * [`check_gradients`]: parameters that silently got no gradient (also at
 //!   the crate root: it belongs in every training loop).
 
+mod checksum;
 mod counting;
 pub(crate) mod device_memory;
 mod gradients;
 pub(crate) mod memory;
 pub(crate) mod trace;
 
+pub use checksum::{checksum, checksum_kernels};
 pub use counting::CountingAlloc;
 pub use device_memory::{device_memory_in_use, device_memory_peak, reset_device_memory_peak};
 pub use gradients::check_gradients;

@@ -1,0 +1,48 @@
+//! The checksum the replay check compares, and the switch of its CUDA
+//! kernels.
+
+use candle_core::Tensor;
+
+use crate::Result;
+
+/// The checksum of every element of `t` and of its position, computed on
+/// `t`'s device: what the replay check compares between a forward and its
+/// replay (see `docs/semantics.md`). `[hash, sum, sum of magnitudes,
+/// position-weighted sum]`: the hash changes with any one element's bits
+/// (a 53-bit hash of every element's bits and position, exact in an
+/// `f64`), the sums are accumulated in `f64`. The same elements give the
+/// same four numbers however they are laid out, and on the CPU and a GPU
+/// alike when [`checksum_kernels`] is on; on CUDA without them, the hash is
+/// `0` and the sums are candle's.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use remat_runtime::inspect::checksum;
+/// let t = Tensor::new(&[[1f32, 2.], [3., 4.]], &Device::Cpu)?;
+/// let c = checksum(&t)?;
+/// assert_eq!((c[1], c[2]), (10.0, 10.0));
+/// assert_eq!(checksum(&t.t()?.contiguous()?.t()?)?, c);
+/// assert_ne!(checksum(&t.affine(1.0, 1e-6)?)?[0], c[0]);
+/// # Ok::<(), remat_runtime::RematError>(())
+/// ```
+pub fn checksum(t: &Tensor) -> Result<[f64; 4]> {
+    let words = crate::tape::checksum::of(t)?.to_vec1::<f64>()?;
+    let mut out = [0.0; 4];
+    out.copy_from_slice(&words);
+    Ok(out)
+}
+
+/// Whether checksums of CUDA tensors run on remat's own kernels: one pass
+/// over each value where it lies, the bits of the CPU's checksum, with the
+/// hash. Off by default until they have been run on a GPU (the default
+/// composes a dozen of candle's kernels per value, without the hash); the
+/// environment variable `REMAT_CHECKSUM_KERNELS=1` turns them on too. No
+/// effect on the CPU, which always runs the same algorithm on its own.
+///
+/// ```
+/// remat_runtime::inspect::checksum_kernels(true);
+/// remat_runtime::inspect::checksum_kernels(false);
+/// ```
+pub fn checksum_kernels(on: bool) {
+    crate::tape::checksum::use_kernels(on);
+}

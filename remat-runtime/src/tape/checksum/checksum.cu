@@ -1,0 +1,240 @@
+// The checksum kernels (see device.rs and mod.rs): the operations of
+// element.rs and cpu.rs, in their order, so that the bits equal the CPU's.
+// Every float operation is an explicit round-to-nearest intrinsic: nvcc
+// would otherwise fuse a multiply and an add, which the CPU does not.
+#include <stdint.h>
+#ifdef __CUDACC__
+#include <cuda_fp16.h>
+#endif
+
+#define LANES 256
+#define ROWS 256
+#define SPAN 32
+#define CHUNK (LANES * ROWS)
+#define PARTIAL 5
+#define PHI 0x9E3779B9u
+
+__device__ __forceinline__ uint32_t fmix(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x85ebca6bu;
+  x ^= x >> 13;
+  x *= 0xc2b2ae35u;
+  return x ^ (x >> 16);
+}
+
+__device__ __forceinline__ uint32_t rotl(uint32_t x, int r) {
+  return (x << r) | (x >> (32 - r));
+}
+
+// The hash terms of an element of one word.
+__device__ __forceinline__ void mix1(uint32_t lo, uint32_t key, uint32_t &h0, uint32_t &h1) {
+  uint32_t a = fmix(lo ^ key);
+  h0 += a;
+  h1 += a * (key | 1u);
+}
+
+// The hash terms of an element of two words.
+__device__ __forceinline__ void mix2(uint32_t lo, uint32_t hi, uint32_t key, uint32_t &h0,
+                                     uint32_t &h1) {
+  uint32_t a = fmix(lo ^ key);
+  uint32_t b = fmix(hi ^ rotl(key, 16));
+  h0 += a + rotl(b, 11);
+  h1 += a * (key | 1u) + b * (rotl(key, 16) | 1u);
+}
+
+// What each dtype contributes: its words to the hash, its value in the
+// precision its spans are summed in (Acc: float up to 32 bits, else double).
+template <typename T> struct El;
+template <> struct El<float> {
+  typedef float Acc;
+  static __device__ __forceinline__ void hash(float x, uint32_t k, uint32_t &h0, uint32_t &h1) {
+    mix1(__float_as_uint(x), k, h0, h1);
+  }
+  static __device__ __forceinline__ float value(float x) { return x; }
+};
+template <> struct El<__half> {
+  typedef float Acc;
+  static __device__ __forceinline__ void hash(__half x, uint32_t k, uint32_t &h0, uint32_t &h1) {
+    mix1((uint32_t)__half_as_ushort(x), k, h0, h1);
+  }
+  static __device__ __forceinline__ float value(__half x) { return __half2float(x); }
+};
+// bf16 as its 16 bits: the value is the top half of an f32 (exact).
+struct Bf16 {
+  uint16_t bits;
+};
+template <> struct El<Bf16> {
+  typedef float Acc;
+  static __device__ __forceinline__ void hash(Bf16 x, uint32_t k, uint32_t &h0, uint32_t &h1) {
+    mix1((uint32_t)x.bits, k, h0, h1);
+  }
+  static __device__ __forceinline__ float value(Bf16 x) {
+    return __uint_as_float(((uint32_t)x.bits) << 16);
+  }
+};
+template <> struct El<uint8_t> {
+  typedef float Acc;
+  static __device__ __forceinline__ void hash(uint8_t x, uint32_t k, uint32_t &h0, uint32_t &h1) {
+    mix1((uint32_t)x, k, h0, h1);
+  }
+  static __device__ __forceinline__ float value(uint8_t x) { return __uint2float_rn(x); }
+};
+template <> struct El<uint32_t> {
+  typedef float Acc;
+  static __device__ __forceinline__ void hash(uint32_t x, uint32_t k, uint32_t &h0, uint32_t &h1) {
+    mix1(x, k, h0, h1);
+  }
+  static __device__ __forceinline__ float value(uint32_t x) { return __uint2float_rn(x); }
+};
+template <> struct El<int16_t> {
+  typedef float Acc;
+  static __device__ __forceinline__ void hash(int16_t x, uint32_t k, uint32_t &h0, uint32_t &h1) {
+    mix1((uint32_t)(uint16_t)x, k, h0, h1);
+  }
+  static __device__ __forceinline__ float value(int16_t x) { return __int2float_rn(x); }
+};
+template <> struct El<int32_t> {
+  typedef float Acc;
+  static __device__ __forceinline__ void hash(int32_t x, uint32_t k, uint32_t &h0, uint32_t &h1) {
+    mix1((uint32_t)x, k, h0, h1);
+  }
+  static __device__ __forceinline__ float value(int32_t x) { return __int2float_rn(x); }
+};
+template <> struct El<double> {
+  typedef double Acc;
+  static __device__ __forceinline__ void hash(double x, uint32_t k, uint32_t &h0, uint32_t &h1) {
+    uint64_t b = (uint64_t)__double_as_longlong(x);
+    mix2((uint32_t)b, (uint32_t)(b >> 32), k, h0, h1);
+  }
+  static __device__ __forceinline__ double value(double x) { return x; }
+};
+template <> struct El<int64_t> {
+  typedef double Acc;
+  static __device__ __forceinline__ void hash(int64_t x, uint32_t k, uint32_t &h0, uint32_t &h1) {
+    uint64_t b = (uint64_t)x;
+    mix2((uint32_t)b, (uint32_t)(b >> 32), k, h0, h1);
+  }
+  static __device__ __forceinline__ double value(int64_t x) { return __ll2double_rn(x); }
+};
+
+__device__ __forceinline__ float add(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ float mul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float weight(uint32_t k, float) {
+  return __fmul_rn(__uint2float_rn(k >> 8), 1.0f / 16777216.0f);
+}
+__device__ __forceinline__ double weight(uint32_t k, double) {
+  return __dmul_rn(__uint2double_rn(k >> 8), 1.0 / 16777216.0);
+}
+__device__ __forceinline__ float magnitude(float x) { return fabsf(x); }
+__device__ __forceinline__ double magnitude(double x) { return fabs(x); }
+__device__ __forceinline__ double widen(float x) { return (double)x; }
+__device__ __forceinline__ double widen(double x) { return x; }
+
+// The storage offset of position p of a strided view: info holds the
+// dims, then the strides (candle's layout parameters).
+__device__ __forceinline__ size_t strided_offset(size_t p, size_t num_dims, const size_t *info) {
+  const size_t *dims = info;
+  const size_t *strides = info + num_dims;
+  size_t offset = 0;
+  for (size_t i = 0; i < num_dims; i++) {
+    size_t d = num_dims - 1 - i;
+    offset += (p % dims[d]) * strides[d];
+    p /= dims[d];
+  }
+  return offset;
+}
+
+// One block per chunk, one thread per lane; writes the chunk's PARTIAL
+// numbers: h0, h1, sum, sum of magnitudes, weighted sum.
+template <typename T>
+__device__ void partials(const size_t n, const size_t num_dims, const size_t *info, const T *src,
+                         double *out) {
+  typedef typename El<T>::Acc Acc;
+  __shared__ uint32_t s_h0[LANES], s_h1[LANES];
+  __shared__ double s_sum[LANES], s_abs[LANES], s_w[LANES];
+  const size_t t = threadIdx.x;
+  const size_t c = blockIdx.x;
+  uint32_t h0 = 0, h1 = 0;
+  double sum = 0.0, mag = 0.0, w = 0.0;
+  for (int span = 0; span < ROWS / SPAN; span++) {
+    Acc s = 0, a = 0, ws = 0;
+    for (int r = span * SPAN; r < (span + 1) * SPAN; r++) {
+      size_t p = c * CHUNK + (size_t)r * LANES + t;
+      if (p >= n) break;
+      size_t offset = info == nullptr ? p : strided_offset(p, num_dims, info);
+      T x = src[offset];
+      uint32_t k = (uint32_t)p * PHI;
+      El<T>::hash(x, k, h0, h1);
+      Acc v = El<T>::value(x);
+      s = add(s, v);
+      a = add(a, magnitude(v));
+      ws = add(ws, mul(v, weight(k, (Acc)0)));
+    }
+    sum = __dadd_rn(sum, widen(s));
+    mag = __dadd_rn(mag, widen(a));
+    w = __dadd_rn(w, widen(ws));
+  }
+  s_h0[t] = h0;
+  s_h1[t] = h1;
+  s_sum[t] = sum;
+  s_abs[t] = mag;
+  s_w[t] = w;
+  __syncthreads();
+  for (unsigned s = LANES / 2; s > 0; s >>= 1) {
+    if (t < s) {
+      s_h0[t] += s_h0[t + s];
+      s_h1[t] += s_h1[t + s];
+      s_sum[t] = __dadd_rn(s_sum[t], s_sum[t + s]);
+      s_abs[t] = __dadd_rn(s_abs[t], s_abs[t + s]);
+      s_w[t] = __dadd_rn(s_w[t], s_w[t + s]);
+    }
+    __syncthreads();
+  }
+  if (t == 0) {
+    double *o = out + c * PARTIAL;
+    o[0] = (double)s_h0[0];
+    o[1] = (double)s_h1[0];
+    o[2] = s_sum[0];
+    o[3] = s_abs[0];
+    o[4] = s_w[0];
+  }
+}
+
+#define PARTIALS(NAME, T)                                                                          \
+  extern "C" __global__ void checksum_partials_##NAME(const size_t n, const size_t num_dims,       \
+                                                      const size_t *info, const T *src,            \
+                                                      double *out) {                               \
+    partials<T>(n, num_dims, info, src, out);                                                      \
+  }
+
+PARTIALS(f32, float)
+PARTIALS(f16, __half)
+PARTIALS(bf16, Bf16)
+PARTIALS(f64, double)
+PARTIALS(u8, uint8_t)
+PARTIALS(u32, uint32_t)
+PARTIALS(i16, int16_t)
+PARTIALS(i32, int32_t)
+PARTIALS(i64, int64_t)
+
+// One thread: the chunks' numbers added in order; the checksum's four.
+extern "C" __global__ void checksum_combine(const size_t chunks, const double *partials,
+                                            double *out) {
+  uint32_t h0 = 0, h1 = 0;
+  double sum = 0.0, mag = 0.0, w = 0.0;
+  for (size_t c = 0; c < chunks; c++) {
+    const double *p = partials + c * PARTIAL;
+    h0 += (uint32_t)p[0];
+    h1 += (uint32_t)p[1];
+    sum = __dadd_rn(sum, p[2]);
+    mag = __dadd_rn(mag, p[3]);
+    w = __dadd_rn(w, p[4]);
+  }
+  uint64_t hash = (uint64_t)h0 | ((uint64_t)(h1 & 0x1fffffu) << 32);
+  out[0] = __ull2double_rn(hash);
+  out[1] = sum;
+  out[2] = mag;
+  out[3] = w;
+}

@@ -1,0 +1,175 @@
+//! The checksum of a value: every element, with its position, in one pass
+//! over it on its own device.
+//!
+//! A checksum is four `f64`s (32 bytes on the tape):
+//!
+//! * `[0]`: a 53-bit hash of the elements' bits (two 32-bit hashes, one cut
+//!   to 21 bits, so that it is an exact `f64`): each element's 32-bit words
+//!   mixed with their position by a bijection (murmur3's finalizer) and
+//!   summed. A change of any one element changes the hash for certain (the
+//!   mix is a bijection of the word, the first sum is modulo 2^32); a swap
+//!   or any other change is missed with probability about 2^-53;
+//! * `[1]` the sum of the elements, `[2]` the sum of their magnitudes,
+//!   `[3]` the sum of each element times a weight in `[0, 1)` set by its
+//!   position (the fractional part of `p` times the golden ratio): the part
+//!   a tolerance can be applied to.
+//!
+//! One algorithm, on every device, fixes every operation and its order, so
+//! that the same elements give the same bits on the CPU and on a GPU,
+//! however they are laid out (a transposed view and its contiguous copy
+//! have one checksum). Positions are taken in row-major order and cut into
+//! chunks of [`CHUNK`] = [`LANES`] x [`ROWS`]; in a chunk, lane `t` reads
+//! the positions `t, t + LANES, t + 2 LANES, ...` (on a GPU: one block per
+//! chunk, one thread per lane, every read coalesced), summing each span of
+//! [`SPAN`] of them in the element's precision (`f32` up to 32 bits) and
+//! the spans in `f64`; the lanes of a chunk are added pairwise in a fixed
+//! tree, the chunks in order. The hashes are sums modulo 2^32, in any
+//! order.
+//!
+//! * `cpu`: the algorithm on the CPU, vectorised across lanes;
+//! * `device`: the same on a GPU as two kernels (`checksum.cu`), and their
+//!   emulation on the CPU that tests every launch's logic;
+//! * `composed`: the sums by candle's own kernels, without the hash: the
+//!   default on a GPU until the kernels have been run on one (see
+//!   [`crate::inspect::checksum_kernels`]).
+
+mod composed;
+mod cpu;
+pub(crate) mod device;
+mod element;
+#[cfg(test)]
+mod emulated;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use candle_core::{CpuStorage, CudaStorage, Layout, Shape, Tensor};
+
+use crate::Result;
+
+/// Numbers in one checksum.
+pub(crate) const WORDS: usize = 4;
+/// Where each number stands in a checksum (the hash is at 0).
+pub(crate) const SUM: usize = 1;
+pub(crate) const MAGNITUDES: usize = 2;
+pub(crate) const WEIGHTED: usize = 3;
+
+/// Lanes of a chunk (threads of a block on a GPU).
+pub(crate) const LANES: usize = 256;
+/// Positions each lane of a chunk reads.
+pub(crate) const ROWS: usize = 256;
+/// Positions a lane sums in the element's precision before `f64`.
+pub(crate) const SPAN: usize = 32;
+/// Positions of a chunk.
+pub(crate) const CHUNK: usize = LANES * ROWS;
+
+/// Whether CUDA tensors are checksummed by the kernels of `checksum.cu`
+/// (see [`crate::inspect::checksum_kernels`]).
+static KERNELS: AtomicBool = AtomicBool::new(false);
+
+/// Turns the checksum kernels on or off for CUDA tensors.
+pub(crate) fn use_kernels(on: bool) {
+    KERNELS.store(on, Ordering::Relaxed);
+}
+
+/// Whether the checksum kernels are on: [`use_kernels`], or the
+/// `REMAT_CHECKSUM_KERNELS=1` environment variable read at the first call.
+pub(crate) fn kernels_on() -> bool {
+    static FROM_ENV: std::sync::Once = std::sync::Once::new();
+    FROM_ENV.call_once(|| {
+        if std::env::var("REMAT_CHECKSUM_KERNELS").is_ok_and(|v| v == "1") {
+            KERNELS.store(true, Ordering::Relaxed);
+        }
+    });
+    KERNELS.load(Ordering::Relaxed)
+}
+
+/// The checksum of `t`, a 1-D `f64` tensor of [`WORDS`] elements on `t`'s
+/// device.
+pub(crate) fn of(t: &Tensor) -> Result<Tensor> {
+    if t.device().is_cpu() || (t.device().is_cuda() && kernels_on()) {
+        Ok(t.detach().apply_op1_no_bwd(&Checksum)?)
+    } else {
+        composed::of(t)
+    }
+}
+
+/// The sums of one lane, one chunk, or a whole value: the two hash words
+/// and the three sums.
+#[derive(Clone, Copy, Default, Debug, PartialEq)]
+pub(crate) struct Partial {
+    pub h0: u32,
+    pub h1: u32,
+    pub sum: f64,
+    pub abs: f64,
+    pub weighted: f64,
+}
+
+impl Partial {
+    /// `self + other`, hash words modulo 2^32.
+    #[inline(always)]
+    pub fn add(self, other: &Partial) -> Partial {
+        Partial {
+            h0: self.h0.wrapping_add(other.h0),
+            h1: self.h1.wrapping_add(other.h1),
+            sum: self.sum + other.sum,
+            abs: self.abs + other.abs,
+            weighted: self.weighted + other.weighted,
+        }
+    }
+
+    /// A chunk's lanes added pairwise: lane `t` takes lane `t + s` for
+    /// `s = LANES / 2, ..., 1` (a block's reduction in shared memory).
+    pub fn tree(lanes: &mut [Partial; LANES]) -> Partial {
+        let mut s = LANES / 2;
+        while s > 0 {
+            for t in 0..s {
+                lanes[t] = lanes[t].add(&lanes[t + s]);
+            }
+            s /= 2;
+        }
+        lanes[0]
+    }
+
+    /// The chunks' sums added in order, from zero.
+    pub fn fold<'a>(chunks: impl IntoIterator<Item = &'a Partial>) -> Partial {
+        chunks
+            .into_iter()
+            .fold(Partial::default(), |acc, c| acc.add(c))
+    }
+
+    /// The four numbers of a checksum.
+    pub fn finish(&self) -> [f64; WORDS] {
+        let hash = u64::from(self.h0) | (u64::from(self.h1 & 0x1f_ffff) << 32);
+        [hash as f64, self.sum, self.abs, self.weighted]
+    }
+}
+
+/// The checksum as a candle op without a backward: its output is the
+/// checksum, computed on the input's device.
+struct Checksum;
+
+impl candle_core::CustomOp1 for Checksum {
+    fn name(&self) -> &'static str {
+        "remat-checksum"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &CpuStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let words = cpu::checksum(storage, layout).finish();
+        Ok((CpuStorage::F64(words.to_vec()), Shape::from(WORDS)))
+    }
+
+    fn cuda_fwd(
+        &self,
+        storage: &CudaStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        device::on_cuda(storage, layout).map(|s| (s, Shape::from(WORDS)))
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,381 @@
+use candle_core::{DType, Device, Tensor};
+
+use super::*;
+
+fn words(t: &Tensor) -> Vec<f64> {
+    of(t).unwrap().to_vec1::<f64>().unwrap()
+}
+
+/// The device algorithm, emulated on the CPU: its checksum and launches.
+fn emulated(t: &Tensor) -> (Vec<f64>, usize) {
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cpu(cpu) = &*storage else {
+        panic!("a CPU tensor")
+    };
+    let (words, launches) = emulated::emulate(cpu, layout).unwrap();
+    (words.to_vec(), launches)
+}
+
+fn ramp(n: usize) -> Tensor {
+    Tensor::arange(0f32, n as f32, &Device::Cpu)
+        .unwrap()
+        .affine(0.37, -400.0)
+        .unwrap()
+        .sin()
+        .unwrap()
+}
+
+#[test]
+fn every_element_and_its_position_count() {
+    let dev = Device::Cpu;
+    let base: Vec<f32> = (0..300_000u64)
+        .map(|i| ((i * 7919) % 1000) as f32 / 7.0)
+        .collect();
+    let t = Tensor::new(base.as_slice(), &dev).unwrap();
+    let c = words(&t);
+    // One element, one ulp.
+    let mut one = base.clone();
+    one[123_457] = f32::from_bits(one[123_457].to_bits() + 1);
+    let d = words(&Tensor::new(one.as_slice(), &dev).unwrap());
+    assert_ne!(c[0], d[0]);
+    // Two elements swapped: the plain sums agree, the hashes and the
+    // weighted sum do not.
+    let mut swapped = base.clone();
+    swapped.swap(10, 250_000);
+    let s = words(&Tensor::new(swapped.as_slice(), &dev).unwrap());
+    assert_eq!(c[1], s[1]);
+    assert_ne!(c[0], s[0]);
+    assert_ne!(c[3], s[3]);
+    // The same elements give the same bits, however they are laid out.
+    let m = t.reshape((600, 500)).unwrap();
+    let tt = m.t().unwrap().contiguous().unwrap().t().unwrap();
+    assert!(!tt.is_contiguous());
+    assert_eq!(words(&m), words(&tt));
+    assert_eq!(c, words(&t));
+}
+
+#[test]
+fn every_dtype_and_views() {
+    let dev = Device::Cpu;
+    let x = Tensor::arange(0f64, 24.0, &dev)
+        .unwrap()
+        .reshape((2, 3, 4))
+        .unwrap();
+    for dtype in [
+        DType::F64,
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::U32,
+        DType::I64,
+        DType::U8,
+        DType::I32,
+        DType::I16,
+    ] {
+        let t = x.to_dtype(dtype).unwrap();
+        let c = words(&t);
+        assert_eq!(c[1], 276.0, "{dtype:?}");
+        let narrow = t.narrow(2, 1, 2).unwrap();
+        assert_eq!(
+            words(&narrow),
+            words(&narrow.contiguous().unwrap()),
+            "{dtype:?}"
+        );
+        let changed = (t.to_dtype(DType::F64).unwrap() + 0.0)
+            .unwrap()
+            .slice_assign(
+                &[0..1, 0..1, 0..1],
+                &Tensor::ones((1, 1, 1), DType::F64, &dev).unwrap(),
+            )
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        assert_ne!(words(&changed)[0], c[0], "{dtype:?}");
+    }
+    let empty = Tensor::zeros((0, 3), DType::F32, &dev).unwrap();
+    assert_eq!(words(&empty), vec![0.0; WORDS]);
+}
+
+/// The kernels' code, run thread by thread, gives the CPU path's bits for
+/// every dtype, layout and size around the chunk's and the span's edges:
+/// what a GPU test then checks of the kernels themselves.
+#[test]
+fn the_device_algorithm_gives_the_cpu_bits() {
+    let sizes = [
+        1,
+        7,
+        LANES - 1,
+        LANES * SPAN + 3,
+        CHUNK - 1,
+        CHUNK,
+        CHUNK + 1,
+        2 * CHUNK + LANES * 5 + 17,
+    ];
+    for n in sizes {
+        let base = ramp(n);
+        for dtype in [
+            DType::F32,
+            DType::F16,
+            DType::BF16,
+            DType::F64,
+            DType::U8,
+            DType::U32,
+            DType::I16,
+            DType::I32,
+            DType::I64,
+            DType::F8E4M3,
+        ] {
+            let t = match dtype {
+                DType::F32 | DType::F16 | DType::BF16 | DType::F64 | DType::F8E4M3 => {
+                    base.affine(1000.0, 0.0).unwrap().to_dtype(dtype).unwrap()
+                }
+                // Integers over their range: negatives wrap in the hash.
+                _ => base.affine(100.0, 110.0).unwrap().to_dtype(dtype).unwrap(),
+            };
+            let (device, launches) = emulated(&t);
+            assert_eq!(device, words(&t), "{dtype:?}, {n} elements");
+            assert_eq!(launches, 2, "{dtype:?}, {n} elements");
+        }
+    }
+    // Views read in place: transposed, narrowed, broadcast, offset.
+    let m = ramp(3 * CHUNK / 2).reshape((768, 128)).unwrap();
+    let views = [
+        m.t().unwrap(),
+        m.narrow(1, 5, 100).unwrap(),
+        m.narrow(0, 1, 700).unwrap(),
+        m.narrow(0, 3, 1).unwrap().broadcast_as((4, 128)).unwrap(),
+        m.reshape((2, 384, 128))
+            .unwrap()
+            .permute((2, 0, 1))
+            .unwrap(),
+    ];
+    for v in views {
+        let (device, launches) = emulated(&v);
+        assert_eq!(device, words(&v), "{:?} {:?}", v.dims(), v.stride());
+        assert_eq!(device, words(&v.contiguous().unwrap()));
+        assert_eq!(launches, 2);
+    }
+    // Nothing to sum, nothing launched.
+    let empty = Tensor::zeros((4, 0), DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(emulated(&empty), (vec![0.0; WORDS], 0));
+}
+
+/// The device algorithm sees every change the CPU's does: one ulp of one
+/// element, and a swap of two equal-magnitude elements.
+#[test]
+fn the_device_algorithm_sees_an_ulp_and_a_swap() {
+    let n = 2 * CHUNK + 1000;
+    let base: Vec<f32> = ramp(n).to_vec1().unwrap();
+    let of = |v: &[f32]| emulated(&Tensor::new(v, &Device::Cpu).unwrap()).0;
+    let c = of(&base);
+    for at in [0, 1, LANES, CHUNK - 1, CHUNK, n - 1] {
+        let mut one = base.clone();
+        one[at] = f32::from_bits(one[at].to_bits() ^ 1);
+        assert_ne!(of(&one)[0], c[0], "an ulp at {at}");
+    }
+    let mut swapped = base.clone();
+    swapped.swap(3, CHUNK + 7);
+    let s = of(&swapped);
+    assert_ne!(s[0], c[0]);
+    assert_ne!(s[3], c[3]);
+}
+
+#[test]
+fn the_composed_path_computes_the_same_sums() {
+    // The path other devices take without the kernels, run on the CPU:
+    // candle's kernels for the three sums, no hash.
+    let t = ramp(3000).reshape((30, 100)).unwrap();
+    for view in [t.clone(), t.t().unwrap()] {
+        let cpu = words(&view);
+        let device = composed::of(&view).unwrap().to_vec1::<f64>().unwrap();
+        assert_eq!(device.len(), WORDS);
+        assert_eq!(device[0], 0.0);
+        for k in 1..WORDS {
+            // The CPU sums spans of 32 elements in f32 first.
+            let scale = cpu[2].abs().max(1.0);
+            assert!(
+                (cpu[k] - device[k]).abs() <= 1e-6 * scale,
+                "{k}: {cpu:?} {device:?}"
+            );
+        }
+    }
+}
+
+/// `cargo test -p remat-runtime --release -- --ignored checksum_speed
+/// --nocapture`: nanoseconds per element of the checksum and of candle's
+/// `sum_all` on the same tensor.
+#[test]
+#[ignore]
+fn checksum_speed() {
+    let t = Tensor::randn(0f32, 1.0, (4 << 20,), &Device::Cpu).unwrap();
+    let _ = of(&t).unwrap();
+    let start = std::time::Instant::now();
+    for _ in 0..20 {
+        let _ = of(&t).unwrap();
+    }
+    let ns = start.elapsed().as_nanos() as f64 / 20.0 / (4 << 20) as f64;
+    let start = std::time::Instant::now();
+    for _ in 0..20 {
+        let _ = t.sum_all().unwrap();
+    }
+    let sum = start.elapsed().as_nanos() as f64 / 20.0 / (4 << 20) as f64;
+    println!("checksum {ns:.3} ns/element; candle sum_all {sum:.3} ns/element");
+}
+
+/// The kernels' source itself (`checksum.cu`), compiled for the host by
+/// g++ with `host/shim.h` (each block's threads as POSIX threads at a
+/// barrier, every intrinsic the operation it names, no fused multiply-add)
+/// and run over values written to files: it gives the CPU path's bits for
+/// every dtype, view and size around a chunk's edges. What remains for a
+/// GPU to show is nvcc's code and the launches (tests/cuda.rs).
+#[test]
+fn the_kernel_source_on_host_threads_gives_the_cpu_bits() {
+    use std::io::Write;
+    let here = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/tape/checksum");
+    let dir = std::env::temp_dir().join(format!("remat-checksum-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let exe = dir.join("kernels");
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
+    let built = std::process::Command::new(&cxx)
+        .args([
+            "-std=c++17",
+            "-O1",
+            "-ffp-contract=off",
+            "-pthread",
+            "-include",
+        ])
+        .arg(here.join("host/shim.h"))
+        .arg(here.join("host/main.cpp"))
+        .arg("-o")
+        .arg(&exe)
+        .status()
+        .unwrap_or_else(|e| panic!("this test needs a C++ compiler ({cxx}): {e}"));
+    assert!(built.success(), "{cxx} failed on checksum.cu");
+
+    let m = ramp(3 * CHUNK / 2).affine(50.0, 0.0).unwrap();
+    let mut values: Vec<Tensor> = Vec::new();
+    for dtype in [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::F64,
+        DType::U8,
+        DType::U32,
+        DType::I16,
+        DType::I32,
+        DType::I64,
+    ] {
+        let t = match dtype.is_float() {
+            true => m.to_dtype(dtype).unwrap(),
+            false => m.affine(2.0, 101.0).unwrap().to_dtype(dtype).unwrap(),
+        };
+        let grid = t.reshape((768, 128)).unwrap();
+        values.extend([
+            t.narrow(0, 0, 1).unwrap(),
+            t.narrow(0, 5, LANES * SPAN + 3).unwrap(),
+            t.narrow(0, 0, CHUNK).unwrap(),
+            t.clone(),
+            grid.t().unwrap(),
+            grid.narrow(1, 5, 100).unwrap(),
+            grid.narrow(0, 3, 1)
+                .unwrap()
+                .broadcast_as((4, 128))
+                .unwrap(),
+        ]);
+    }
+    // Subnormal, infinite and NaN halves and floats.
+    let special = Tensor::new(
+        &[1e-6f32, -3e-8, f32::INFINITY, f32::NAN, -0.0, 65504.0],
+        &Device::Cpu,
+    )
+    .unwrap();
+    values.extend([
+        special.clone(),
+        special.to_dtype(DType::F16).unwrap(),
+        special.to_dtype(DType::BF16).unwrap(),
+    ]);
+
+    let mut files = Vec::new();
+    for (i, t) in values.iter().enumerate() {
+        let (storage, layout) = t.storage_and_layout();
+        let candle_core::Storage::Cpu(cpu) = &*storage else {
+            unreachable!()
+        };
+        let (name, bytes): (&str, Vec<u8>) = match cpu {
+            candle_core::CpuStorage::F32(d) => {
+                ("f32", d.iter().flat_map(|x| x.to_le_bytes()).collect())
+            }
+            candle_core::CpuStorage::F16(d) => {
+                ("f16", d.iter().flat_map(|x| x.to_le_bytes()).collect())
+            }
+            candle_core::CpuStorage::BF16(d) => {
+                ("bf16", d.iter().flat_map(|x| x.to_le_bytes()).collect())
+            }
+            candle_core::CpuStorage::F64(d) => {
+                ("f64", d.iter().flat_map(|x| x.to_le_bytes()).collect())
+            }
+            candle_core::CpuStorage::U8(d) => ("u8", d.clone()),
+            candle_core::CpuStorage::U32(d) => {
+                ("u32", d.iter().flat_map(|x| x.to_le_bytes()).collect())
+            }
+            candle_core::CpuStorage::I16(d) => {
+                ("i16", d.iter().flat_map(|x| x.to_le_bytes()).collect())
+            }
+            candle_core::CpuStorage::I32(d) => {
+                ("i32", d.iter().flat_map(|x| x.to_le_bytes()).collect())
+            }
+            candle_core::CpuStorage::I64(d) => {
+                ("i64", d.iter().flat_map(|x| x.to_le_bytes()).collect())
+            }
+            _ => unreachable!(),
+        };
+        let mut f = Vec::new();
+        let mut padded = [0u8; 8];
+        padded[..name.len()].copy_from_slice(name.as_bytes());
+        f.extend(padded);
+        let word = |f: &mut Vec<u8>, x: usize| f.extend((x as u64).to_le_bytes());
+        word(&mut f, layout.shape().elem_count());
+        // Contiguous: no dims or strides, as candle launches it.
+        let strided = !layout.is_contiguous();
+        word(&mut f, if strided { layout.dims().len() } else { 0 });
+        if strided {
+            layout
+                .dims()
+                .iter()
+                .chain(layout.stride())
+                .for_each(|&x| word(&mut f, x));
+        }
+        word(&mut f, layout.start_offset());
+        word(&mut f, bytes.len());
+        f.extend(bytes);
+        let path = dir.join(format!("{i}.bin"));
+        std::fs::File::create(&path).unwrap().write_all(&f).unwrap();
+        files.push(path);
+    }
+    let out = std::process::Command::new(&exe)
+        .args(&files)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let lines: Vec<String> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(String::from)
+        .collect();
+    assert_eq!(lines.len(), values.len());
+    for (t, line) in values.iter().zip(&lines) {
+        let cpu: Vec<String> = words(t)
+            .iter()
+            .map(|w| format!("{:016x}", w.to_bits()))
+            .collect();
+        assert_eq!(
+            line,
+            &cpu.join(" "),
+            "{:?} {:?} {:?}",
+            t.dtype(),
+            t.dims(),
+            t.stride()
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

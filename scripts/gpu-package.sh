@@ -11,7 +11,15 @@
 #
 # gpu-package/run.sh (scripts/gpu/run.sh) says what it runs and how. On the
 # GPU machine, from the root of a copy of the working tree with gpu-package/
-# in it, in two calls of under 10 minutes each:
+# in it, the whole answer in one call of under 8 minutes:
+#
+#   bash gpu-package/run.sh verdict
+#        the CUDA tests, the bench at GPT-2 small with the replay check on
+#        remat's checksum kernels and without it, PyTorch (eager and SDPA)
+#        beside it, and the GPU issues' targets, each PASS or FAIL
+#        ($OUT/verdict.md)
+#
+# or, group by group, in two calls of under 10 minutes each:
 #
 #   bash gpu-package/run.sh tests train torch
 #        the CUDA integration tests (about 1-2 minutes), train_gpt for 200
@@ -164,6 +172,7 @@ done
 # One archive: the binaries share candle's PTX, which xz then stores once.
 tar -C "$pkg/bin.tmp" -cf - bin stubs | xz -T2 -9 >"$pkg/bin.tar.xz"
 cp scripts/gpu/run.sh "$pkg/run.sh"
+cp scripts/gpu/verdict.py "$pkg/verdict.py"
 (
   echo "built $(date -u +%FT%TZ) from $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . || echo ' with local changes')"
   nvcc --version | grep release

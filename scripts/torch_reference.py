@@ -14,7 +14,8 @@ norm, 4x MLP with tanh GELU), final layer norm, linear head, mean
 cross-entropy; GPT-2 initialisation. Full AC wraps each block in
 `torch.utils.checkpoint.checkpoint(use_reentrant=False)`; SAC saves the
 matmuls (`mm`, `addmm`, `bmm`) through `create_selective_checkpoint_contexts`
-and recomputes the rest.
+and recomputes the rest. `--attention sdpa` runs `F.scaled_dot_product_attention`
+(causal) in place of the explicit attention.
 
 Memory on a CPU: held = bytes in use by malloc (`mallinfo2`: `uordblks +
 hblkhd`) after the forward minus before it; peak = the process's peak resident
@@ -44,9 +45,10 @@ from torch.utils.checkpoint import (
 
 
 class Block(tnn.Module):
-    def __init__(self, c, heads, layers):
+    def __init__(self, c, heads, layers, attention="eager"):
         super().__init__()
         self.heads = heads
+        self.attention = attention
         self.ln1 = tnn.LayerNorm(c)
         self.attn = tnn.Linear(c, 3 * c)
         self.proj = tnn.Linear(c, c)
@@ -63,18 +65,22 @@ class Block(tnn.Module):
         h = self.ln1(x)
         q, k, v = self.attn(h).split(c, dim=2)
         q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
-        scores = q @ k.transpose(-2, -1) / math.sqrt(c // self.heads) + mask
-        att = (scores.softmax(dim=-1) @ v).transpose(1, 2).reshape(b, t, c)
+        if self.attention == "sdpa":
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            scores = q @ k.transpose(-2, -1) / math.sqrt(c // self.heads) + mask
+            att = scores.softmax(dim=-1) @ v
+        att = att.transpose(1, 2).reshape(b, t, c)
         x = x + self.proj(att)
         return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
 
 
 class Gpt(tnn.Module):
-    def __init__(self, vocab, layers, c, heads, seq):
+    def __init__(self, vocab, layers, c, heads, seq, attention="eager"):
         super().__init__()
         self.wte = tnn.Parameter(torch.randn(vocab, c) * 0.02)
         self.wpe = tnn.Parameter(torch.randn(seq, c) * 0.02)
-        self.blocks = tnn.ModuleList(Block(c, heads, layers) for _ in range(layers))
+        self.blocks = tnn.ModuleList(Block(c, heads, layers, attention) for _ in range(layers))
         self.ln_f = tnn.LayerNorm(c)
         self.head = tnn.Linear(c, vocab)
         tnn.init.normal_(self.head.weight, std=0.02)
@@ -198,6 +204,8 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="docs/bench/torch")
+    ap.add_argument("--attention", choices=["eager", "sdpa"], default="eager",
+                    help="explicit causal attention (the bench's) or F.scaled_dot_product_attention")
     ap.add_argument("--with-update", action="store_true",
                     help="instead: the peak of a step with its AdamW update, after or in the backward")
     a = ap.parse_args()
@@ -205,7 +213,7 @@ def main():
     torch.set_num_threads(a.threads)
     dev = torch.device(a.device)
     cuda = dev.type == "cuda"
-    model = Gpt(a.vocab, a.layers, a.d_model, a.heads, a.seq).to(dev)
+    model = Gpt(a.vocab, a.layers, a.d_model, a.heads, a.seq, a.attention).to(dev)
     ids = torch.randint(0, a.vocab, (a.batch, a.seq), device=dev)
     targets = torch.randint(0, a.vocab, (a.batch, a.seq), device=dev)
     if a.with_update:
@@ -246,7 +254,7 @@ def main():
     t0 = statistics.median(res["none"]["times"])
     os.makedirs(a.out, exist_ok=True)
     header = (f"PyTorch {torch.__version__}, GPT {a.layers} layers, d_model {a.d_model}, {a.heads} heads, "
-              f"T {a.seq}, B {a.batch}, f32, {a.device} ({a.threads} threads); {a.warmup} warm-up + "
+              f"T {a.seq}, B {a.batch}, f32, {a.attention} attention, {a.device} ({a.threads} threads); {a.warmup} warm-up + "
               f"{a.steps} measured steps per policy, interleaved; "
               f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'default')}")
     mib = 1 << 20

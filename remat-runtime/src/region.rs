@@ -220,8 +220,10 @@ impl Region {
             .collect();
         // A `Var` returned as it is keeps its gradient path: it is anchored
         // like every parameter, and the sweep hands it its output's gradient.
-        for t in &outputs {
-            if t.is_variable() && !params.iter().any(|p| p.id() == t.id()) {
+        // (A statement's output is not one, though the first forward's block
+        // sees it as a leaf copy.)
+        for (t, &given) in outputs.iter().zip(&known) {
+            if !given && t.is_variable() && !params.iter().any(|p| p.id() == t.id()) {
                 params.push(t.clone());
             }
         }
@@ -281,6 +283,9 @@ impl Region {
                     .into_iter()
                     .enumerate()
                     .filter_map(|(i, r)| Some((i as u32, r?)))
+                    // An input that is also a parameter (a `Var` passed in)
+                    // is fingerprinted once, as the parameter.
+                    .filter(|&(i, _)| !params.iter().any(|p| p.id() == inputs[i as usize].id()))
                     .collect();
                 let mut all = params
                     .iter()

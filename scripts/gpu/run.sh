@@ -10,7 +10,13 @@
 #
 # Groups: tests (the CUDA integration tests), bench (every policy at GPT-2
 # small), train (train_gpt under selective and offload), torch (PyTorch's
-# reference at the bench's shape), all (the four). Every call first writes
+# reference at the bench's shape), all (the four), and verdict: the CUDA
+# tests, the bench with the replay check on remat's checksum kernels and
+# without it, PyTorch with eager attention and with SDPA, then the table of
+# the GPU issues' targets, each PASS or FAIL ($OUT/verdict.md; about 4 of
+# its 8 minutes on an H100):
+#
+#   bash gpu-package/run.sh verdict Every call first writes
 # env.txt (nvidia-smi, the libraries each binary resolves, torch's version).
 # `exec` runs one binary of the package (e.g. qwen2, if packaged) with ARGS.
 #
@@ -65,6 +71,7 @@ EOF
   policies=none,full,selective,offload,save-all,budget=0.25,budget=0.5,budget=0.75
   train=(--steps 200)
   tests=(--nocapture --test-threads=1)
+  verdict_steps=(--steps 5 --warmup 2)
 else
   libs=$bin/stubs
   shape=(--layers 2 --d-model 64 --heads 2 --seq 32 --batch 4)
@@ -72,6 +79,7 @@ else
   policies=none,full,selective,offload,save-all,budget=0.5
   train=(--steps 20 "${shape[@]}" --sample 50)
   tests=(--list)
+  verdict_steps=(--steps 2 --warmup 1)
 fi
 # No empty entries: an empty entry of LD_LIBRARY_PATH is the current folder.
 libs=$(tr -s ':' <<<"$libs" | sed 's/^://; s/:$//')
@@ -94,8 +102,8 @@ if [ ${#groups[@]} -eq 0 ] || [ "${groups[*]}" = all ]; then
 fi
 for group in "${groups[@]}"; do
   case $group in
-    tests | bench | train | torch) ;;
-    *) echo "unknown group '$group': tests, bench, train, torch or all" >&2; exit 2 ;;
+    tests | bench | train | torch | verdict) ;;
+    *) echo "unknown group '$group': tests, bench, train, torch, verdict or all" >&2; exit 2 ;;
   esac
 done
 
@@ -145,6 +153,16 @@ for group in "${groups[@]}"; do
     torch)
       step torch 300 python3 scripts/torch_reference.py --device "$device" "${shape[@]}" \
         "${steps[@]}" --out "$OUT/torch" ;;
+    verdict)
+      step cuda-tests 240 "${with_libs[@]}" "$bin/bin/cuda-tests" "${tests[@]}"
+      step bench 240 "${with_libs[@]}" "$bin/bin/bench" --device "$device" "${shape[@]}" \
+        "${verdict_steps[@]}" --policies none,full,selective,budget=0.5 \
+        --unchecked full,selective,budget=0.5 --checksum kernels --out "$OUT/bench"
+      for attention in eager sdpa; do
+        step "torch-$attention" 120 python3 scripts/torch_reference.py --device "$device" \
+          "${shape[@]}" "${verdict_steps[@]}" --attention "$attention" --out "$OUT/torch-$attention"
+      done
+      python3 "$pkg/verdict.py" "$OUT" 2>&1 | tee "$OUT/verdict.txt" || true ;;
   esac
 done
 echo "results in $OUT/; $failed step(s) failed"

@@ -2,8 +2,8 @@
 //! policy, measured side by side in one process: the policies take turns
 //! (ABCD ABCD ...) on the same weights and the same batch, so that machine
 //! noise hits them alike. Memory comes from a counting global allocator
-//! (exact bytes, CPU); on a GPU, from the driver (memory in use after the
-//! forward, the memory pool's high-water mark over the step), with the host
+//! (exact bytes, CPU); on a GPU, from the device's memory pool (bytes in use after the
+//! forward, its high-water mark over the step, exact to the allocation), with the host
 //! bytes the step holds (offloaded residuals) in a column of their own.
 //!
 //! ```text
@@ -47,6 +47,9 @@ usage: cargo run --release -p examples --bin bench -- [flags]
   --unchecked P,Q  also measure these policies without the replay check by
                fingerprints (`remat_runtime::without_fingerprints`): its cost
   --device cpu|cuda [cpu]
+  --checksum kernels|composed  how the replay check checksums CUDA tensors:
+               remat's kernels (one pass each) or candle's kernels composed
+               (`remat_runtime::inspect::checksum_kernels`) [composed]
   --peak-plan true  instead: a PeakPlan asked for 8 peaks from full
                   recomputation's to plain candle's, each plan's measured peak
                   and time (--steps steps, interleaved with plain candle)
@@ -152,6 +155,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let explain_peak = flags.get("explain-peak", false)?;
     let peak_plan = flags.get("peak-plan", false)?;
     let ops: String = flags.get("ops", "fused".to_string())?;
+    let checksum: String = flags.get("checksum", "composed".to_string())?;
+    match checksum.as_str() {
+        "kernels" => remat_runtime::inspect::checksum_kernels(true),
+        "composed" => remat_runtime::inspect::checksum_kernels(false),
+        other => return Err(format!("--checksum {other}: kernels or composed").into()),
+    }
     let ops = ops
         .split(',')
         .map(|o| o.trim().parse::<Ops>())
@@ -245,12 +254,17 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         .collect();
     let header = format!(
         "GPT {layers} layers, d_model {d_model}, {heads} heads, T {seq}, B {batch}, f32, {}; \
-         {warmup} warm-up + {steps} measured steps per policy, interleaved; allocator: {}",
+         {warmup} warm-up + {steps} measured steps per policy, interleaved; allocator: {}{}",
         device_name(&dev),
         if malloc.is_empty() {
             "glibc defaults".to_string()
         } else {
             malloc.join(" ")
+        },
+        match (dev.is_cpu(), checksum.as_str()) {
+            (true, _) => "",
+            (false, "kernels") => "; replay check by remat's checksum kernels",
+            (false, _) => "; replay check by candle's kernels composed",
         }
     );
     println!("{header}");

@@ -5,10 +5,13 @@ use candle_core::Device;
 use crate::Result;
 
 /// Device memory in use, in bytes, after synchronising the device: on CUDA,
-/// total minus free memory as the driver reports it (the whole device: the
-/// context, candle's kernels and other processes included, so compare
-/// differences). `None` on the CPU, where [`CountingAlloc`](crate::inspect::CountingAlloc) counts
-/// exactly.
+/// the bytes candle has allocated and not freed from the device's memory
+/// pool (`CU_MEMPOOL_ATTR_USED_MEM_CURRENT`; candle allocates with
+/// `cuMemAllocAsync`), exact to the allocation, unmoved by what the pool
+/// keeps reserved. On a CUDA device without memory pools: total minus free
+/// memory as the driver reports it (the whole device, in the pool's
+/// reservations of tens of MiB: compare differences). `None` on the CPU,
+/// where [`CountingAlloc`](crate::inspect::CountingAlloc) counts exactly.
 ///
 /// ```
 /// use candle_core::Device;
@@ -20,6 +23,9 @@ pub fn device_memory_in_use(device: &Device) -> Result<Option<usize>> {
         #[cfg(feature = "cuda")]
         Device::Cuda(cuda) => {
             device.synchronize()?;
+            if let Some(used) = pool::used(cuda)? {
+                return Ok(Some(used));
+            }
             let (free, total) = cuda
                 .cuda_stream()
                 .context()
@@ -107,21 +113,23 @@ mod pool {
         Ok(Some(pool))
     }
 
-    /// The pool's high-water mark; with `reset`, resets it to what is in
-    /// use now instead (the value returned is then meaningless).
-    fn high_water(dev: &CudaDevice, reset: bool) -> Result<Option<usize>> {
+    /// A byte count of the pool: `attr` read, or with `reset` set to zero
+    /// (which the driver accepts for the high-water marks only; the value
+    /// returned is then meaningless).
+    fn attribute(
+        dev: &CudaDevice,
+        attr: sys::CUmemPool_attribute_enum,
+        reset: bool,
+    ) -> Result<Option<usize>> {
         let Some(pool) = current_pool(dev)? else {
             return Ok(None);
         };
-        // Reading gives the mark; writing zero (the only value the driver
-        // accepts) resets it.
         let mut value: u64 = 0;
-        let attr = sys::CUmemPool_attribute_enum::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
         let ptr = (&mut value as *mut u64).cast();
         // SAFETY: `pool` was just returned by the driver for a live context;
-        // `CU_MEMPOOL_ATTR_USED_MEM_HIGH` is a `cuuint64_t` attribute and
-        // `value` is a valid, aligned `u64` that outlives the call, read by
-        // the setter and written by the getter.
+        // the attributes asked here (`USED_MEM_CURRENT`, `USED_MEM_HIGH`)
+        // are `cuuint64_t`s and `value` is a valid, aligned `u64` that
+        // outlives the call, read by the setter and written by the getter.
         let done = unsafe {
             if reset {
                 result::mem_pool::set_attribute(pool, attr, ptr)
@@ -131,6 +139,19 @@ mod pool {
         };
         done.map_err(driver_error)?;
         Ok(Some(value as usize))
+    }
+
+    /// The bytes allocated from the pool and not freed.
+    pub(super) fn used(dev: &CudaDevice) -> Result<Option<usize>> {
+        let attr = sys::CUmemPool_attribute_enum::CU_MEMPOOL_ATTR_USED_MEM_CURRENT;
+        attribute(dev, attr, false)
+    }
+
+    /// The pool's high-water mark; with `reset`, resets it to what is in
+    /// use now instead.
+    fn high_water(dev: &CudaDevice, reset: bool) -> Result<Option<usize>> {
+        let attr = sys::CUmemPool_attribute_enum::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
+        attribute(dev, attr, reset)
     }
 
     pub(super) fn used_high(dev: &CudaDevice) -> Result<Option<usize>> {

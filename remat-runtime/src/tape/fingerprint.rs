@@ -72,7 +72,24 @@ pub fn without_fingerprints<R>(f: impl FnOnce() -> R) -> R {
 
 /// The fingerprint of a value: its [`checksum`](super::checksum::of).
 pub(crate) fn of(t: &Tensor) -> Result<Tensor> {
+    #[cfg(test)]
+    counts::COUNTS.with(|c| c.set((c.get().0 + 1, c.get().1)));
     super::checksum::of(t)
+}
+
+/// What the check costs, counted in tests: checksums taken (two kernels
+/// each on a GPU) and reads of fingerprints to the host (each a wait on
+/// the device).
+#[cfg(test)]
+pub(crate) mod counts {
+    thread_local! {
+        pub(crate) static COUNTS: std::cell::Cell<(usize, usize)> = const { std::cell::Cell::new((0, 0)) };
+    }
+
+    /// (checksums, host reads) on this thread so far.
+    pub(crate) fn now() -> (usize, usize) {
+        COUNTS.with(|c| c.get())
+    }
 }
 
 /// The forward's fingerprints of a region call, and what each is of.
@@ -228,6 +245,9 @@ impl Checks {
                 format!("{}", replay.elem_count()),
             ));
         }
+        // The one read to the host, after the whole replay.
+        #[cfg(test)]
+        counts::COUNTS.with(|c| c.set((c.get().0, c.get().1 + 1)));
         let both = Tensor::stack(&[&forward, &replay], 0)?.to_vec2::<f64>()?;
         let words = super::checksum::WORDS;
         for (k, (subject, _)) in parts.into_iter().enumerate() {
@@ -290,6 +310,54 @@ impl Checks {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Region;
+    use candle_core::{Device, Var};
+
+    /// A region call's check: one checksum per parameter, read input and
+    /// recomputed output in the forward and again in the replay, and one
+    /// read to the host, after the replay; none in the forward.
+    #[test]
+    fn one_host_read_per_replay_one_checksum_per_value() {
+        let dev = Device::Cpu;
+        let w = Var::randn(0f32, 0.1, (16, 16), &dev).unwrap();
+        let b = Var::randn(0f32, 0.1, 16, &dev).unwrap();
+        let x = Var::randn(0f32, 1.0, (4, 16), &dev).unwrap();
+        let (wt, bt) = (w.as_tensor().clone(), b.as_tensor().clone());
+        let layers = 6;
+        // The first call of a region (which looks for undeclared reads)
+        // and a later one alike.
+        let call = || {
+            let (wt, bt) = (wt.clone(), bt.clone());
+            Region::new("r")
+                .run(&[x.as_tensor()], move |ctx, ins| {
+                    let mut h = ins[0].clone();
+                    for i in 0..layers {
+                        h = ctx.recompute(&format!("l{i}"), &[&h], |t| {
+                            t[0].matmul(&wt)?.broadcast_add(&bt)?.tanh()
+                        })?;
+                    }
+                    Ok(h)
+                })
+                .unwrap()
+        };
+        let start = counts::now();
+        let y = call();
+        let forward = counts::now();
+        // Two parameters, the input `l0` reads, six outputs.
+        let values = 2 + 1 + layers;
+        assert_eq!((forward.0 - start.0, forward.1 - start.1), (values, 0));
+        let g = y.sum_all().unwrap().backward().unwrap();
+        assert!(g.get(&w).is_some());
+        let backward = counts::now();
+        assert_eq!(
+            (backward.0 - forward.0, backward.1 - forward.1),
+            (values, 1)
+        );
+        let again = call();
+        again.sum_all().unwrap().backward().unwrap();
+        let end = counts::now();
+        assert_eq!((end.0 - backward.0, end.1 - backward.1), (2 * values, 1));
+    }
 
     #[test]
     fn noise_matches_within_and_changes_do_not() {

@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""The GPU verdict: the targets of the GPU issues, each PASS or FAIL, from
+the results `run.sh verdict` wrote under OUT (bench/results.csv,
+torch-eager/results.csv, torch-sdpa/results.csv, cuda-tests.txt).
+
+    python3 gpu-package/verdict.py OUT     # prints the table, writes OUT/verdict.md
+"""
+
+import csv
+import os
+import re
+import sys
+
+
+def rows(path):
+    try:
+        with open(path) as f:
+            return {r["policy"]: r for r in csv.DictReader(f)}
+    except OSError:
+        return {}
+
+
+def main():
+    out = sys.argv[1] if len(sys.argv) > 1 else "gpu-results"
+    bench = rows(os.path.join(out, "bench", "results.csv"))
+    eager = rows(os.path.join(out, "torch-eager", "results.csv"))
+    sdpa = rows(os.path.join(out, "torch-sdpa", "results.csv"))
+    lines = []
+
+    def verdict(target, measured, ok):
+        state = "n/a" if ok is None else ("PASS" if ok else "FAIL")
+        lines.append(f"| {target} | {measured} | {state} |")
+
+    def step(r, p):
+        return float(r[p]["median_step_s"]) if p in r else None
+
+    def ratio(a, b):
+        return None if a is None or b is None else a / b
+
+    def show(x, unit="x"):
+        return "missing" if x is None else f"{x:.3f}{unit}"
+
+    # Issue 33: the replay check at GPU speed.
+    plain = step(bench, "none")
+    for policy, limit_plain in [("full", 1.30), ("selective", None), ("budget=0.5", None)]:
+        checked, unchecked = step(bench, policy), step(bench, f"{policy} (unchecked)")
+        r = ratio(checked, unchecked)
+        verdict(f"{policy}: check on <= 1.03x unchecked", show(r), None if r is None else r <= 1.03)
+        if limit_plain:
+            r = ratio(checked, plain)
+            verdict(f"{policy}: check on <= {limit_plain:.2f}x plain", show(r),
+                    None if r is None else r <= limit_plain)
+    grads = [float(r["grad_max_rel_diff"]) for r in bench.values()]
+    verdict("gradients of every policy equal plain candle's (max rel. diff)",
+            f"{max(grads):.1e}" if grads else "missing", None if not grads else max(grads) <= 1e-5)
+    try:
+        text = open(os.path.join(out, "cuda-tests.txt")).read()
+        m = re.search(r"test result: \w+\. (\d+) passed; (\d+) failed", text)
+        failed = re.findall(r"^test (\S+) \.\.\. FAILED", text, re.M)
+        measured = f"{m.group(1)} passed, {m.group(2)} failed" if m else "did not finish"
+        measured += (": " + ", ".join(failed)) if failed else ""
+        verdict("every CUDA test passes (kernels bitwise, pool bytes exact)", measured,
+                bool(m) and m.group(2) == "0")
+    except OSError:
+        verdict("every CUDA test passes", "missing", None)
+
+    # Issue 34: the fused ops against PyTorch (same card, same shape).
+    r = ratio(plain, step(sdpa, "none"))
+    verdict("plain step <= 1.2x PyTorch SDPA's", show(r), None if r is None else r <= 1.2)
+    full_peak = int(bench["full"]["peak_bytes"]) if "full" in bench else None
+    torch_peak = int(sdpa["full"]["peak_bytes"]) if "full" in sdpa else None
+    r = ratio(full_peak, torch_peak)
+    verdict("full-recompute peak <= 1.0x PyTorch SDPA + full AC's", show(r), None if r is None else r <= 1.0)
+    r = ratio(step(bench, "full (unchecked)"), plain)
+    verdict("full recompute (unchecked) <= 1.30x remat plain", show(r), None if r is None else r <= 1.30)
+
+    table = ["| target | measured | verdict |", "|---|---:|---|"] + lines
+    context = []
+    for name, r in [("remat", bench), ("PyTorch eager", eager), ("PyTorch SDPA", sdpa)]:
+        for p, row in r.items():
+            context.append(f"| {name} | {p} | {float(row['median_step_s']) * 1e3:.1f} | "
+                           f"{int(row['peak_bytes']) / (1 << 20):.1f} |")
+    text = "\n".join(table) + "\n\n| who | policy | step (ms) | peak (MiB) |\n|---|---|---:|---:|\n" + "\n".join(context) + "\n"
+    with open(os.path.join(out, "verdict.md"), "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -173,15 +173,16 @@ fn the_pool_peak_sees_a_tensor_that_is_gone() {
 
 /// The checksum kernels (`checksum.cu`) on the GPU give the CPU's checksum
 /// bit for bit: every dtype, contiguous and strided views read in place,
-/// sizes around a chunk (65,536 positions) and a span's edges, special
-/// values. And one ulp of one element, or a swap, changes them.
+/// sizes around a chunk (16,384 positions) and a span's edges, more chunks
+/// than the combine kernel has threads, special values. And one ulp of one
+/// element, or a swap, changes them.
 #[test]
 fn checksum_kernels_give_the_cpu_bits() {
     use remat_runtime::inspect::{checksum, checksum_kernels};
     let dev = cuda();
     checksum_kernels(true);
-    let chunk = 65_536;
-    let base = tensor(&[3 * chunk / 2], 3, 50.0, DType::F32);
+    let chunk = 16_384;
+    let base = tensor(&[6 * chunk], 3, 50.0, DType::F32);
     for dtype in [
         DType::F32,
         DType::F16,
@@ -202,7 +203,7 @@ fn checksum_kernels_give_the_cpu_bits() {
         let views: [fn(&Tensor) -> Tensor; 8] = [
             |t| t.narrow(0, 0, 1).unwrap(),
             |t| t.narrow(0, 5, 256 * 32 + 3).unwrap(),
-            |t| t.narrow(0, 0, 65_536).unwrap(),
+            |t| t.narrow(0, 0, 16_384).unwrap(),
             |t| t.clone(),
             |t| t.reshape((768, 128)).unwrap().t().unwrap(),
             |t| t.reshape((768, 128)).unwrap().narrow(1, 5, 100).unwrap(),
@@ -221,6 +222,13 @@ fn checksum_kernels_give_the_cpu_bits() {
             assert_eq!(bits(gpu), bits(cpu), "{dtype:?} {:?}", view(&t).dims());
         }
     }
+    // More chunks than the combine kernel has threads.
+    let big = tensor(&[259 * chunk + 5], 4, 1.0, DType::F32);
+    let gpu = checksum(&big.to_device(&dev).unwrap()).unwrap();
+    assert_eq!(
+        gpu.map(f64::to_bits),
+        checksum(&big).unwrap().map(f64::to_bits)
+    );
     let special = Tensor::new(
         &[1e-6f32, -3e-8, f32::INFINITY, -0.0, 65504.0],
         &Device::Cpu,

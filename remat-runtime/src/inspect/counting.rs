@@ -22,6 +22,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 pub struct CountingAlloc {
     live: AtomicUsize,
     peak: AtomicUsize,
+    largest: AtomicUsize,
 }
 
 impl CountingAlloc {
@@ -35,6 +36,7 @@ impl CountingAlloc {
         CountingAlloc {
             live: AtomicUsize::new(0),
             peak: AtomicUsize::new(0),
+            largest: AtomicUsize::new(0),
         }
     }
 
@@ -58,7 +60,20 @@ impl CountingAlloc {
         self.peak.load(Ordering::SeqCst)
     }
 
-    /// Starts a new peak measurement at the current live bytes.
+    /// The size of the largest single allocation since the last
+    /// [`CountingAlloc::reset_peak`]: whether a tensor of some size was
+    /// ever made (a `(tokens, vocabulary)` block of logits, say).
+    ///
+    /// ```
+    /// static A: remat_runtime::inspect::CountingAlloc = remat_runtime::inspect::CountingAlloc::new();
+    /// assert_eq!(A.largest(), 0);
+    /// ```
+    pub fn largest(&self) -> usize {
+        self.largest.load(Ordering::SeqCst)
+    }
+
+    /// Starts a new peak measurement at the current live bytes, and a new
+    /// [`largest`](CountingAlloc::largest) allocation at zero.
     ///
     /// ```
     /// static A: remat_runtime::inspect::CountingAlloc = remat_runtime::inspect::CountingAlloc::new();
@@ -67,11 +82,13 @@ impl CountingAlloc {
     /// ```
     pub fn reset_peak(&self) {
         self.peak.store(self.live(), Ordering::SeqCst);
+        self.largest.store(0, Ordering::SeqCst);
     }
 
     fn grew(&self, bytes: usize) {
         let now = self.live.fetch_add(bytes, Ordering::SeqCst) + bytes;
         self.peak.fetch_max(now, Ordering::SeqCst);
+        self.largest.fetch_max(bytes, Ordering::SeqCst);
     }
 }
 

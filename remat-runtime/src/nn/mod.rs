@@ -23,6 +23,7 @@
 //! | [`attention_qkv`] (over the packed `(B, T, 3C)` projection) | output, one normalizer (1 / sum of exponentials) per row | the same, and its backward builds a zero-padded `(B, T, 3C)` gradient for each of q, k, v |
 //! | [`qkv_attention`] (`attention_qkv(n W^T + b)`) | the projection, released by its backward as soon as copied; one normalizer per row; the norm's statistics | the projection and its gradient's zero-padded copies, all held until the whole backward returns |
 //! | [`cross_entropy`] | log-sum-exp per row | log-probabilities and more, `(N, V)` each |
+//! | [`linear_cross_entropy`] (`cross_entropy(norm(x) W^T + b)`, chunk by chunk over the tokens) | the gradients of `x` and the parameters, computed in the forward; never a `(N, V)` tensor, at any time | the logits, the log-probabilities and more, `(N, V)` each, and their gradients |
 //! | [`rope`], [`rope_i`] | nothing (the rotation's tables) | (no backward in candle) |
 //! | [`swiglu`] | nothing | `silu(a)` and the sigmoid |
 //! | [`dropout`] | nothing (the backward draws the mask again) | the mask and the scaled mask |
@@ -45,6 +46,7 @@ mod bundle;
 mod dropout;
 mod gelu;
 mod linear;
+mod linear_loss;
 mod loss;
 mod mlp;
 mod norm;
@@ -59,6 +61,7 @@ pub use attention::{attention, attention_qkv};
 pub use dropout::dropout;
 pub use gelu::gelu;
 pub use linear::{gelu_linear_add, linear, linear_add};
+pub use linear_loss::{linear_cross_entropy, LinearCrossEntropy};
 pub use loss::cross_entropy;
 pub use mlp::{gelu_mlp, swiglu_mlp};
 pub use norm::{layer_norm, rms_norm};

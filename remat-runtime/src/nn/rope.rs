@@ -29,6 +29,14 @@ fn apply(layout: Layout, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tenso
 }
 
 fn rope_op(layout: Layout, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    if cos.track_op() || sin.track_op() {
+        // Tables that need gradients (learned or scaled frequencies):
+        // candle's composed rotation, whose every op has a backward.
+        return match layout {
+            Layout::Halves => candle_nn::rotary_emb::rope_slow(x, cos, sin),
+            Layout::Interleaved => candle_nn::rotary_emb::rope_i_slow(x, cos, sin),
+        };
+    }
     let (cos, sin) = (cos.detach().contiguous()?, sin.detach().contiguous()?);
     let y = apply(layout, &x.detach(), &cos, &sin)?;
     x.apply_op1(Rope {
@@ -43,6 +51,9 @@ fn rope_op(layout: Layout, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Ten
 /// together) with a backward: `x` is `(B, H, T, D)`, `cos` and `sin` are
 /// `(T, D/2)`. candle's fused forward; the backward is the same rotation by
 /// the opposite angle, so the graph keeps nothing but `x` and the tables.
+/// Tables that need gradients (computed from a `Var`: learned frequencies,
+/// a learned scaling factor) get them: the rotation is then candle's
+/// composed one (`rope_slow`), every op with its backward.
 ///
 /// ```
 /// use candle_core::{Device, Tensor, Var};
@@ -59,7 +70,7 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 }
 
 /// `candle_nn::rotary_emb::rope_i` (consecutive pairs rotated together)
-/// with a backward; shapes as in [`rope`].
+/// with a backward; shapes and tables that need gradients as in [`rope`].
 ///
 /// ```
 /// use candle_core::{Device, Tensor, Var};

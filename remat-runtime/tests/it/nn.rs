@@ -757,6 +757,10 @@ fn rope() {
         &[true, false, false],
         &|d| tables(3, 3, d),
     );
+    // Tables that need gradients (learned frequencies) get them.
+    check(op, composed, &[&[1, 2, 3, 6]], &[true, true, true], &|d| {
+        tables(3, 3, d)
+    });
 }
 
 #[test]
@@ -770,6 +774,72 @@ fn rope_interleaved() {
         &[true, false, false],
         &|d| tables(3, 2, d),
     );
+    check(op, composed, &[&[2, 1, 3, 4]], &[true, true, true], &|d| {
+        tables(3, 2, d)
+    });
+}
+
+/// The drop-ins, with tables computed from a learned frequency vector and
+/// a learned scale (as NTK/YaRN-style scaling with a learned factor does):
+/// every parameter gets plain candle's gradient (composed rotation), inside
+/// a checkpointed region too.
+#[test]
+fn rope_drop_ins_with_learned_frequencies() {
+    use remat_runtime::candle_nn::rotary_emb as dropin;
+    use remat_runtime::Region;
+    let (t, half) = (5, 3);
+    let inv_freq = var(&[1, half], 91, 0.5, DType::F32);
+    let scale = var(&[1], 92, 1.0, DType::F32);
+    let x = var(&[2, 3, t, 2 * half], 93, 1.0, DType::F32);
+    let positions = Tensor::arange(0f32, t as f32, x.device())
+        .unwrap()
+        .reshape((t, 1))
+        .unwrap();
+    type Rot = fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>;
+    let cases: [(Rot, Rot, bool); 3] = [
+        (dropin::rope, candle_nn::rotary_emb::rope_slow, false),
+        (dropin::rope_i, candle_nn::rotary_emb::rope_i_slow, false),
+        (dropin::rope_thd, candle_nn::rotary_emb::rope_slow, true),
+    ];
+    for (rotate, reference, thd) in cases {
+        let loss = |rot: Rot, is_reference: bool, checkpointed: bool| {
+            let positions = positions.clone();
+            let run = move |x: &Tensor, f: &Tensor, s: &Tensor| -> Result<Tensor> {
+                let angles = positions.broadcast_mul(&f.broadcast_mul(s)?)?;
+                let (cos, sin) = (angles.cos()?, angles.sin()?);
+                match (thd, is_reference) {
+                    // The reference rotates the (B, H, T, D) view.
+                    (true, true) => rot(&x.transpose(1, 2)?, &cos, &sin)?.transpose(1, 2),
+                    _ => rot(x, &cos, &sin),
+                }
+            };
+            let xin = match thd {
+                true => x.as_tensor().transpose(1, 2).unwrap().contiguous().unwrap(),
+                false => x.as_tensor().clone(),
+            };
+            let y = if checkpointed {
+                let (f, s) = (inv_freq.as_tensor().clone(), scale.as_tensor().clone());
+                let run = run.clone();
+                Region::new("rope")
+                    .run(&[&xin], move |ctx, ins| {
+                        ctx.recompute("rot", &[&ins[0]], |v| run(&v[0], &f, &s))
+                    })
+                    .unwrap()
+            } else {
+                run(&xin, inv_freq.as_tensor(), scale.as_tensor()).unwrap()
+            };
+            let g = weighted_loss(&y).backward().unwrap();
+            [&x, &inv_freq, &scale].map(|v| g.get(v).expect("a gradient").clone())
+        };
+        let want = loss(reference, true, false);
+        for checkpointed in [false, true] {
+            let got = loss(rotate, false, checkpointed);
+            for (g, w) in got.iter().zip(&want) {
+                let d = rel_diff(g, w);
+                assert!(d <= 1e-5, "thd {thd}, checkpointed {checkpointed}: {d}");
+            }
+        }
+    }
 }
 
 #[test]

@@ -8,7 +8,7 @@
 #endif
 
 #define LANES 256
-#define ROWS 256
+#define ROWS 64
 #define SPAN 32
 #define CHUNK (LANES * ROWS)
 #define PARTIAL 5
@@ -146,59 +146,88 @@ __device__ __forceinline__ size_t strided_offset(size_t p, size_t num_dims, cons
   return offset;
 }
 
-// One block per chunk, one thread per lane; writes the chunk's PARTIAL
-// numbers: h0, h1, sum, sum of magnitudes, weighted sum.
-template <typename T>
-__device__ void partials(const size_t n, const size_t num_dims, const size_t *info, const T *src,
-                         double *out) {
-  typedef typename El<T>::Acc Acc;
+// The block's lanes added pairwise (lane t takes lane t + s for s = LANES/2,
+// ..., 1); thread 0 gets the block's numbers.
+struct Lane {
+  uint32_t h0, h1;
+  double sum, mag, w;
+};
+
+__device__ __forceinline__ Lane block_tree(Lane lane) {
   __shared__ uint32_t s_h0[LANES], s_h1[LANES];
-  __shared__ double s_sum[LANES], s_abs[LANES], s_w[LANES];
-  const size_t t = threadIdx.x;
-  const size_t c = blockIdx.x;
-  uint32_t h0 = 0, h1 = 0;
-  double sum = 0.0, mag = 0.0, w = 0.0;
-  for (int span = 0; span < ROWS / SPAN; span++) {
-    Acc s = 0, a = 0, ws = 0;
-    for (int r = span * SPAN; r < (span + 1) * SPAN; r++) {
-      size_t p = c * CHUNK + (size_t)r * LANES + t;
-      if (p >= n) break;
-      size_t offset = info == nullptr ? p : strided_offset(p, num_dims, info);
-      T x = src[offset];
-      uint32_t k = (uint32_t)p * PHI;
-      El<T>::hash(x, k, h0, h1);
-      Acc v = El<T>::value(x);
-      s = add(s, v);
-      a = add(a, magnitude(v));
-      ws = add(ws, mul(v, weight(k, (Acc)0)));
-    }
-    sum = __dadd_rn(sum, widen(s));
-    mag = __dadd_rn(mag, widen(a));
-    w = __dadd_rn(w, widen(ws));
-  }
-  s_h0[t] = h0;
-  s_h1[t] = h1;
-  s_sum[t] = sum;
-  s_abs[t] = mag;
-  s_w[t] = w;
+  __shared__ double s_sum[LANES], s_mag[LANES], s_w[LANES];
+  const unsigned t = threadIdx.x;
+  s_h0[t] = lane.h0;
+  s_h1[t] = lane.h1;
+  s_sum[t] = lane.sum;
+  s_mag[t] = lane.mag;
+  s_w[t] = lane.w;
   __syncthreads();
   for (unsigned s = LANES / 2; s > 0; s >>= 1) {
     if (t < s) {
       s_h0[t] += s_h0[t + s];
       s_h1[t] += s_h1[t + s];
       s_sum[t] = __dadd_rn(s_sum[t], s_sum[t + s]);
-      s_abs[t] = __dadd_rn(s_abs[t], s_abs[t + s]);
+      s_mag[t] = __dadd_rn(s_mag[t], s_mag[t + s]);
       s_w[t] = __dadd_rn(s_w[t], s_w[t + s]);
     }
     __syncthreads();
   }
-  if (t == 0) {
+  Lane total = {s_h0[0], s_h1[0], s_sum[0], s_mag[0], s_w[0]};
+  return total;
+}
+
+// One span of a lane: SPAN positions p0, p0 + LANES, ..., those below n,
+// summed in the element's precision, then added to the lane in f64.
+template <typename T, bool CHECKED>
+__device__ __forceinline__ void span(Lane &lane, size_t p0, const size_t n, const size_t num_dims,
+                                     const size_t *info, const T *src) {
+  typedef typename El<T>::Acc Acc;
+  Acc s = 0, a = 0, ws = 0;
+#pragma unroll 8
+  for (int r = 0; r < SPAN; r++) {
+    size_t p = p0 + (size_t)r * LANES;
+    if (CHECKED && p >= n) break;
+    size_t offset = info == nullptr ? p : strided_offset(p, num_dims, info);
+    T x = src[offset];
+    uint32_t k = (uint32_t)p * PHI;
+    El<T>::hash(x, k, lane.h0, lane.h1);
+    Acc v = El<T>::value(x);
+    s = add(s, v);
+    a = add(a, magnitude(v));
+    ws = add(ws, mul(v, weight(k, (Acc)0)));
+  }
+  lane.sum = __dadd_rn(lane.sum, widen(s));
+  lane.mag = __dadd_rn(lane.mag, widen(a));
+  lane.w = __dadd_rn(lane.w, widen(ws));
+}
+
+// One block per chunk, one thread per lane; writes the chunk's PARTIAL
+// numbers: h0, h1, sum, sum of magnitudes, weighted sum. A whole chunk reads
+// without bounds checks.
+template <typename T>
+__device__ void partials(const size_t n, const size_t num_dims, const size_t *info, const T *src,
+                         double *out) {
+  const size_t c = blockIdx.x;
+  const size_t first = c * CHUNK + threadIdx.x;
+  Lane lane = {0, 0, 0.0, 0.0, 0.0};
+  const bool whole = (c + 1) * CHUNK <= n;
+  for (int sp = 0; sp < ROWS / SPAN; sp++) {
+    size_t p0 = first + (size_t)sp * SPAN * LANES;
+    if (whole) {
+      span<T, false>(lane, p0, n, num_dims, info, src);
+    } else {
+      span<T, true>(lane, p0, n, num_dims, info, src);
+    }
+  }
+  Lane total = block_tree(lane);
+  if (threadIdx.x == 0) {
     double *o = out + c * PARTIAL;
-    o[0] = (double)s_h0[0];
-    o[1] = (double)s_h1[0];
-    o[2] = s_sum[0];
-    o[3] = s_abs[0];
-    o[4] = s_w[0];
+    o[0] = (double)total.h0;
+    o[1] = (double)total.h1;
+    o[2] = total.sum;
+    o[3] = total.mag;
+    o[4] = total.w;
   }
 }
 
@@ -219,22 +248,25 @@ PARTIALS(i16, int16_t)
 PARTIALS(i32, int32_t)
 PARTIALS(i64, int64_t)
 
-// One thread: the chunks' numbers added in order; the checksum's four.
+// One block: thread t adds chunks t, t + LANES, ... in order, then the
+// block's tree; writes the checksum's four numbers.
 extern "C" __global__ void checksum_combine(const size_t chunks, const double *partials,
                                             double *out) {
-  uint32_t h0 = 0, h1 = 0;
-  double sum = 0.0, mag = 0.0, w = 0.0;
-  for (size_t c = 0; c < chunks; c++) {
+  Lane lane = {0, 0, 0.0, 0.0, 0.0};
+  for (size_t c = threadIdx.x; c < chunks; c += LANES) {
     const double *p = partials + c * PARTIAL;
-    h0 += (uint32_t)p[0];
-    h1 += (uint32_t)p[1];
-    sum = __dadd_rn(sum, p[2]);
-    mag = __dadd_rn(mag, p[3]);
-    w = __dadd_rn(w, p[4]);
+    lane.h0 += (uint32_t)p[0];
+    lane.h1 += (uint32_t)p[1];
+    lane.sum = __dadd_rn(lane.sum, p[2]);
+    lane.mag = __dadd_rn(lane.mag, p[3]);
+    lane.w = __dadd_rn(lane.w, p[4]);
   }
-  uint64_t hash = (uint64_t)h0 | ((uint64_t)(h1 & 0x1fffffu) << 32);
-  out[0] = __ull2double_rn(hash);
-  out[1] = sum;
-  out[2] = mag;
-  out[3] = w;
+  Lane total = block_tree(lane);
+  if (threadIdx.x == 0) {
+    uint64_t hash = (uint64_t)total.h0 | ((uint64_t)(total.h1 & 0x1fffffu) << 32);
+    out[0] = __ull2double_rn(hash);
+    out[1] = total.sum;
+    out[2] = total.mag;
+    out[3] = total.w;
+  }
 }

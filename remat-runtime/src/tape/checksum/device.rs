@@ -7,8 +7,9 @@
 //!    `t + LANES`, ...: neighbouring threads read neighbouring elements),
 //!    the block adds its lanes in shared memory in the tree of
 //!    [`Partial::tree`] and writes the chunk's [`PARTIAL`] numbers;
-//! 2. `checksum_combine`: one thread adds the chunks' numbers in order and
-//!    writes the checksum's four.
+//! 2. `checksum_combine`: one block; thread `t` adds the numbers of chunks
+//!    `t, t + LANES, ...` in order, the block adds its lanes in the same
+//!    tree, and writes the checksum's four.
 //!
 //! [`run`] is the one place that decides what is launched, with which
 //! grid; [`Emulated`] runs the kernels' code, thread by thread, on the CPU,
@@ -33,7 +34,7 @@ pub(crate) trait Kernels {
     type Out;
     /// Launches `checksum_partials` over `chunks` blocks.
     fn partials(&self, chunks: usize) -> candle_core::Result<Self::Partials>;
-    /// Launches `checksum_combine` on one thread.
+    /// Launches `checksum_combine` on one block of [`LANES`](super::LANES) threads.
     fn combine(&self, partials: &Self::Partials, chunks: usize) -> candle_core::Result<Self::Out>;
     /// A checksum of zeros (an empty value), launching nothing.
     fn zeros(&self) -> candle_core::Result<Self::Out>;
@@ -96,6 +97,7 @@ pub(super) fn on_cuda(_: &CudaStorage, _: &Layout) -> candle_core::Result<CudaSt
 
 #[cfg(feature = "cuda")]
 mod cuda {
+    use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{
         CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
     };
@@ -192,7 +194,7 @@ mod cuda {
             b.arg(&out);
             let cfg = LaunchConfig {
                 grid_dim: (1, 1, 1),
-                block_dim: (1, 1, 1),
+                block_dim: (LANES as u32, 1, 1),
                 shared_mem_bytes: 0,
             };
             // SAFETY: (size_t, const double*, double*) as the kernel takes

@@ -81,18 +81,22 @@ impl<T: Element> Kernels for Emulated<'_, T> {
     }
 
     fn combine(&self, partials: &Vec<f64>, chunks: usize) -> candle_core::Result<[f64; WORDS]> {
-        let mut total = Partial::default();
-        for c in partials.chunks_exact(PARTIAL).take(chunks) {
-            let chunk = Partial {
-                h0: c[0] as u32,
-                h1: c[1] as u32,
-                sum: c[2],
-                abs: c[3],
-                weighted: c[4],
-            };
-            total = total.add(&chunk);
+        // One block: thread `t` adds chunks `t, t + LANES, ...` in order.
+        let mut lanes = [Partial::default(); LANES];
+        for (t, lane) in lanes.iter_mut().enumerate() {
+            for c in (t..chunks).step_by(LANES) {
+                let p = &partials[c * PARTIAL..][..PARTIAL];
+                let chunk = Partial {
+                    h0: p[0] as u32,
+                    h1: p[1] as u32,
+                    sum: p[2],
+                    abs: p[3],
+                    weighted: p[4],
+                };
+                *lane = lane.add(&chunk);
+            }
         }
-        Ok(total.finish())
+        Ok(Partial::tree(&mut lanes).finish())
     }
 
     fn zeros(&self) -> candle_core::Result<[f64; WORDS]> {

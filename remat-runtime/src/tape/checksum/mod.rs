@@ -23,8 +23,9 @@
 //! chunk, one thread per lane, every read coalesced), summing each span of
 //! [`SPAN`] of them in the element's precision (`f32` up to 32 bits) and
 //! the spans in `f64`; the lanes of a chunk are added pairwise in a fixed
-//! tree, the chunks in order. The hashes are sums modulo 2^32, in any
-//! order.
+//! tree. The chunks are added the same way: lane `t` adds the chunks `t,
+//! t + LANES, ...` in order, then the same tree ([`Partial::fold`]). The
+//! hashes are sums modulo 2^32, in any order.
 //!
 //! * `cpu`: the algorithm on the CPU, vectorised across lanes;
 //! * `device`: the same on a GPU as two kernels (`checksum.cu`), and their
@@ -55,8 +56,10 @@ pub(crate) const WEIGHTED: usize = 3;
 
 /// Lanes of a chunk (threads of a block on a GPU).
 pub(crate) const LANES: usize = 256;
-/// Positions each lane of a chunk reads.
-pub(crate) const ROWS: usize = 256;
+/// Positions each lane of a chunk reads: small enough that a value of a
+/// few million elements makes a block for every streaming multiprocessor
+/// of a large GPU several times over.
+pub(crate) const ROWS: usize = 64;
 /// Positions a lane sums in the element's precision before `f64`.
 pub(crate) const SPAN: usize = 32;
 /// Positions of a chunk.
@@ -130,11 +133,15 @@ impl Partial {
         lanes[0]
     }
 
-    /// The chunks' sums added in order, from zero.
-    pub fn fold<'a>(chunks: impl IntoIterator<Item = &'a Partial>) -> Partial {
-        chunks
-            .into_iter()
-            .fold(Partial::default(), |acc, c| acc.add(c))
+    /// The chunks' sums added as one block of the combine kernel does: lane
+    /// `t` adds chunks `t, t + LANES, ...` in order, from zero; then the
+    /// lanes' [`tree`](Self::tree).
+    pub fn fold(chunks: &[Partial]) -> Partial {
+        let mut lanes = [Partial::default(); LANES];
+        for (c, chunk) in chunks.iter().enumerate() {
+            lanes[c % LANES] = lanes[c % LANES].add(chunk);
+        }
+        Partial::tree(&mut lanes)
     }
 
     /// The four numbers of a checksum.

@@ -110,6 +110,8 @@ fn the_device_algorithm_gives_the_cpu_bits() {
         CHUNK,
         CHUNK + 1,
         2 * CHUNK + LANES * 5 + 17,
+        // More chunks than the combine kernel has lanes.
+        (LANES + 3) * CHUNK + 5,
     ];
     for n in sizes {
         let base = ramp(n);
@@ -138,13 +140,14 @@ fn the_device_algorithm_gives_the_cpu_bits() {
         }
     }
     // Views read in place: transposed, narrowed, broadcast, offset.
-    let m = ramp(3 * CHUNK / 2).reshape((768, 128)).unwrap();
+    let rows = 3 * CHUNK / 256;
+    let m = ramp(3 * CHUNK / 2).reshape((rows, 128)).unwrap();
     let views = [
         m.t().unwrap(),
         m.narrow(1, 5, 100).unwrap(),
-        m.narrow(0, 1, 700).unwrap(),
+        m.narrow(0, 1, rows - 9).unwrap(),
         m.narrow(0, 3, 1).unwrap().broadcast_as((4, 128)).unwrap(),
-        m.reshape((2, 384, 128))
+        m.reshape((2, rows / 2, 128))
             .unwrap()
             .permute((2, 0, 1))
             .unwrap(),
@@ -269,7 +272,7 @@ fn the_kernel_source_on_host_threads_gives_the_cpu_bits() {
             true => m.to_dtype(dtype).unwrap(),
             false => m.affine(2.0, 101.0).unwrap().to_dtype(dtype).unwrap(),
         };
-        let grid = t.reshape((768, 128)).unwrap();
+        let grid = t.reshape((3 * CHUNK / 256, 128)).unwrap();
         values.extend([
             t.narrow(0, 0, 1).unwrap(),
             t.narrow(0, 5, LANES * SPAN + 3).unwrap(),
@@ -283,6 +286,8 @@ fn the_kernel_source_on_host_threads_gives_the_cpu_bits() {
                 .unwrap(),
         ]);
     }
+    // More chunks than the combine kernel has lanes.
+    values.push(ramp((LANES + 3) * CHUNK + 5));
     // Subnormal, infinite and NaN halves and floats.
     let special = Tensor::new(
         &[1e-6f32, -3e-8, f32::INFINITY, f32::NAN, -0.0, 65504.0],

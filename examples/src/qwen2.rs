@@ -98,6 +98,25 @@ impl Config {
         }
     }
 
+    /// Qwen2.5-0.5B's dimensions (24 layers, hidden 896, 14 query and 2
+    /// key/value heads, MLP 4864, vocabulary 151,936, tied head), or `None`
+    /// for another name.
+    pub fn preset(name: &str) -> Option<Self> {
+        match name {
+            "qwen2.5-0.5b" => Some(Config {
+                vocab_size: 151_936,
+                hidden_size: 896,
+                intermediate_size: 4864,
+                num_hidden_layers: 24,
+                num_attention_heads: 14,
+                num_key_value_heads: 2,
+                max_position_embeddings: 32_768,
+                ..Config::tiny(151_936)
+            }),
+            _ => None,
+        }
+    }
+
     /// The size of one head.
     pub fn head_dim(&self) -> usize {
         self.hidden_size / self.num_attention_heads.max(1)
@@ -364,6 +383,26 @@ remat! {
     }
 }
 
+/// The final norm, the output head and the mean cross-entropy of `targets`
+/// as one node, chunk by chunk over the tokens
+/// ([`nn::linear_cross_entropy`]): no `(B * T, vocab)` logits, at any time.
+pub fn fused_head_loss(
+    xs: &Tensor,
+    norm: &RmsNorm,
+    lm_head: &Linear,
+    targets: &Tensor,
+) -> Result<Tensor> {
+    let o = nn::LinearCrossEntropy {
+        norm: Some(nn::PreNorm::Rms {
+            gain: norm.weight(),
+            eps: norm.eps(),
+        }),
+        bias: lm_head.bias(),
+        ..Default::default()
+    };
+    nn::linear_cross_entropy(xs, lm_head.weight(), targets, &o)
+}
+
 /// The statements the `selective` policy saves: the outputs of the matrix
 /// products (PyTorch's "save the matmuls"); norms, rotations, attention
 /// scores and the MLP's activation are recomputed.
@@ -430,13 +469,18 @@ impl Model {
     /// The normalized hidden states `(B, T, hidden)` of token ids `(B, T)`,
     /// each decoder layer one `remat!` region under the current plan.
     pub fn forward(&self, input_ids: &Tensor) -> Result<Tensor> {
+        self.hidden(input_ids)?.apply(&self.norm)
+    }
+
+    /// The hidden states before the final norm.
+    pub fn hidden(&self, input_ids: &Tensor) -> Result<Tensor> {
         let (_b_size, seq_len) = input_ids.dims2()?;
         let attention_mask = self.causal_mask(seq_len)?;
         let mut xs = self.embed_tokens.forward(input_ids)?;
         for layer in self.layers.iter() {
             xs = layer.forward(&xs, Some(&attention_mask))?
         }
-        xs.apply(&self.norm)
+        Ok(xs)
     }
 }
 
@@ -449,6 +493,10 @@ pub struct ModelForCausalLM {
     pub lm_head: Linear,
     /// The configuration it was built from.
     pub config: Config,
+    /// Whether [`loss`](Self::loss) runs the final norm, the head and the
+    /// loss as one chunked node ([`fused_head_loss`], the default) or as
+    /// candle's composed ops ([`head_loss`]).
+    pub fused_head: bool,
 }
 
 impl ModelForCausalLM {
@@ -467,13 +515,19 @@ impl ModelForCausalLM {
             base_model,
             lm_head,
             config: cfg.clone(),
+            fused_head: true,
         })
     }
 
     /// The mean cross-entropy (nats per token) of predicting `targets` from
     /// `input_ids`, both `(B, T)`, under the current `Plan`.
     pub fn loss(&self, input_ids: &Tensor, targets: &Tensor) -> Result<Tensor> {
-        head_loss(&self.base_model.forward(input_ids)?, &self.lm_head, targets)
+        if self.fused_head {
+            let hidden = self.base_model.hidden(input_ids)?;
+            fused_head_loss(&hidden, &self.base_model.norm, &self.lm_head, targets)
+        } else {
+            head_loss(&self.base_model.forward(input_ids)?, &self.lm_head, targets)
+        }
     }
 
     /// The logits `(B, T, vocab)` in f32.

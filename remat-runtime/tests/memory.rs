@@ -61,6 +61,67 @@ fn exact_memory() {
     exact_peak_with_the_update_in_the_backward();
     exact_peak_of_peak_plans();
     exact_peak_of_sublayer_nodes();
+    a_fused_head_never_makes_the_logits();
+}
+
+/// `nn::linear_cross_entropy` against the composed head (norm, matmul,
+/// `nn::cross_entropy`) on the same hidden states: the fused head's largest
+/// allocation is a chunk's block or the weight's gradient, far below the `(tokens, V)`
+/// logits the composed head makes, and the step's peak is less than half.
+fn a_fused_head_never_makes_the_logits() {
+    use remat_runtime::nn::{self, LinearCrossEntropy, PreNorm};
+    let (tokens, c, v) = (256, 16, 4000);
+    let logits = tokens * v * 4;
+    let x = var(&[2, tokens / 2, c], 1, 1.0, DType::F32);
+    let w = var(&[v, c], 2, 0.3, DType::F32);
+    let g = var(&[c], 3, 1.0, DType::F32);
+    let labels: Vec<u32> = (0..tokens as u32).map(|i| i * 31 % v as u32).collect();
+    let labels = Tensor::from_vec(labels, (2, tokens / 2), &candle_core::Device::Cpu).unwrap();
+    let chunk_bytes = logits / 16;
+    let measure = |fused: bool| {
+        let run = || {
+            let loss = if fused {
+                let o = LinearCrossEntropy {
+                    norm: Some(PreNorm::Rms {
+                        gain: g.as_tensor(),
+                        eps: 1e-6,
+                    }),
+                    chunk_bytes: Some(chunk_bytes),
+                    ..Default::default()
+                };
+                nn::linear_cross_entropy(x.as_tensor(), w.as_tensor(), &labels, &o).unwrap()
+            } else {
+                let h = nn::rms_norm(x.as_tensor(), g.as_tensor(), 1e-6).unwrap();
+                let z = nn::linear(&h, w.as_tensor(), None).unwrap();
+                nn::cross_entropy(&z.flatten_to(1).unwrap(), &labels.flatten_all().unwrap())
+                    .unwrap()
+            };
+            loss.backward().unwrap()
+        };
+        drop(run());
+        let before = live();
+        ALLOC.reset_peak();
+        let grads = run();
+        let (peak, largest) = (ALLOC.peak() - before, ALLOC.largest());
+        drop(grads);
+        assert_eq!(live(), before);
+        (peak, largest)
+    };
+    let (composed_peak, composed_largest) = measure(false);
+    let (fused_peak, fused_largest) = measure(true);
+    println!(
+        "head over {tokens} tokens, V {v}: composed peak {composed_peak} B, largest {composed_largest} B; \
+         fused peak {fused_peak} B, largest {fused_largest} B (logits {logits} B, chunk bound {chunk_bytes} B)"
+    );
+    assert!(composed_largest >= logits);
+    assert!(
+        fused_largest <= chunk_bytes,
+        "{fused_largest} > {chunk_bytes}"
+    );
+    assert!(
+        2 * fused_peak < composed_peak,
+        "{fused_peak} vs {composed_peak}"
+    );
 }
 
 fn exact_memory_of_an_eight_block_stack() {

@@ -46,6 +46,9 @@ usage: cargo run --release -p examples --bin qwen2 -- [flags]
     --kv-heads N  its key/value heads (grouped-query attention) [2]
     --untied      `--untied true`: its own lm_head instead of the tied
                   embeddings [false]
+    --preset qwen2.5-0.5b  a real model's dimensions and vocabulary (151,936;
+                  the text's characters are its first tokens) instead; the
+                  shape flags above override it
   --policy none|full|selective|offload|save-all|budget=F
                   checkpointing [selective]: selective saves the outputs of
                   the matrix products (q, k, v, o, gate, up, down)
@@ -64,6 +67,13 @@ usage: cargo run --release -p examples --bin qwen2 -- [flags]
                   soon as its gradient is complete (OptimizerInBackward: a
                   lower peak; needs --clip 0) [after]
   --dtype f32|bf16                        [f32]
+  --head fused|composed  the final norm, lm_head and loss as one chunked node
+                  (`nn::linear_cross_entropy`: no (tokens, vocabulary) logits)
+                  or candle's composed ops [fused]
+  --peaks P,P,... instead of training: one forward + backward of one batch
+                  under each policy, with the composed and the fused head,
+                  on one model without an optimizer: held, peak and largest
+                  allocation (exact host bytes), time
   --seed N        seed of the tiny checkpoint and of the batches [0]
   --device cpu|cuda                       [cpu]
   --data PATH     UTF-8 text to train on [this project's README and docs]
@@ -84,6 +94,10 @@ struct Args {
     /// The shape of the tiny checkpoint to write first, if any.
     tiny: Option<Config>,
     compare: Vec<Checkpointing>,
+    /// `--head fused` (the default) or `composed`.
+    fused_head: bool,
+    /// `--peaks`: the policies to measure one step of, each with both heads.
+    peaks: Vec<Checkpointing>,
     dtype: DType,
     device: String,
     data: Option<PathBuf>,
@@ -130,6 +144,7 @@ fn args() -> Result<Args, String> {
         ("kv-heads", flags.opt("kv-heads")?),
     ];
     let untied: Option<bool> = flags.opt("untied")?;
+    let preset: Option<String> = flags.opt("preset")?;
     let (checkpoint, tiny) = match (init, tiny_dir) {
         (Some(_), Some(_)) => {
             return Err(
@@ -152,14 +167,21 @@ fn args() -> Result<Args, String> {
         }
         (None, dir) => {
             let [layers, hidden, heads, kv_heads] = shape.map(|(_, v)| v);
-            // The vocabulary is the text's characters, known once it is read.
-            let mut config = Config::tiny(0);
+            // The vocabulary is the text's characters, known once it is
+            // read (a preset's is its own, at least that).
+            let mut config = match &preset {
+                None => Config::tiny(0),
+                Some(name) => Config::preset(name)
+                    .ok_or_else(|| format!("--preset {name}: expected qwen2.5-0.5b"))?,
+            };
             config.num_hidden_layers = layers.unwrap_or(config.num_hidden_layers);
             config.hidden_size = hidden.unwrap_or(config.hidden_size);
             config.num_attention_heads = heads.unwrap_or(config.num_attention_heads);
             config.num_key_value_heads = kv_heads.unwrap_or(config.num_key_value_heads);
-            config.intermediate_size = (8 * config.hidden_size / 3).next_multiple_of(32);
-            config.tie_word_embeddings = !untied.unwrap_or(false);
+            if preset.is_none() || hidden.is_some() {
+                config.intermediate_size = (8 * config.hidden_size / 3).next_multiple_of(32);
+            }
+            config.tie_word_embeddings = !untied.unwrap_or(!config.tie_word_embeddings);
             (
                 dir.unwrap_or_else(|| PathBuf::from("target/qwen2-tiny")),
                 Some(config),
@@ -174,6 +196,19 @@ fn args() -> Result<Args, String> {
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| format!("--compare: {e}"))?,
     };
+    let fused_head = match flags.get("head", "fused".to_string())?.as_str() {
+        "fused" => true,
+        "composed" => false,
+        other => return Err(format!("--head {other}: expected fused or composed")),
+    };
+    let peaks = match flags.opt::<String>("peaks")? {
+        None => Vec::new(),
+        Some(list) => list
+            .split(',')
+            .map(|p| p.trim().parse::<Checkpointing>())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| format!("--peaks: {e}"))?,
+    };
     let dtype = match flags.get("dtype", "f32".to_string())?.as_str() {
         "f32" => DType::F32,
         "bf16" => DType::BF16,
@@ -184,6 +219,8 @@ fn args() -> Result<Args, String> {
         checkpoint,
         tiny,
         compare,
+        fused_head,
+        peaks,
         dtype,
         device: flags.get("device", "cpu".to_string())?,
         data: flags.opt("data")?,
@@ -333,14 +370,18 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let dir = &args.checkpoint;
     if let Some(mut config) = args.tiny.clone() {
         let tokenizer = qwen2::char_tokenizer(&text)?;
-        config.vocab_size = tokenizer.get_vocab_size(true);
+        config.vocab_size = config.vocab_size.max(tokenizer.get_vocab_size(true));
         qwen2::write_tiny_checkpoint(dir, &config, &tokenizer, &mut Rng::new(opts.seed))?;
         println!(
             "wrote a tiny random checkpoint to {} (config.json, model.safetensors in bf16, \
-             tokenizer.json over the text's {} characters)",
+             tokenizer.json over the text's {} characters; vocabulary {})",
             dir.display(),
+            tokenizer.get_vocab_size(true),
             config.vocab_size
         );
+    }
+    if !args.peaks.is_empty() {
+        return peaks(&args, &text, &dev);
     }
     let policies = if args.compare.is_empty() {
         vec![opts.policy]
@@ -351,6 +392,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         .iter()
         .map(|&p| Run::new(p, dir, args.dtype, &dev, opts, args.in_backward))
         .collect::<Result<Vec<_>, _>>()?;
+    for r in runs.iter_mut() {
+        r.loaded.model.fused_head = args.fused_head;
+    }
     let tokenizer = qwen2::read_tokenizer(dir)?;
     let tokens = qwen2::encode(&tokenizer, &text)?;
     let vocab_size = runs[0].loaded.config.vocab_size;
@@ -448,6 +492,78 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
          continue with --init {0}",
         args.save.display()
     );
+    Ok(())
+}
+
+/// `--peaks`: one forward + backward of one batch per policy and head, on
+/// one model (no optimizer), measured with the counting allocator.
+fn peaks(args: &Args, text: &str, dev: &Device) -> Result<(), Box<dyn std::error::Error>> {
+    let opts = &args.opts;
+    let mut loaded = qwen2::load(&args.checkpoint, args.dtype, dev)?;
+    let tokens = qwen2::encode(&qwen2::read_tokenizer(&args.checkpoint)?, text)?;
+    let corpus = qwen2::split(&tokens);
+    let (x, y) = Corpus::batch(
+        &corpus.train,
+        opts.batch,
+        opts.seq,
+        &mut Rng::new(opts.seed),
+        dev,
+    )?;
+    let c = &loaded.config;
+    let params: usize = loaded
+        .varmap
+        .all_vars()
+        .iter()
+        .map(|v| v.elem_count())
+        .sum();
+    println!(
+        "Qwen2 {} layers, hidden {}, {} heads ({} key/value), MLP {}, vocabulary {}, {}; {params} \
+         parameters, {:?}; batch {} x {} tokens; one forward + backward each (no optimizer), \
+         exact host bytes over what was live before (parameters excluded, their gradients \
+         included); logits (B, T, V) in f32 would be {:.1} MiB\n",
+        c.num_hidden_layers,
+        c.hidden_size,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.intermediate_size,
+        c.vocab_size,
+        if c.tie_word_embeddings {
+            "tied head"
+        } else {
+            "untied head"
+        },
+        args.dtype,
+        opts.batch,
+        opts.seq,
+        (opts.batch * opts.seq * c.vocab_size * 4) as f64 / MIB,
+    );
+    println!("| policy | head | held after the forward (MiB) | peak of forward + backward (MiB) | largest allocation (MiB) | time (s) | loss |");
+    println!("|---|---|---:|---:|---:|---:|---:|");
+    for &policy in &args.peaks {
+        let plan = qwen2::plan(policy);
+        for fused in [false, true] {
+            loaded.model.fused_head = fused;
+            let model = &loaded.model;
+            let started = Instant::now();
+            let before = ALLOC.live();
+            ALLOC.reset_peak();
+            let loss = plan.scope(|| model.loss(&x, &y))?;
+            let held = ALLOC.live().saturating_sub(before);
+            let grads = loss.backward()?;
+            let peak = ALLOC.peak().saturating_sub(before);
+            let largest = ALLOC.largest();
+            let seconds = started.elapsed().as_secs_f64();
+            let value = loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+            drop((loss, grads));
+            println!(
+                "| {policy} | {} | {:.1} | {:.1} | {:.1} | {seconds:.1} | {value:.4} |",
+                if fused { "fused" } else { "composed" },
+                held as f64 / MIB,
+                peak as f64 / MIB,
+                largest as f64 / MIB,
+            );
+        }
+    }
     Ok(())
 }
 

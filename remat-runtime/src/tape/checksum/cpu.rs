@@ -1,16 +1,13 @@
-//! The checksum on the CPU: chunks in parallel, each chunk's lanes eight at
-//! a time in vector registers, with the operations and order of the
-//! kernels (see the module above).
+//! The checksum on the CPU: chunks in parallel, each chunk's rows in order
+//! with the lanes vectorised, with the operations and order of the kernels
+//! (see the module above).
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Layout};
 use rayon::prelude::*;
 
-use super::element::{key, mix, Acc, Element};
+use super::element::{key, mix, Acc, Element, PHI};
 use super::{Partial, CHUNK, LANES, ROWS, SPAN};
-
-/// Lanes summed together in registers.
-const GROUP: usize = 8;
 
 /// The sums of the elements `layout` addresses in `storage`.
 pub(super) fn checksum(storage: &CpuStorage, layout: &Layout) -> Partial {
@@ -105,63 +102,65 @@ unsafe fn chunk_avx2<T: Element>(xs: &[T], start: usize) -> Partial {
 }
 
 /// The sums of one chunk: `xs` are the elements at positions `start..`
-/// (at most [`CHUNK`] of them), `start` a multiple of [`CHUNK`].
+/// (at most [`CHUNK`] of them), `start` a multiple of [`CHUNK`]. Rows of
+/// [`LANES`] elements are read in order (one element per lane, the lanes'
+/// sums in arrays the compiler keeps in vector registers and L1).
 #[inline(always)]
 fn chunk<T: Element>(xs: &[T], start: usize) -> Partial {
-    let mut lanes = [Partial::default(); LANES];
-    for (g, out) in lanes.chunks_exact_mut(GROUP).enumerate() {
-        group(xs, start, g * GROUP, out);
-    }
-    Partial::tree(&mut lanes)
-}
-
-/// Lanes `first..first + GROUP` of a chunk, into `out`.
-#[inline(always)]
-fn group<T: Element>(xs: &[T], start: usize, first: usize, out: &mut [Partial]) {
-    let mut h0 = [0u32; GROUP];
-    let mut h1 = [0u32; GROUP];
-    let mut total = [[0f64; GROUP]; 3];
+    let mut h0 = [0u32; LANES];
+    let mut h1 = [0u32; LANES];
+    let mut total = [[0f64; LANES]; 3];
     for span in 0..ROWS / SPAN {
-        let mut sum = [T::Acc::default(); GROUP];
-        let mut abs = [T::Acc::default(); GROUP];
-        let mut weighted = [T::Acc::default(); GROUP];
-        let mut one = |l: usize, i: usize| {
-            let k = key(start + i);
-            let (a, b) = mix(xs[i], k);
-            h0[l] = h0[l].wrapping_add(a);
-            h1[l] = h1[l].wrapping_add(b);
-            let v = xs[i].value();
-            sum[l] = sum[l] + v;
-            abs[l] = abs[l] + v.abs();
-            weighted[l] = weighted[l] + v * T::Acc::weight(k);
-        };
+        let mut sum = [T::Acc::default(); LANES];
+        let mut abs = [T::Acc::default(); LANES];
+        let mut weighted = [T::Acc::default(); LANES];
         for r in span * SPAN..(span + 1) * SPAN {
-            let base = r * LANES + first;
-            if base + GROUP <= xs.len() {
-                for l in 0..GROUP {
-                    one(l, base + l);
+            let base = r * LANES;
+            if base >= xs.len() {
+                break;
+            }
+            let p0 = (start + base) as u32;
+            let row = &xs[base..xs.len().min(base + LANES)];
+            if let Ok(row) = <&[T; LANES]>::try_from(row) {
+                for t in 0..LANES {
+                    let k = p0.wrapping_add(t as u32).wrapping_mul(PHI);
+                    let (a, b) = mix(row[t], k);
+                    h0[t] = h0[t].wrapping_add(a);
+                    h1[t] = h1[t].wrapping_add(b);
+                    let v = row[t].value();
+                    sum[t] = sum[t] + v;
+                    abs[t] = abs[t] + v.abs();
+                    weighted[t] = weighted[t] + v * T::Acc::weight(k);
                 }
             } else {
-                for l in 0..GROUP {
-                    if base + l < xs.len() {
-                        one(l, base + l);
-                    }
+                // The chunk's last, partial row.
+                for (t, &x) in row.iter().enumerate() {
+                    let k = key(start + base + t);
+                    let (a, b) = mix(x, k);
+                    h0[t] = h0[t].wrapping_add(a);
+                    h1[t] = h1[t].wrapping_add(b);
+                    let v = x.value();
+                    sum[t] = sum[t] + v;
+                    abs[t] = abs[t] + v.abs();
+                    weighted[t] = weighted[t] + v * T::Acc::weight(k);
                 }
             }
         }
-        for l in 0..GROUP {
-            total[0][l] += sum[l].to_f64();
-            total[1][l] += abs[l].to_f64();
-            total[2][l] += weighted[l].to_f64();
+        for t in 0..LANES {
+            total[0][t] += sum[t].to_f64();
+            total[1][t] += abs[t].to_f64();
+            total[2][t] += weighted[t].to_f64();
         }
     }
-    for (l, o) in out.iter_mut().enumerate() {
-        *o = Partial {
-            h0: h0[l],
-            h1: h1[l],
-            sum: total[0][l],
-            abs: total[1][l],
-            weighted: total[2][l],
+    let mut lanes = [Partial::default(); LANES];
+    for (t, lane) in lanes.iter_mut().enumerate() {
+        *lane = Partial {
+            h0: h0[t],
+            h1: h1[t],
+            sum: total[0][t],
+            abs: total[1][t],
+            weighted: total[2][t],
         };
     }
+    Partial::tree(&mut lanes)
 }

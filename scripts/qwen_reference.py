@@ -29,18 +29,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-
-def rss(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
-
-
-def reset_peak_rss():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+from torch_reference import reset_peak_rss, rss  # scripts/, beside this one
 
 
 def chunk_loss(hidden, weight, targets, start, end):

@@ -188,26 +188,23 @@ fn args() -> Result<Args, String> {
             )
         }
     };
-    let compare = match flags.opt::<String>("compare")? {
-        None => Vec::new(),
-        Some(list) => list
-            .split(',')
-            .map(|p| p.trim().parse::<Checkpointing>())
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| format!("--compare: {e}"))?,
+    // A comma-separated list of policies (none when the flag is absent).
+    let mut policies = |flag: &str| -> Result<Vec<Checkpointing>, String> {
+        match flags.opt::<String>(flag)? {
+            None => Ok(Vec::new()),
+            Some(list) => list
+                .split(',')
+                .map(|p| p.trim().parse::<Checkpointing>())
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| format!("--{flag}: {e}")),
+        }
     };
+    let compare = policies("compare")?;
+    let peaks = policies("peaks")?;
     let fused_head = match flags.get("head", "fused".to_string())?.as_str() {
         "fused" => true,
         "composed" => false,
         other => return Err(format!("--head {other}: expected fused or composed")),
-    };
-    let peaks = match flags.opt::<String>("peaks")? {
-        None => Vec::new(),
-        Some(list) => list
-            .split(',')
-            .map(|p| p.trim().parse::<Checkpointing>())
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| format!("--peaks: {e}"))?,
     };
     let dtype = match flags.get("dtype", "f32".to_string())?.as_str() {
         "f32" => DType::F32,

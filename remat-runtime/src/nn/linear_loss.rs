@@ -107,6 +107,14 @@ pub fn linear_cross_entropy(
             w.dims()
         );
     }
+    if w.dtype() != x.dtype() {
+        candle_core::bail!(
+            "linear_cross_entropy: the hidden states are {:?} but the head's weight is {:?}: \
+             convert one to the other's dtype",
+            x.dtype(),
+            w.dtype()
+        );
+    }
     let n: usize = x.dims()[..x.rank() - 1].iter().product();
     if targets.elem_count() != n {
         candle_core::bail!(

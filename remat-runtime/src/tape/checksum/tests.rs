@@ -306,32 +306,23 @@ fn the_kernel_source_on_host_threads_gives_the_cpu_bits() {
         let candle_core::Storage::Cpu(cpu) = &*storage else {
             unreachable!()
         };
+        // The storage's bytes, little-endian, and the kernel's dtype name.
+        macro_rules! le {
+            ($d:expr) => {
+                $d.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>()
+            };
+        }
+        use candle_core::CpuStorage as S;
         let (name, bytes): (&str, Vec<u8>) = match cpu {
-            candle_core::CpuStorage::F32(d) => {
-                ("f32", d.iter().flat_map(|x| x.to_le_bytes()).collect())
-            }
-            candle_core::CpuStorage::F16(d) => {
-                ("f16", d.iter().flat_map(|x| x.to_le_bytes()).collect())
-            }
-            candle_core::CpuStorage::BF16(d) => {
-                ("bf16", d.iter().flat_map(|x| x.to_le_bytes()).collect())
-            }
-            candle_core::CpuStorage::F64(d) => {
-                ("f64", d.iter().flat_map(|x| x.to_le_bytes()).collect())
-            }
-            candle_core::CpuStorage::U8(d) => ("u8", d.clone()),
-            candle_core::CpuStorage::U32(d) => {
-                ("u32", d.iter().flat_map(|x| x.to_le_bytes()).collect())
-            }
-            candle_core::CpuStorage::I16(d) => {
-                ("i16", d.iter().flat_map(|x| x.to_le_bytes()).collect())
-            }
-            candle_core::CpuStorage::I32(d) => {
-                ("i32", d.iter().flat_map(|x| x.to_le_bytes()).collect())
-            }
-            candle_core::CpuStorage::I64(d) => {
-                ("i64", d.iter().flat_map(|x| x.to_le_bytes()).collect())
-            }
+            S::F32(d) => ("f32", le!(d)),
+            S::F16(d) => ("f16", le!(d)),
+            S::BF16(d) => ("bf16", le!(d)),
+            S::F64(d) => ("f64", le!(d)),
+            S::U8(d) => ("u8", d.clone()),
+            S::U32(d) => ("u32", le!(d)),
+            S::I16(d) => ("i16", le!(d)),
+            S::I32(d) => ("i32", le!(d)),
+            S::I64(d) => ("i64", le!(d)),
             _ => unreachable!(),
         };
         let mut f = Vec::new();

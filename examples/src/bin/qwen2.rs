@@ -22,7 +22,9 @@ use examples::qwen2::{self, named_vars, Config, Loaded};
 use examples::rng::Rng;
 use examples::train::{evaluate, learning_rate, Optim, Options};
 use indicatif::{ProgressBar, ProgressStyle};
-use remat_runtime::inspect::CountingAlloc;
+use remat_runtime::inspect::{
+    device_memory_in_use, device_memory_peak, reset_device_memory_peak, CountingAlloc,
+};
 use remat_runtime::{check_gradients, MemoryReport, OptimizerInBackward, Plan};
 
 #[global_allocator]
@@ -252,6 +254,9 @@ struct Run {
     /// backward, of the first step (counting allocator).
     held: usize,
     peak: usize,
+    /// The same step's device bytes on a GPU (the memory pool's: in use
+    /// after the forward, high-water mark over forward and backward).
+    device: Option<(usize, usize)>,
     /// The first step's tapes.
     report: MemoryReport,
     /// Seconds per step (forward, backward, optimizer).
@@ -292,6 +297,7 @@ impl Run {
             losses: Vec::new(),
             held: 0,
             peak: 0,
+            device: None,
             report: MemoryReport::default(),
             times: Vec::new(),
         })
@@ -308,9 +314,22 @@ impl Run {
         let started = Instant::now();
         let before = ALLOC.live();
         ALLOC.reset_peak();
+        let device_before = device_memory_in_use(dev)?;
+        reset_device_memory_peak(dev)?;
         let model = &self.loaded.model;
         let loss = self.plan.scope(|| model.loss(&x, &y))?;
         let held = ALLOC.live().saturating_sub(before);
+        let device_held = match (device_before, device_memory_in_use(dev)?) {
+            (Some(b), Some(a)) => Some((b, a.saturating_sub(b))),
+            _ => None,
+        };
+        // The device's bytes over what was in use before the step.
+        let device = || -> candle_core::Result<Option<(usize, usize)>> {
+            Ok(match (device_held, device_memory_peak(dev)?) {
+                (Some((b, held)), Some(peak)) => Some((held, peak.saturating_sub(b))),
+                _ => None,
+            })
+        };
         if step == 0 {
             self.report = MemoryReport::capture();
         }
@@ -320,6 +339,7 @@ impl Run {
                 if step == 0 {
                     self.held = held;
                     self.peak = ALLOC.peak().saturating_sub(before);
+                    self.device = device()?;
                     // Names the parameters that got no gradient, if any.
                     check_gradients(&grads, self.named.iter().map(|(n, v)| (n.as_str(), v)))?;
                 }
@@ -339,6 +359,7 @@ impl Run {
                 if step == 1.min(opts.steps - 1) {
                     self.held = held;
                     self.peak = ALLOC.peak().saturating_sub(before);
+                    self.device = device()?;
                 }
             }
         }
@@ -617,7 +638,7 @@ fn print_comparison(runs: &[Run], opts: &Options, dtype: DType, cpu: bool) {
         if cpu {
             " (host bytes, counting allocator)"
         } else {
-            " (host bytes only: the device's are not counted here)"
+            " (host bytes, counting allocator; device bytes, the memory pool's)"
         },
         if runs.iter().any(|r| matches!(r.update, Update::Inside(_))) {
             " (with --update in-backward: of the second, the update inside its backward included)"
@@ -625,13 +646,28 @@ fn print_comparison(runs: &[Run], opts: &Options, dtype: DType, cpu: bool) {
             ""
         }
     );
-    println!("| policy | held after the forward (MiB) | peak of forward + backward (MiB) | time per step (ms) | loss after the last step |");
-    println!("|---|---:|---:|---:|---:|");
+    let device = if cpu {
+        ""
+    } else {
+        " held on the device (MiB) | device peak (MiB) |"
+    };
+    println!("| policy | held after the forward (MiB) | peak of forward + backward (MiB) |{device} time per step (ms) | loss after the last step |");
+    println!(
+        "|---|---:|---:|{}---:|---:|",
+        if cpu { "" } else { "---:|---:|" }
+    );
     for r in runs {
         let time = r.step_time();
         let relative = plain.map_or(String::new(), |p| format!(" ({:.2}x)", time / p));
+        let device = match (cpu, r.device) {
+            (true, _) => String::new(),
+            (false, Some((held, peak))) => {
+                format!(" {:.1} | {:.1} |", held as f64 / MIB, peak as f64 / MIB)
+            }
+            (false, None) => " n/a | n/a |".to_string(),
+        };
         println!(
-            "| {} | {:.1} | {:.1} | {:.0}{relative} | {:.3} |",
+            "| {} | {:.1} | {:.1} |{device} {:.0}{relative} | {:.3} |",
             r.policy,
             r.held as f64 / MIB,
             r.peak as f64 / MIB,

@@ -88,7 +88,7 @@ class Gpt(tnn.Module):
 
     def forward(self, ids, targets, policy):
         t = ids.shape[1]
-        mask = torch.full((t, t), float("-inf"), device=ids.device).triu(1)
+        mask = torch.full((t, t), float("-inf"), device=ids.device, dtype=self.wte.dtype).triu(1)
         x = self.wte[ids] + self.wpe[:t]
         for blk in self.blocks:
             if policy == "full":
@@ -99,7 +99,7 @@ class Gpt(tnn.Module):
             else:
                 x = blk(x, mask)
         logits = self.head(self.ln_f(x))
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
@@ -204,6 +204,8 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="docs/bench/torch")
+    ap.add_argument("--dtype", choices=["f32", "bf16", "f16"], default="f32",
+                    help="the parameters' and activations' dtype (the loss in f32), as bench --dtype")
     ap.add_argument("--attention", choices=["eager", "sdpa"], default="eager",
                     help="explicit causal attention (the bench's) or F.scaled_dot_product_attention")
     ap.add_argument("--with-update", action="store_true",
@@ -213,7 +215,8 @@ def main():
     torch.set_num_threads(a.threads)
     dev = torch.device(a.device)
     cuda = dev.type == "cuda"
-    model = Gpt(a.vocab, a.layers, a.d_model, a.heads, a.seq, a.attention).to(dev)
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[a.dtype]
+    model = Gpt(a.vocab, a.layers, a.d_model, a.heads, a.seq, a.attention).to(dev, dtype)
     ids = torch.randint(0, a.vocab, (a.batch, a.seq), device=dev)
     targets = torch.randint(0, a.vocab, (a.batch, a.seq), device=dev)
     if a.with_update:
@@ -254,7 +257,7 @@ def main():
     t0 = statistics.median(res["none"]["times"])
     os.makedirs(a.out, exist_ok=True)
     header = (f"PyTorch {torch.__version__}, GPT {a.layers} layers, d_model {a.d_model}, {a.heads} heads, "
-              f"T {a.seq}, B {a.batch}, f32, {a.attention} attention, {a.device} ({a.threads} threads); {a.warmup} warm-up + "
+              f"T {a.seq}, B {a.batch}, {a.dtype}, {a.attention} attention, {a.device} ({a.threads} threads); {a.warmup} warm-up + "
               f"{a.steps} measured steps per policy, interleaved; "
               f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'default')}")
     mib = 1 << 20

@@ -302,7 +302,7 @@ remat! {
     /// [`head_loss`] with candle's composed ops.
     pub fn head_loss_composed(x: &Tensor, ln_f: &Norm, head: &Linear, targets: &Tensor) -> Result<Tensor> {
         let h = layer_norm(x, ln_f)?;
-        let logits = head.forward(&h)?;
+        let logits = head.forward(&h)?.to_dtype(DType::F32)?;
         let loss = candle_nn::loss::cross_entropy(&logits.flatten_to(1)?, &targets.flatten_all()?)?;
         Ok(loss)
     }
@@ -310,7 +310,7 @@ remat! {
     /// Final norm, output head and mean cross-entropy, with
     /// [`remat_runtime::nn`]'s ops.
     pub fn head_loss(x: &Tensor, ln_f: &Norm, head: &Linear, targets: &Tensor) -> Result<Tensor> {
-        let logits = head.after_norm(x, ln_f)?;
+        let logits = head.after_norm(x, ln_f)?.to_dtype(DType::F32)?;
         let loss = nn::cross_entropy(&logits.flatten_to(1)?, &targets.flatten_all()?)?;
         Ok(loss)
     }
@@ -468,6 +468,48 @@ impl Gpt {
         })
     }
 
+    /// The same model with every parameter converted to `dtype` (new
+    /// `Var`s): a bf16 or f16 model; its loss is still computed in f32.
+    pub fn to_dtype(&self, dtype: DType) -> Result<Self> {
+        let var = |v: &Var| Var::from_tensor(&v.as_tensor().to_dtype(dtype)?);
+        let lin = |l: &Linear| -> Result<Linear> {
+            Ok(Linear {
+                w: var(&l.w)?,
+                b: var(&l.b)?,
+            })
+        };
+        let norm = |n: &Norm| -> Result<Norm> {
+            Ok(Norm {
+                g: var(&n.g)?,
+                b: var(&n.b)?,
+            })
+        };
+        let blocks = self
+            .blocks
+            .iter()
+            .map(|b| {
+                Ok(BlockParams {
+                    ln1: norm(&b.ln1)?,
+                    attn: lin(&b.attn)?,
+                    proj: lin(&b.proj)?,
+                    ln2: norm(&b.ln2)?,
+                    fc: lin(&b.fc)?,
+                    out: lin(&b.out)?,
+                    heads: b.heads,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Gpt {
+            config: self.config,
+            wte: var(&self.wte)?,
+            wpe: var(&self.wpe)?,
+            blocks,
+            ln_f: norm(&self.ln_f)?,
+            head: lin(&self.head)?,
+            ops: self.ops,
+        })
+    }
+
     /// Every parameter with a stable, dotted name (`h.0.attn.w`), in a fixed
     /// order.
     pub fn named_vars(&self) -> Vec<(String, Var)> {
@@ -521,7 +563,7 @@ impl Gpt {
                 }
             }
             Ops::Composed => {
-                let mask = causal_mask(ids.dim(1)?, ids.device())?;
+                let mask = causal_mask(ids.dim(1)?, ids.device())?.to_dtype(self.wte.dtype())?;
                 for p in &self.blocks {
                     x = block_composed(&x, p, &mask)?;
                 }

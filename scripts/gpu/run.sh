@@ -12,7 +12,8 @@
 # small), train (train_gpt under selective and offload), torch (PyTorch's
 # reference at the bench's shape), all (the four), and verdict: the CUDA
 # tests, the bench with the replay check on remat's checksum kernels and
-# without it, PyTorch with eager attention and with SDPA, then the table of
+# without it, PyTorch with eager attention and with SDPA, the same in bf16
+# (remat none/full, PyTorch SDPA), then the table of
 # the GPU issues' targets, each PASS or FAIL ($OUT/verdict.md; about 4 of
 # its 8 minutes on an H100):
 #
@@ -162,6 +163,12 @@ for group in "${groups[@]}"; do
         step "torch-$attention" 120 python3 scripts/torch_reference.py --device "$device" \
           "${shape[@]}" "${verdict_steps[@]}" --attention "$attention" --out "$OUT/torch-$attention"
       done
+      # bf16, the dtype GPUs train in: remat and PyTorch SDPA.
+      step bench-bf16 120 "${with_libs[@]}" "$bin/bin/bench" --device "$device" "${shape[@]}" \
+        "${verdict_steps[@]}" --dtype bf16 --policies none,full --unchecked full \
+        --checksum kernels --out "$OUT/bench-bf16"
+      step torch-sdpa-bf16 120 python3 scripts/torch_reference.py --device "$device" \
+        "${shape[@]}" "${verdict_steps[@]}" --dtype bf16 --attention sdpa --out "$OUT/torch-sdpa-bf16"
       python3 "$pkg/verdict.py" "$OUT" 2>&1 | tee "$OUT/verdict.txt" || true ;;
   esac
 done

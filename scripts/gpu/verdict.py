@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The GPU verdict: the targets of the GPU issues, each PASS or FAIL, from
-the results `run.sh verdict` wrote under OUT (bench/results.csv,
-torch-eager/results.csv, torch-sdpa/results.csv, cuda-tests.txt).
+the results `run.sh verdict` wrote under OUT (bench/, bench-bf16/,
+torch-eager/, torch-sdpa/, torch-sdpa-bf16/ results.csv, cuda-tests.txt).
 
     python3 gpu-package/verdict.py OUT     # prints the table, writes OUT/verdict.md
 """
@@ -25,6 +25,8 @@ def main():
     bench = rows(os.path.join(out, "bench", "results.csv"))
     eager = rows(os.path.join(out, "torch-eager", "results.csv"))
     sdpa = rows(os.path.join(out, "torch-sdpa", "results.csv"))
+    bench16 = rows(os.path.join(out, "bench-bf16", "results.csv"))
+    sdpa16 = rows(os.path.join(out, "torch-sdpa-bf16", "results.csv"))
     lines = []
 
     def verdict(target, measured, ok):
@@ -64,19 +66,25 @@ def main():
     except OSError:
         verdict("every CUDA test passes", "missing", None)
 
-    # Issue 34: the fused ops against PyTorch (same card, same shape).
-    r = ratio(plain, step(sdpa, "none"))
-    verdict("plain step <= 1.2x PyTorch SDPA's", show(r), None if r is None else r <= 1.2)
-    full_peak = int(bench["full"]["peak_bytes"]) if "full" in bench else None
-    torch_peak = int(sdpa["full"]["peak_bytes"]) if "full" in sdpa else None
-    r = ratio(full_peak, torch_peak)
-    verdict("full-recompute peak <= 1.0x PyTorch SDPA + full AC's", show(r), None if r is None else r <= 1.0)
-    r = ratio(step(bench, "full (unchecked)"), plain)
-    verdict("full recompute (unchecked) <= 1.30x remat plain", show(r), None if r is None else r <= 1.30)
+    # Issue 34: the fused ops against PyTorch (same card, same shape), in
+    # f32 and in bf16.
+    for dtype, mine, theirs in [("f32", bench, sdpa), ("bf16", bench16, sdpa16)]:
+        plain_d = step(mine, "none")
+        r = ratio(plain_d, step(theirs, "none"))
+        verdict(f"{dtype}: plain step <= 1.2x PyTorch SDPA's", show(r), None if r is None else r <= 1.2)
+        full_peak = int(mine["full"]["peak_bytes"]) if "full" in mine else None
+        torch_peak = int(theirs["full"]["peak_bytes"]) if "full" in theirs else None
+        r = ratio(full_peak, torch_peak)
+        verdict(f"{dtype}: full-recompute peak <= 1.0x PyTorch SDPA + full AC's", show(r),
+                None if r is None else r <= 1.0)
+        r = ratio(step(mine, "full (unchecked)"), plain_d)
+        verdict(f"{dtype}: full recompute (unchecked) <= 1.30x remat plain", show(r),
+                None if r is None else r <= 1.30)
 
     table = ["| target | measured | verdict |", "|---|---:|---|"] + lines
     context = []
-    for name, r in [("remat", bench), ("PyTorch eager", eager), ("PyTorch SDPA", sdpa)]:
+    for name, r in [("remat", bench), ("PyTorch eager", eager), ("PyTorch SDPA", sdpa),
+                    ("remat bf16", bench16), ("PyTorch SDPA bf16", sdpa16)]:
         for p, row in r.items():
             context.append(f"| {name} | {p} | {float(row['median_step_s']) * 1e3:.1f} | "
                            f"{int(row['peak_bytes']) / (1 << 20):.1f} |")

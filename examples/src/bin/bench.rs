@@ -16,7 +16,7 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use candle_core::Device;
+use candle_core::{DType, Device};
 use examples::cli::{device, Flags};
 use examples::data::{default_text, Corpus};
 use examples::gpt::{Checkpointing, Config, Gpt, Ops};
@@ -47,6 +47,8 @@ usage: cargo run --release -p examples --bin bench -- [flags]
   --unchecked P,Q  also measure these policies without the replay check by
                fingerprints (`remat_runtime::without_fingerprints`): its cost
   --device cpu|cuda [cpu]
+  --dtype f32|bf16|f16  the parameters' and activations' dtype (the loss in
+               f32; gradients compared with plain candle's in the same dtype) [f32]
   --checksum kernels|composed  how the replay check checksums CUDA tensors:
                remat's kernels (one pass each) or candle's kernels composed
                (`remat_runtime::inspect::checksum_kernels`) [composed]
@@ -89,8 +91,13 @@ struct Variant {
 fn rel_diff(a: &[candle_core::Tensor], b: &[candle_core::Tensor]) -> candle_core::Result<f64> {
     let mut worst: f64 = 0.0;
     for (a, b) in a.iter().zip(b) {
-        let d = (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
-        let s = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
+        let (a, b) = (a.to_dtype(DType::F64)?, b.to_dtype(DType::F64)?);
+        let d = (&a - &b)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f64>()?;
+        let s = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
         worst = worst.max(if d == 0.0 { 0.0 } else { d / s.max(1e-30) });
     }
     Ok(worst)
@@ -155,6 +162,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let explain_peak = flags.get("explain-peak", false)?;
     let peak_plan = flags.get("peak-plan", false)?;
     let ops: String = flags.get("ops", "fused".to_string())?;
+    let dtype = match flags.get("dtype", "f32".to_string())?.as_str() {
+        "f32" => DType::F32,
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        other => return Err(format!("--dtype {other}: f32, bf16 or f16").into()),
+    };
     let checksum: String = flags.get("checksum", "composed".to_string())?;
     match checksum.as_str() {
         "kernels" => remat_runtime::inspect::checksum_kernels(true),
@@ -175,7 +188,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         heads,
         seq,
     };
-    let model = Gpt::new(config, &mut Rng::new(0), &dev)?;
+    let model = Gpt::new(config, &mut Rng::new(0), &dev)?.to_dtype(dtype)?;
     let (x, y) = Corpus::batch(&corpus.train, batch, seq, &mut Rng::new(1), &dev)?;
     // The first `--ops`, measured with the counting allocator: the
     // `--peak-plan` and `--explain-peak` modes.
@@ -189,7 +202,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     if peak_plan {
         println!(
             "A PeakPlan on the GPT ({layers} layers, d_model {d_model}, {heads} heads, T {seq}, B {batch}, \
-             f32, {} ops), asked for 8 peaks from full recomputation's to plain candle's:\n",
+             {}, {} ops), asked for 8 peaks from full recomputation's to plain candle's:\n",
+            dtype.as_str(),
             ops[0]
         );
         println!("{}", peak::peak_plans(&m, &x, &y, &meter, 8, steps.max(3))?);
@@ -198,7 +212,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     if explain_peak {
         println!(
             "The peak of a full-recompute step (GPT {layers} layers, d_model {d_model}, {heads} heads, \
-             T {seq}, B {batch}, f32, {} ops), by source:\n",
+             T {seq}, B {batch}, {}, {} ops), by source:\n",
+            dtype.as_str(),
             ops[0]
         );
         print!("{}", peak::explain(&m, &x, &y, &meter)?);
@@ -253,8 +268,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         .map(|(k, v)| format!("{k}={v}"))
         .collect();
     let header = format!(
-        "GPT {layers} layers, d_model {d_model}, {heads} heads, T {seq}, B {batch}, f32, {}; \
+        "GPT {layers} layers, d_model {d_model}, {heads} heads, T {seq}, B {batch}, {}, {}; \
          {warmup} warm-up + {steps} measured steps per policy, interleaved; allocator: {}{}",
+        dtype.as_str(),
         device_name(&dev),
         if malloc.is_empty() {
             "glibc defaults".to_string()
@@ -314,7 +330,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                 (Some(b), Some(a)) => a.saturating_sub(b),
                 _ => ALLOC.peak().saturating_sub(before),
             };
-            v.loss = loss.to_scalar::<f32>()?;
+            v.loss = loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
             if round == warmup + steps - 1 {
                 // Gradients against plain candle's (the first variant).
                 let g: Vec<candle_core::Tensor> = vars

@@ -8,7 +8,7 @@ use candle_core::{CustomOp3, DType, Result, Tensor, D};
 
 use super::attach::{forward_computed, Computed};
 use super::bundle::{bundle_all, Slot};
-use super::prenorm::{norm_backward, norm_forward, PreNorm};
+use super::prenorm::{norm_forward, PreNorm};
 
 /// What [`linear_cross_entropy`] computes besides the projection: the norm
 /// before it, the head's bias, the ignored label, label smoothing and the
@@ -160,19 +160,21 @@ pub fn linear_cross_entropy(
             (pack, Some(slot))
         }
     };
-    let mut grads = vec![sums.dw.to_dtype(w.dtype())?];
-    if let Some(b) = o.bias {
-        grads.push(sums.db.to_dtype(b.dtype())?);
+    // In the statistics' dtype until the backward scales them; each then
+    // rounded once to its tensor's dtype.
+    let mut grads = sums.dnorm;
+    grads.push(sums.dw);
+    if o.bias.is_some() {
+        grads.push(sums.db);
     }
-    let mut norm_grads = sums.dnorm;
-    norm_grads.extend(grads);
-    debug_assert_eq!(
-        norm_grads.len(),
-        norm_params + 1 + usize::from(o.bias.is_some())
-    );
+    debug_assert_eq!(grads.len(), norm_params + 1 + usize::from(o.bias.is_some()));
+    let dtypes = std::iter::once(x.dtype())
+        .chain(params.iter().map(|p| p.dtype()))
+        .collect();
     let op = LinearLoss {
         out: Computed::new(sums.loss),
-        grads: Mutex::new(Some((sums.dx.reshape(x.shape())?, norm_grads))),
+        grads: Mutex::new(Some((sums.dx.reshape(x.shape())?, grads))),
+        dtypes,
         slot,
     };
     x.apply_op3(&pack, targets, op)
@@ -185,6 +187,8 @@ struct Labels {
     index: Tensor,
     /// `(N, 1)`, 1 for a counted token, 0 for an ignored one, `f32`.
     counted: Tensor,
+    /// The same as `u8`, for `where_cond`.
+    keep: Tensor,
     /// Counted tokens.
     count: usize,
 }
@@ -223,9 +227,11 @@ fn labels(targets: &Tensor, v: usize, ignore: Option<i64>) -> Result<Labels> {
     }
     let n = values.len();
     let dev = targets.device();
+    let counted = Tensor::from_vec(counted, (n, 1), dev)?;
     Ok(Labels {
         index: Tensor::from_vec(index, (n, 1), dev)?,
-        counted: Tensor::from_vec(counted, (n, 1), dev)?,
+        keep: counted.ne(0f32)?,
+        counted,
         count,
     })
 }
@@ -291,9 +297,16 @@ fn chunks(
             token = (token + ((&lse - mean)? * eps)?)?;
         }
         drop(z);
-        loss = (loss + (token * &counted)?.sum_all()?)?;
+        // Ignored tokens add nothing (where, not times 0: their label's
+        // logit may be infinite).
+        let token = labels
+            .keep
+            .narrow(0, start, len)?
+            .where_cond(&token, &token.zeros_like()?)?;
+        loss = (loss + token.sum_all()?)?;
         // d loss / d z = softmax - (1 - eps) onehot - eps / V, for counted
-        // tokens, over the count.
+        // tokens (entries at most 1: safe in f16); the mean's 1 / count is
+        // applied in the statistics' dtype, after the products.
         let dz = e.broadcast_div(&sum)?;
         drop(e);
         let dz = if eps > 0.0 {
@@ -303,17 +316,21 @@ fn chunks(
         };
         let minus = Tensor::full(-(1.0 - eps), (len, 1), dev)?.to_dtype(work)?;
         dz.scatter_add_set(&index, &minus, 1)?;
-        let dz = dz.broadcast_mul(&(counted * scale)?)?;
+        let dz = dz.broadcast_mul(&counted)?;
         db = (db + dz.sum(0)?)?;
         let h_work = h.to_dtype(work)?;
         dw = (dw + dz.t()?.matmul(&h_work)?)?;
         drop(h_work);
         let dh = match &w_work {
             Some(w) => dz.matmul(w)?,
-            None => dz.to_dtype(x.dtype())?.matmul(&w)?,
+            None => dz.to_dtype(x.dtype())?.matmul(&w)?.to_dtype(work)?,
         };
         drop(dz);
-        let (dxc, dparams) = norm_backward(normed.as_ref(), &xc, dh.to_dtype(x.dtype())?)?;
+        let dh = (dh * scale)?;
+        let (dxc, dparams) = match &normed {
+            Some(normed) => normed.backward_work(&xc, &dh)?,
+            None => (dh, Vec::new()),
+        };
         dx.push(dxc);
         dnorm = Some(match dnorm {
             None => dparams,
@@ -331,19 +348,19 @@ fn chunks(
         (None, Some(norm)) => norm
             .params()
             .iter()
-            .map(|p| p.zeros_like())
+            .map(|p| Tensor::zeros(p.shape(), work, dev))
             .collect::<Result<_>>()?,
         (None, None) => Vec::new(),
     };
     let dx = match dx.len() {
-        0 => x_rows.zeros_like()?,
+        0 => Tensor::zeros((n, c), work, dev)?,
         _ => Tensor::cat(&dx, 0)?,
     };
     Ok(Sums {
         loss: (loss * scale)?,
         dx,
-        dw,
-        db,
+        dw: (dw * scale)?,
+        db: (db * scale)?,
         dnorm,
     })
 }
@@ -352,9 +369,11 @@ fn chunks(
 /// the backward.
 struct LinearLoss {
     out: Computed,
-    /// `x`'s gradient, then the norm's parameters', `w`'s and the bias's;
-    /// taken by the backward.
+    /// `x`'s gradient, then the norm's parameters', `w`'s and the bias's,
+    /// in the statistics' dtype; taken by the backward.
     grads: Mutex<Option<(Tensor, Vec<Tensor>)>>,
+    /// The dtypes of `x` and of the parameters, in the same order.
+    dtypes: Vec<DType>,
     /// Where the parameters' gradients go when they are bundled (a norm or
     /// a bias besides `w`).
     slot: Option<Slot>,
@@ -375,10 +394,20 @@ impl CustomOp3 for LinearLoss {
                 "linear_cross_entropy: the backward ran twice over one forward".into(),
             )
         })?;
+        // Scaled in the statistics' dtype (a loss scale of 2^16 overflows
+        // f16), then rounded once.
         let g = g.detach();
-        let scaled = |t: Tensor| t.broadcast_mul(&g.to_dtype(t.dtype())?);
-        let dx = x.track_op().then(|| scaled(dx)).transpose()?;
-        let params: Vec<Tensor> = params.into_iter().map(scaled).collect::<Result<_>>()?;
+        let scaled =
+            |t: Tensor, dtype: DType| t.broadcast_mul(&g.to_dtype(t.dtype())?)?.to_dtype(dtype);
+        let dx = x
+            .track_op()
+            .then(|| scaled(dx, self.dtypes[0]))
+            .transpose()?;
+        let params: Vec<Tensor> = params
+            .into_iter()
+            .zip(&self.dtypes[1..])
+            .map(|(t, &dtype)| scaled(t, dtype))
+            .collect::<Result<_>>()?;
         let pack_grad = match &self.slot {
             Some(slot) => slot.put_all(pack, params)?,
             None => params.into_iter().next(),

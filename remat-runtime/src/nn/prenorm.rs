@@ -124,6 +124,19 @@ impl Normed {
     /// bias of a layer norm) for the gradient `dy` of the normalized rows,
     /// in `x`'s dtype and the parameters' own.
     pub fn backward(&self, x: &Tensor, dy: &Tensor) -> Result<(Tensor, Vec<Tensor>)> {
+        let (dx, grads) = self.backward_work(x, dy)?;
+        let grads = grads
+            .into_iter()
+            .zip(&self.dtypes)
+            .map(|(g, &dtype)| g.to_dtype(dtype))
+            .collect::<Result<_>>()?;
+        Ok((dx.to_dtype(x.dtype())?, grads))
+    }
+
+    /// [`Normed::backward`] with every gradient left in the dtype the norm
+    /// computes in (`f32` for f16 and bf16 inputs), for a caller that
+    /// sums or scales them further before rounding.
+    pub fn backward_work(&self, x: &Tensor, dy: &Tensor) -> Result<(Tensor, Vec<Tensor>)> {
         let xhat = self.xhat(x)?;
         let dy = dy.to_dtype(self.rstd.dtype())?;
         let layer = self.mean.is_some();
@@ -132,12 +145,7 @@ impl Normed {
         if layer {
             grads.push(sum_rows(&dy)?);
         }
-        let grads = grads
-            .into_iter()
-            .zip(&self.dtypes)
-            .map(|(g, &dtype)| g.to_dtype(dtype))
-            .collect::<Result<_>>()?;
-        Ok((dx.to_dtype(x.dtype())?, grads))
+        Ok((dx, grads))
     }
 }
 

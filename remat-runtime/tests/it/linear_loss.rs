@@ -338,3 +338,55 @@ fn half_precision_heads_match_the_f32_composed_head() {
         assert_eq!(loss.dtype(), DType::F32);
     }
 }
+
+/// A loss scale of 2^16 (PyTorch's GradScaler's first) on an f16 head:
+/// the gradients are 2^16 times the unscaled ones, finite; and a bf16 gain's
+/// gradient summed over many chunks is as close to the f32 head's as over
+/// one chunk (the sums are kept in f32, rounded once).
+#[test]
+fn scaled_f16_losses_and_many_bf16_chunks() {
+    let head = Head::new(2, 32, 16, 64, Norm::Rms, false, DType::F16);
+    let o = head.options();
+    let (_, plain) = head.run(|| head.fused(&o));
+    let (_, scaled) = head.run(|| head.fused(&o)? * 65536.0);
+    for (p, s) in plain.iter().zip(&scaled) {
+        assert!(max_abs(s).is_finite());
+        let unscaled = (s / 65536.0).unwrap();
+        assert!(rel_diff(&unscaled, p) <= 1e-3, "{}", rel_diff(&unscaled, p));
+    }
+    let head = Head::new(4, 64, 16, 64, Norm::Rms, false, DType::BF16);
+    let one = LinearCrossEntropy {
+        chunk_bytes: Some(1 << 30),
+        ..head.options()
+    };
+    let many = LinearCrossEntropy {
+        chunk_bytes: Some(64 * 4 * 5 * 2),
+        ..head.options()
+    };
+    let (_, g1) = head.run(|| head.fused(&one));
+    let (_, gm) = head.run(|| head.fused(&many));
+    let (_, reference) = head.run(|| head.composed(&one, DType::F32));
+    let gain = g1.len() - 1;
+    let (d1, dm) = (
+        rel_diff(&g1[gain], &reference[gain]),
+        rel_diff(&gm[gain], &reference[gain]),
+    );
+    assert!(dm <= 2.0 * d1.max(4e-3), "128 chunks {dm}, one chunk {d1}");
+}
+
+/// An ignored token whose label's logit is -inf (a bias masking class 0)
+/// adds nothing: the loss stays finite.
+#[test]
+fn an_ignored_token_with_an_infinite_logit() {
+    let mut head = Head::new(1, 4, 3, 5, Norm::None, true, DType::F64);
+    let mut bias = vec![0f64; 5];
+    bias[0] = f64::NEG_INFINITY;
+    head.b = Some(Var::new(bias.as_slice(), &Device::Cpu).unwrap());
+    head.labels = Tensor::new(&[[-100i64, 1, 2, 3]], &Device::Cpu).unwrap();
+    let loss = head
+        .fused(&head.options())
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap();
+    assert!(loss.is_finite(), "{loss}");
+}

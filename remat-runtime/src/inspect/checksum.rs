@@ -9,8 +9,9 @@ use crate::Result;
 /// `t`'s device: what the replay check compares between a forward and its
 /// replay (see `docs/semantics.md`). `[hash, sum, sum of magnitudes,
 /// position-weighted sum]`: the hash changes with any one element's bits
-/// (a 53-bit hash of every element's bits and position, exact in an
-/// `f64`), the sums are accumulated in `f64`. The same elements give the
+/// for elements of up to 32 bits, and misses any other change with
+/// probability about 2^-53 (a 53-bit hash of every element's bits and
+/// position, exact in an `f64`); the sums are accumulated in `f64`. The same elements give the
 /// same four numbers however they are laid out, and on the CPU and a GPU
 /// alike when [`checksum_kernels`] is on; on CUDA without them, the hash is
 /// `0` and the sums are candle's.
@@ -36,8 +37,10 @@ pub fn checksum(t: &Tensor) -> Result<[f64; 4]> {
 /// over each value where it lies, the bits of the CPU's checksum, with the
 /// hash. Off by default until they have been run on a GPU (the default
 /// composes a dozen of candle's kernels per value, without the hash); the
-/// environment variable `REMAT_CHECKSUM_KERNELS=1` turns them on too. No
-/// effect on the CPU, which always runs the same algorithm on its own.
+/// environment variable `REMAT_CHECKSUM_KERNELS=1` turns them on too.
+/// Switch between steps, not between a forward and its backward (the
+/// replay would compare the two algorithms' numbers). No effect on the
+/// CPU, which always runs the same algorithm on its own.
 ///
 /// ```
 /// remat_runtime::inspect::checksum_kernels(true);

@@ -30,12 +30,9 @@ fn apply(layout: Layout, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tenso
 
 fn rope_op(layout: Layout, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     if cos.track_op() || sin.track_op() {
-        // Tables that need gradients (learned or scaled frequencies):
-        // candle's composed rotation, whose every op has a backward.
-        return match layout {
-            Layout::Halves => candle_nn::rotary_emb::rope_slow(x, cos, sin),
-            Layout::Interleaved => candle_nn::rotary_emb::rope_i_slow(x, cos, sin),
-        };
+        // Tables that need gradients (learned or scaled frequencies): the
+        // rotation in candle's composed ops, every one with a backward.
+        return composed(layout, x, cos, sin);
     }
     let (cos, sin) = (cos.detach().contiguous()?, sin.detach().contiguous()?);
     let y = apply(layout, &x.detach(), &cos, &sin)?;
@@ -47,13 +44,48 @@ fn rope_op(layout: Layout, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Ten
     })
 }
 
+/// The rotation of `x` `(B, H, T, D)` by tables `(T, D/2)` or `(B, T,
+/// D/2)` in composed ops (as candle-nn's `rope_slow` and `rope_i_slow`,
+/// with batched tables too).
+fn composed(layout: Layout, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let (b, h, t, d) = x.dims4()?;
+    // The tables with a head dimension: `(1 or B, 1, T, D/2)`.
+    let table = |c: &Tensor| match c.rank() {
+        2 => c.unsqueeze(0)?.unsqueeze(0),
+        3 => c.unsqueeze(1),
+        _ => candle_core::bail!(
+            "rope: the tables are {:?}, expected (T, D/2) or (B, T, D/2)",
+            c.dims()
+        ),
+    };
+    let (cos, sin) = (table(cos)?, table(sin)?);
+    match layout {
+        Layout::Halves => {
+            let cos = Tensor::cat(&[&cos, &cos], 3)?;
+            let sin = Tensor::cat(&[&sin, &sin], 3)?;
+            let x1 = x.narrow(3, 0, d / 2)?;
+            let x2 = x.narrow(3, d / 2, d - d / 2)?;
+            let rotated = Tensor::cat(&[&x2.neg()?, &x1], 3)?;
+            x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?
+        }
+        Layout::Interleaved => {
+            let pairs = x.reshape((b, h, t, d / 2, 2))?;
+            let (x0, x1) = (pairs.narrow(4, 0, 1)?, pairs.narrow(4, 1, 1)?);
+            let (cos, sin) = (cos.unsqueeze(4)?, sin.unsqueeze(4)?);
+            let y0 = (x0.broadcast_mul(&cos)? - x1.broadcast_mul(&sin)?)?;
+            let y1 = (x0.broadcast_mul(&sin)? + x1.broadcast_mul(&cos)?)?;
+            Tensor::cat(&[y0, y1], 4)?.reshape((b, h, t, d))
+        }
+    }
+}
+
 /// `candle_nn::rotary_emb::rope` (the halves of the last dimension rotated
 /// together) with a backward: `x` is `(B, H, T, D)`, `cos` and `sin` are
 /// `(T, D/2)`. candle's fused forward; the backward is the same rotation by
 /// the opposite angle, so the graph keeps nothing but `x` and the tables.
 /// Tables that need gradients (computed from a `Var`: learned frequencies,
-/// a learned scaling factor) get them: the rotation is then candle's
-/// composed one (`rope_slow`), every op with its backward.
+/// a learned scaling factor) get them: the rotation is then written in
+/// candle's composed ops (as `rope_slow`), every op with its backward.
 ///
 /// ```
 /// use candle_core::{Device, Tensor, Var};

@@ -6,9 +6,13 @@
 //! * `[0]`: a 53-bit hash of the elements' bits (two 32-bit hashes, one cut
 //!   to 21 bits, so that it is an exact `f64`): each element's 32-bit words
 //!   mixed with their position by a bijection (murmur3's finalizer) and
-//!   summed. A change of any one element changes the hash for certain (the
-//!   mix is a bijection of the word, the first sum is modulo 2^32); a swap
-//!   or any other change is missed with probability about 2^-53;
+//!   summed. A change of any one element of up to 32 bits changes the hash
+//!   for certain (the mix is a bijection of the word, the first sum is
+//!   modulo 2^32); a change of both words of a 64-bit element, a swap, or
+//!   any other change is missed with probability about 2^-53. Switch the
+//!   CUDA kernels on or off between steps, not between a forward and its
+//!   backward: the two algorithms' numbers differ (the replay would report
+//!   a changed value);
 //! * `[1]` the sum of the elements, `[2]` the sum of their magnitudes,
 //!   `[3]` the sum of each element times a weight in `[0, 1)` set by its
 //!   position (the fractional part of `p` times the golden ratio): the part

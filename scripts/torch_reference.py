@@ -191,6 +191,46 @@ def measure_update(model, ids, targets, cuda):
     return rows
 
 
+def profile(model, ids, targets, a, cuda):
+    """The ops (self time on the device, or on the CPU) that take the most of
+    a step under none and full, from torch.profiler, in ms per step."""
+    from torch.profiler import ProfilerActivity, profile as prof
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    out = [f"PyTorch {torch.__version__} profiler, GPT {a.layers} layers, d_model {a.d_model}, "
+           f"{a.heads} heads, T {a.seq}, B {a.batch}, {a.dtype}, {a.attention} attention, {a.device}; "
+           f"{a.warmup} warm-up + {a.steps} profiled steps each, ms per step"]
+    for policy in ["none", "full"]:
+        def step():
+            model.zero_grad(set_to_none=True)
+            model(ids, targets, policy).backward()
+        for _ in range(a.warmup):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with prof(activities=activities) as p:
+            for _ in range(a.steps):
+                step()
+            if cuda:
+                torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) * 1e3 / a.steps
+        key = "self_device_time_total" if cuda else "self_cpu_time_total"
+        ops = sorted(p.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)
+        total = sum(getattr(e, key, 0) for e in ops) / 1e3 / a.steps
+        out += ["", f"**{policy}**: step {wall:.1f} ms (profiled), {total:.1f} ms of "
+                f"{'device' if cuda else 'CPU'} self time", "",
+                "| op or kernel | calls per step | ms per step | share |", "|---|---:|---:|---:|"]
+        for e in ops[:25]:
+            ms = getattr(e, key, 0) / 1e3 / a.steps
+            if ms <= 0:
+                break
+            out.append(f"| `{e.key[:90]}` | {e.count / a.steps:.0f} | {ms:.2f} | {100 * ms / total:.1f}% |")
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "profile.md"), "w") as f:
+        f.write("\n".join(out) + "\n")
+    print("\n".join(out))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
@@ -208,6 +248,10 @@ def main():
                     help="the parameters' and activations' dtype (the loss in f32), as bench --dtype")
     ap.add_argument("--attention", choices=["eager", "sdpa"], default="eager",
                     help="explicit causal attention (the bench's) or F.scaled_dot_product_attention")
+    ap.add_argument("--profile", action="store_true",
+                    help="instead: torch.profiler over --steps steps of none and full, the ops and "
+                         "device kernels that take the most time per step (profile.md), beside "
+                         "bench --profile")
     ap.add_argument("--with-update", action="store_true",
                     help="instead: the peak of a step with its AdamW update, after or in the backward")
     a = ap.parse_args()
@@ -228,6 +272,9 @@ def main():
         with open(os.path.join(a.out, "update.md"), "w") as f:
             f.write(f"PyTorch {torch.__version__}, same shape, AdamW\n\n" + "\n".join(rows) + "\n")
         print("\n".join(rows))
+        return
+    if a.profile:
+        profile(model, ids, targets, a, cuda)
         return
     policies = ["none", "full", "selective"]
     res = {p: {"times": [], "held": 0, "peak": 0} for p in policies}

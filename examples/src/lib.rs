@@ -10,6 +10,7 @@ pub mod data;
 pub mod dump;
 pub mod gpt;
 pub mod peak;
+pub mod profile;
 pub mod qwen2;
 pub mod rng;
 pub mod soak;

@@ -32,7 +32,7 @@
 //! of a plan that decides call by call (`plan/calls.rs`, inside the plan,
 //! reset by `Plan::scope`), and one switch: whether CUDA values are
 //! checksummed by remat's kernels (`tape/checksum/mod.rs`, set by
-//! `inspect::checksum_kernels` or `REMAT_CHECKSUM_KERNELS=1`).
+//! `inspect::checksum_kernels` or `REMAT_CHECKSUM_KERNELS=0|1`; on by default).
 
 /// Runs `undo` when dropped: on return and on unwinding alike.
 struct Scoped<F: FnOnce()>(Option<F>);

@@ -350,6 +350,13 @@ pub enum RematError {
         /// candle's error.
         source: std::sync::Arc<candle_core::Error>,
     },
+    /// [`Profile::record`](crate::inspect::Profile::record) was called while
+    /// another profile was being recorded.
+    #[error(
+        "a profile is already being recorded (by an enclosing `Profile::record` or another \
+         thread): record one at a time"
+    )]
+    ProfileRunning,
     /// An error from candle outside of any statement.
     #[error("candle: {0}")]
     Candle(Arc<candle_core::Error>),

@@ -165,6 +165,7 @@ impl Region {
             let mut ctx = Ctx::new(&self.name, Mode::Plain, plan.clone(), seed);
             return plan.inherit(|| body(&mut ctx, &inputs));
         }
+        let _profile = crate::inspect::profile::op("region");
         let detached: Vec<Tensor> = inputs.iter().map(|t| t.detach()).collect();
         let trace_label = trace::begin_call(&self.name);
         let requires_grad: Vec<bool> = inputs.iter().map(|t| t.track_op()).collect();

@@ -252,7 +252,8 @@ fn checksum_kernels_give_the_cpu_bits() {
     v.swap(1, chunk + 9);
     let swapped = checksum(&Tensor::new(v.as_slice(), &dev).unwrap()).unwrap();
     assert_ne!(swapped[0], c[0]);
-    checksum_kernels(false);
+    // The default again.
+    checksum_kernels(true);
 }
 
 /// With the kernels, the replay check on the GPU sees a one-ulp change of a
@@ -289,7 +290,8 @@ fn the_replay_check_on_kernels_sees_one_ulp() {
         .unwrap();
     let err = remat_runtime::backward(&y.sum_all().unwrap()).unwrap_err();
     assert!(matches!(err, RematError::ParameterChanged { .. }), "{err}");
-    checksum_kernels(false);
+    // The default again.
+    checksum_kernels(true);
 }
 
 /// Each `remat_runtime::nn` op on the GPU against the same op on the CPU:

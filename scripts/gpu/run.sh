@@ -15,10 +15,13 @@
 # without it, PyTorch with eager attention and with SDPA, the same in bf16
 # (remat none/full, PyTorch SDPA), then the table of
 # the GPU issues' targets, each PASS or FAIL ($OUT/verdict.md; about 4 of
-# its 8 minutes on an H100):
+# its 8 minutes on an H100); profile: where a step's time goes, remat's
+# `bench --profile` (each nn op, the replay check and the regions, by phase)
+# beside torch.profiler's kernels (PyTorch SDPA), at the same shape:
 #
-#   bash gpu-package/run.sh verdict Every call first writes
-# env.txt (nvidia-smi, the libraries each binary resolves, torch's version).
+#   bash gpu-package/run.sh verdict profile
+#
+# Every call first writes env.txt (nvidia-smi, the libraries each binary resolves, torch's version).
 # `exec` runs one binary of the package (e.g. qwen2, if packaged) with ARGS.
 #
 # --device cuda (default) takes the CUDA libraries from the pip packages of
@@ -103,8 +106,8 @@ if [ ${#groups[@]} -eq 0 ] || [ "${groups[*]}" = all ]; then
 fi
 for group in "${groups[@]}"; do
   case $group in
-    tests | bench | train | torch | verdict) ;;
-    *) echo "unknown group '$group': tests, bench, train, torch, verdict or all" >&2; exit 2 ;;
+    tests | bench | train | torch | verdict | profile) ;;
+    *) echo "unknown group '$group': tests, bench, train, torch, verdict, profile or all" >&2; exit 2 ;;
   esac
 done
 
@@ -170,6 +173,12 @@ for group in "${groups[@]}"; do
       step torch-sdpa-bf16 120 python3 scripts/torch_reference.py --device "$device" \
         "${shape[@]}" "${verdict_steps[@]}" --dtype bf16 --attention sdpa --out "$OUT/torch-sdpa-bf16"
       python3 "$pkg/verdict.py" "$OUT" 2>&1 | tee "$OUT/verdict.txt" || true ;;
+    profile)
+      step bench-profile 150 "${with_libs[@]}" "$bin/bin/bench" --device "$device" "${shape[@]}" \
+        --steps 2 --warmup 1 --profile true --policies none,full --unchecked full \
+        --checksum kernels --out "$OUT/bench-profile"
+      step torch-profile 90 python3 scripts/torch_reference.py --device "$device" "${shape[@]}" \
+        --steps 2 --warmup 1 --attention sdpa --profile --out "$OUT/torch-profile" ;;
   esac
 done
 echo "results in $OUT/; $failed step(s) failed"

@@ -51,12 +51,17 @@ usage: cargo run --release -p examples --bin bench -- [flags]
                f32; gradients compared with plain candle's in the same dtype) [f32]
   --checksum kernels|composed  how the replay check checksums CUDA tensors:
                remat's kernels (one pass each) or candle's kernels composed
-               (`remat_runtime::inspect::checksum_kernels`) [composed]
+               (`remat_runtime::inspect::checksum_kernels`) [kernels]
   --peak-plan true  instead: a PeakPlan asked for 8 peaks from full
                   recomputation's to plain candle's, each plan's measured peak
                   and time (--steps steps, interleaved with plain candle)
   --explain-peak true  instead: the peak of a full-recompute step (first of
                --ops) broken down by source, exact bytes (CPU) [false]
+  --profile true  instead: milliseconds per step of each nn op and of the
+               replay check, region forward, replay and backward, by phase,
+               under each policy (and each --unchecked), the device waited
+               for around each (`remat_runtime::inspect::Profile`); writes
+               profile.md into --out [false]
   --ops O,..   fused (remat_runtime::nn's ops, a sublayer per op), layers
                (nn's ops, a layer per op) and/or composed (candle's composed
                ops): every policy runs with each, the first is the
@@ -161,6 +166,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let move_on_cpu = flags.get("move-on-cpu", false)?;
     let explain_peak = flags.get("explain-peak", false)?;
     let peak_plan = flags.get("peak-plan", false)?;
+    let profile = flags.get("profile", false)?;
     let ops: String = flags.get("ops", "fused".to_string())?;
     let dtype = match flags.get("dtype", "f32".to_string())?.as_str() {
         "f32" => DType::F32,
@@ -168,7 +174,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         "f16" => DType::F16,
         other => return Err(format!("--dtype {other}: f32, bf16 or f16").into()),
     };
-    let checksum: String = flags.get("checksum", "composed".to_string())?;
+    let checksum: String = flags.get("checksum", "kernels".to_string())?;
     match checksum.as_str() {
         "kernels" => remat_runtime::inspect::checksum_kernels(true),
         "composed" => remat_runtime::inspect::checksum_kernels(false),
@@ -219,6 +225,41 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         print!("{}", peak::explain(&m, &x, &y, &meter)?);
         println!("\nThe peak of a training step with its AdamW update, the update after or in the backward:\n");
         print!("{}", peak::with_update(&m, &x, &y, &meter)?);
+        return Ok(());
+    }
+
+    if profile {
+        let named = policies
+            .iter()
+            .map(|c| (c.to_string(), c.plan(), true))
+            .chain(
+                unchecked
+                    .iter()
+                    .map(|c| (format!("{c} (unchecked)"), c.plan(), false)),
+            )
+            .map(|(name, plan, checked)| examples::profile::Policy {
+                name,
+                plan,
+                checked,
+            })
+            .collect::<Vec<_>>();
+        let header = format!(
+            "Milliseconds per step by op and phase (GPT {layers} layers, d_model {d_model}, {heads} heads, \
+             T {seq}, B {batch}, {}, {}, {} ops{}; {warmup} warm-up + {steps} profiled steps each):",
+            dtype.as_str(),
+            device_name(&dev),
+            ops[0],
+            match (dev.is_cpu(), checksum.as_str()) {
+                (true, _) => "",
+                (false, "kernels") => ", replay check by remat's checksum kernels",
+                (false, _) => ", replay check by candle's kernels composed",
+            }
+        );
+        let table = examples::profile::table(&m, &x, &y, &dev, &named, warmup, steps)?;
+        let md = format!("{header}\n\n{table}");
+        print!("{md}");
+        std::fs::create_dir_all(&out)?;
+        std::fs::write(out.join("profile.md"), md)?;
         return Ok(());
     }
 

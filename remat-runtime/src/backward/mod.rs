@@ -218,7 +218,10 @@ impl Call {
             seed,
         );
         // Regions nested in the block run under the plan of the forward too.
-        let replay_outputs = crate::plan::replaying(|| plan.inherit(|| body(&mut ctx, &inputs)))?;
+        let replay_outputs = crate::plan::replaying(|| {
+            let _profile = crate::inspect::profile::op("region");
+            plan.inherit(|| body(&mut ctx, &inputs))
+        })?;
         if replay_outputs.len() != outputs.len() {
             return Err(RematError::OutputCount {
                 region: self.name.clone(),
@@ -232,6 +235,7 @@ impl Call {
         let Mode::Replay(replay) = ctx.mode else {
             unreachable!("the context was built in replay mode")
         };
+        let _profile = crate::inspect::profile::backward("region backward");
         let units = replay.finish(&self.name, &replay_outputs)?;
         let output_ids = replay_outputs.iter().map(|t| t.id()).collect::<Vec<_>>();
         drop(replay_outputs);

@@ -8,6 +8,7 @@
 //! * [`device_memory_in_use`], [`device_memory_peak`]: the same on CUDA;
 //! * [`checksum`]: the checksum the replay check compares, and
 //!   [`checksum_kernels`], its kernels on CUDA;
+//! * [`Profile`]: where a step's time goes, by `nn` op and phase;
 //! * [`check_gradients`]: parameters that silently got no gradient (also at
 //!   the crate root: it belongs in every training loop).
 
@@ -16,6 +17,7 @@ mod counting;
 pub(crate) mod device_memory;
 mod gradients;
 pub(crate) mod memory;
+pub(crate) mod profile;
 pub(crate) mod trace;
 
 pub use checksum::{checksum, checksum_kernels};
@@ -23,4 +25,5 @@ pub use counting::CountingAlloc;
 pub use device_memory::{device_memory_in_use, device_memory_peak, reset_device_memory_peak};
 pub use gradients::check_gradients;
 pub use memory::{MemoryEntry, MemoryReport};
+pub use profile::{Profile, ProfileRow};
 pub use trace::{Phase, Trace, TraceEvent};

@@ -24,12 +24,16 @@ thread_local! {
 /// let ((), trace) = Trace::record(|| ());
 /// assert!(trace.events.iter().all(|e| e.phase == Phase::Forward));
 /// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Phase {
     /// In the region's forward.
     Forward,
     /// In the replay at the start of the region's backward.
     Replay,
+    /// In the backward (a [`Profile`](super::Profile)'s rows; a trace's
+    /// events are statements, which run in the forward or the replay).
+    Backward,
 }
 
 /// One statement of one region call, in one phase (see [`Trace`]).
@@ -214,6 +218,7 @@ impl fmt::Display for TraceEvent {
             (Phase::Forward, _) => ("forward", "ran"),
             (Phase::Replay, Policy::Recompute) => ("replay", "recomputed"),
             (Phase::Replay, Policy::Save | Policy::Offload) => ("replay", "restored"),
+            (Phase::Backward, _) => ("backward", "ran"),
         };
         write!(
             f,

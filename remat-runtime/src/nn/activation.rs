@@ -22,6 +22,7 @@ struct Swiglu {
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn swiglu(x: &Tensor) -> Result<Tensor> {
+    let _profile = crate::inspect::profile::op("swiglu");
     let y = candle_nn::ops::swiglu(&x.detach())?;
     x.apply_op1(Swiglu {
         out: Computed::new(y),
@@ -31,6 +32,7 @@ pub fn swiglu(x: &Tensor) -> Result<Tensor> {
 impl CustomOp1 for Swiglu {
     forward_computed!("remat-swiglu", s1 l1);
     fn bwd(&self, x: &Tensor, _: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
+        let _profile = crate::inspect::profile::backward("swiglu");
         let (x, dy) = (x.detach(), dy.detach());
         let half = x.dim(D::Minus1)? / 2;
         let a = x.narrow(D::Minus1, 0, half)?;

@@ -133,6 +133,7 @@ pub fn attention(
     causal: bool,
     mask: Option<&Tensor>,
 ) -> Result<Tensor> {
+    let _profile = crate::inspect::profile::op("attention");
     let (out, rest) = forward("attention", q, k, v, causal, mask)?;
     // The node's output is stored as `(B, T, H, D)` and returned as a
     // transposed view: merging the heads afterwards (`transpose(1, 2)` and
@@ -188,6 +189,7 @@ pub fn attention_qkv(
     causal: bool,
     mask: Option<&Tensor>,
 ) -> Result<Tensor> {
+    let _profile = crate::inspect::profile::op("attention_qkv");
     if qkv.rank() != 3 {
         candle_core::bail!(
             "attention_qkv: the packed projection is {:?}, expected (B, T, 3 x heads x D)",
@@ -650,6 +652,7 @@ impl CustomOp3 for Attention {
         out: &Tensor,
         dout: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let _profile = crate::inspect::profile::backward("attention");
         match &self.bundled {
             None => {
                 let g = self
@@ -707,6 +710,7 @@ pub(super) fn packed_grads(
 impl CustomOp1 for AttentionQkv {
     forward_computed!("remat-attention-qkv", s1 l1);
     fn bwd(&self, qkv: &Tensor, out: &Tensor, dout: &Tensor) -> Result<Option<Tensor>> {
+        let _profile = crate::inspect::profile::backward("attention_qkv");
         Ok(Some(self.grads(qkv, out, dout)?.0))
     }
 }
@@ -720,6 +724,7 @@ impl CustomOp2 for AttentionQkv {
         out: &Tensor,
         dout: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let _profile = crate::inspect::profile::backward("attention_qkv");
         let (dqkv, dmask) = self.grads(qkv, out, dout)?;
         Ok((Some(dqkv), dmask))
     }

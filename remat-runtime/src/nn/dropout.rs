@@ -28,6 +28,7 @@ struct Dropout {
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn dropout(x: &Tensor, p: f64) -> Result<Tensor> {
+    let _profile = crate::inspect::profile::op("dropout");
     if !(0.0..1.0).contains(&p) {
         candle_core::bail!("dropout probability {p} is outside [0, 1)");
     }
@@ -54,6 +55,7 @@ fn scaled_mask(key: u64, shape: &Shape, p: f64, like: &Tensor) -> Result<Tensor>
 impl CustomOp1 for Dropout {
     forward_computed!("remat-dropout", s1 l1);
     fn bwd(&self, x: &Tensor, _: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
+        let _profile = crate::inspect::profile::backward("dropout");
         Ok(Some(
             (dy.detach() * scaled_mask(self.key, x.shape(), self.p, x)?)?,
         ))

@@ -25,6 +25,7 @@ struct Gelu {
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn gelu(x: &Tensor) -> Result<Tensor> {
+    let _profile = crate::inspect::profile::op("gelu");
     let y = x.detach().gelu()?;
     x.apply_op1(Gelu {
         out: Computed::new(y),
@@ -43,6 +44,7 @@ pub(super) fn derivative(x: f64) -> f64 {
 impl CustomOp1 for Gelu {
     forward_computed!("remat-gelu", s1 l1);
     fn bwd(&self, x: &Tensor, _: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
+        let _profile = crate::inspect::profile::backward("gelu");
         backward(x, dy).map(Some)
     }
 }

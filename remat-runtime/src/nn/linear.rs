@@ -43,6 +43,7 @@ enum Args {
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let _profile = crate::inspect::profile::op("linear");
     fused(x, w, b, None, false)
 }
 
@@ -65,6 +66,7 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn linear_add(x: &Tensor, w: &Tensor, b: Option<&Tensor>, residual: &Tensor) -> Result<Tensor> {
+    let _profile = crate::inspect::profile::op("linear_add");
     fused(x, w, b, Some(residual), false)
 }
 
@@ -94,6 +96,7 @@ pub fn gelu_linear_add(
     b: Option<&Tensor>,
     residual: &Tensor,
 ) -> Result<Tensor> {
+    let _profile = crate::inspect::profile::op("gelu_linear_add");
     fused(x, w, b, Some(residual), true)
 }
 
@@ -228,6 +231,7 @@ impl CustomOp2 for Linear {
         _: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let _profile = crate::inspect::profile::backward("linear");
         let (dx, dw, _) = self.grads(x, w, g)?;
         Ok((Some(dx), Some(dw)))
     }
@@ -243,6 +247,7 @@ impl CustomOp3 for Linear {
         _: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let _profile = crate::inspect::profile::backward("linear");
         match &self.args {
             Args::Bias => {
                 let (dx, dw, db) = self.grads(x, second, g)?;

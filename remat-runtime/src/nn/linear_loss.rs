@@ -98,6 +98,7 @@ pub fn linear_cross_entropy(
     targets: &Tensor,
     o: &LinearCrossEntropy,
 ) -> Result<Tensor> {
+    let _profile = crate::inspect::profile::op("linear_cross_entropy");
     let (v, c) = w.dims2()?;
     if x.rank() == 0 || x.dim(D::Minus1)? != c {
         candle_core::bail!(
@@ -389,6 +390,7 @@ impl CustomOp3 for LinearLoss {
         _: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let _profile = crate::inspect::profile::backward("linear_cross_entropy");
         let (dx, params) = crate::lock(&self.grads).take().ok_or_else(|| {
             candle_core::Error::Msg(
                 "linear_cross_entropy: the backward ran twice over one forward".into(),

@@ -27,6 +27,7 @@ struct CrossEntropy {
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let _profile = crate::inspect::profile::op("cross_entropy");
     let l = logits.detach();
     let (n, _) = l.dims2()?;
     let max = l.max_keepdim(D::Minus1)?;
@@ -54,6 +55,7 @@ impl CustomOp2 for CrossEntropy {
         _: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let _profile = crate::inspect::profile::backward("cross_entropy");
         let l = logits.detach();
         let (n, _) = l.dims2()?;
         let p = l.broadcast_sub(&self.lse)?.exp()?;

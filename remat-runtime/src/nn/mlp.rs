@@ -81,6 +81,7 @@ pub fn gelu_mlp(
     b2: Option<&Tensor>,
     residual: Option<&Tensor>,
 ) -> Result<Tensor> {
+    let _profile = crate::inspect::profile::op("gelu_mlp");
     let kind = Kind::Gelu {
         fc_bias: b1.is_some(),
         proj_bias: b2.is_some(),
@@ -131,6 +132,7 @@ pub fn swiglu_mlp(
     down: &Tensor,
     residual: Option<&Tensor>,
 ) -> Result<Tensor> {
+    let _profile = crate::inspect::profile::op("swiglu_mlp");
     fused(x, norm, Kind::Swiglu, vec![gate, up, down], residual)
 }
 
@@ -280,6 +282,7 @@ impl CustomOp2 for Mlp {
         _: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let _profile = crate::inspect::profile::backward("mlp");
         let x = x.detach();
         let dy = dy.detach();
         let x2 = x.reshape(rows(&x)?)?;

@@ -29,6 +29,7 @@ struct LayerNorm {
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn layer_norm(x: &Tensor, g: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
+    let _profile = crate::inspect::profile::op("layer_norm");
     let work = work_dtype(x.dtype());
     let (xhat, mean, rstd) = normalize(&x.detach().to_dtype(work)?, eps)?;
     let y = scale_shift(
@@ -117,6 +118,7 @@ impl CustomOp3 for LayerNorm {
         _: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let _profile = crate::inspect::profile::backward("layer_norm");
         let work = self.rstd.dtype();
         let dy = dy.detach().to_dtype(work)?;
         let xhat = renormalize(x, &self.mean, &self.rstd)?;
@@ -151,6 +153,7 @@ struct RmsNorm {
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn rms_norm(x: &Tensor, g: &Tensor, eps: f64) -> Result<Tensor> {
+    let _profile = crate::inspect::profile::op("rms_norm");
     let xd = x.detach().to_dtype(work_dtype(x.dtype()))?;
     let rstd = (xd.sqr()?.mean_keepdim(D::Minus1)? + eps)?
         .sqrt()?
@@ -175,6 +178,7 @@ impl CustomOp2 for RmsNorm {
         _: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let _profile = crate::inspect::profile::backward("rms_norm");
         let work = self.rstd.dtype();
         let xhat = x.detach().to_dtype(work)?.broadcast_mul(&self.rstd)?;
         let (g32, dy32) = (g.detach().to_dtype(work)?, dy.detach().to_dtype(work)?);

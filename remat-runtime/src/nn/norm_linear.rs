@@ -53,6 +53,7 @@ pub fn layer_norm_linear(
     w: &Tensor,
     b: Option<&Tensor>,
 ) -> Result<Tensor> {
+    let _profile = crate::inspect::profile::op("layer_norm_linear");
     let (xhat, mean, rstd) = normalize(&x.detach(), eps)?;
     let h = scale_shift(&xhat, &g.detach(), &beta.detach())?;
     drop(xhat);
@@ -88,6 +89,7 @@ impl CustomOp3 for LayerNormLinear {
         _: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let _profile = crate::inspect::profile::backward("layer_norm_linear");
         let (rows, input) = rows(x)?;
         let w = match &self.linear {
             Some((w, _)) => w.clone(),

@@ -66,6 +66,7 @@ pub fn qkv_attention(
     causal: bool,
     mask: Option<&Tensor>,
 ) -> Result<Tensor> {
+    let _profile = crate::inspect::profile::op("qkv_attention");
     let (bt, t, _) = x.dims3().map_err(|_| {
         candle_core::Error::Msg(format!(
             "qkv_attention: the input is {:?}, expected (B, T, C)",
@@ -122,6 +123,7 @@ impl CustomOp2 for QkvAttention {
         out: &Tensor,
         dout: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let _profile = crate::inspect::profile::backward("qkv_attention");
         let x = x.detach();
         let (bt, t, _) = x.dims3()?;
         let x2 = x.reshape(rows(&x)?)?;

@@ -98,6 +98,7 @@ fn composed(layout: Layout, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Te
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let _profile = crate::inspect::profile::op("rope");
     rope_op(Layout::Halves, x, cos, sin)
 }
 
@@ -116,12 +117,14 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn rope_i(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let _profile = crate::inspect::profile::op("rope_i");
     rope_op(Layout::Interleaved, x, cos, sin)
 }
 
 impl CustomOp1 for Rope {
     forward_computed!("remat-rope", s1 l1);
     fn bwd(&self, _: &Tensor, _: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
+        let _profile = crate::inspect::profile::backward("rope");
         // A rotation's transpose is the rotation by the opposite angle.
         Ok(Some(apply(
             self.layout,

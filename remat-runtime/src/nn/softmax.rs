@@ -21,6 +21,7 @@ struct Softmax {
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    let _profile = crate::inspect::profile::op("softmax_last_dim");
     let y = candle_nn::ops::softmax_last_dim(&x.detach())?;
     x.apply_op1(Softmax {
         out: Computed::new(y),
@@ -30,6 +31,7 @@ pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
 impl CustomOp1 for Softmax {
     forward_computed!("remat-softmax", s1 l1);
     fn bwd(&self, _: &Tensor, y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
+        let _profile = crate::inspect::profile::backward("softmax");
         let (y, dy) = (y.detach(), dy.detach());
         let dot = (&dy * &y)?.sum_keepdim(D::Minus1)?;
         Ok(Some((dy.broadcast_sub(&dot)? * y)?))

@@ -25,6 +25,11 @@ pub(crate) fn replaying<R>(f: impl FnOnce() -> R) -> R {
     )
 }
 
+/// Whether a region's replay is running on this thread.
+pub(crate) fn in_replay() -> bool {
+    REPLAYS.with(|d| d.get() > 0)
+}
+
 /// One call of a region in a step: the region's name and which of its
 /// calls (0 for the first).
 pub(crate) type Call = (String, usize);

@@ -8,7 +8,7 @@
 
 mod budget;
 mod calls;
-pub(crate) use calls::replaying;
+pub(crate) use calls::{in_replay, replaying};
 mod peak;
 mod planner;
 

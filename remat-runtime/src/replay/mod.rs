@@ -421,13 +421,17 @@ impl Replay {
                 checks.replay.push((subject, fingerprint::of(input)?));
             }
         }
-        for t in &tensors {
+        for (j, t) in tensors.iter().enumerate() {
             // An output that is one of the segment's own leaves stays what it is.
             if !self.values.contains_key(&t.id()) {
                 self.order.push(t.id());
+                // Needs gradients as the forward decided (the same for every
+                // plan): an output that turns out a constant here (built
+                // from a tracked value's shape) passes no gradient on.
+                let requires_grad = carries_grad(t) || (j < 64 && needed & (1 << j) != 0);
                 let value = Value {
                     unit: Some(u),
-                    requires_grad: carries_grad(t),
+                    requires_grad,
                     tensor: t.clone(),
                     leaf: None,
                     share: false,

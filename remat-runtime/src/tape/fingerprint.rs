@@ -72,6 +72,7 @@ pub fn without_fingerprints<R>(f: impl FnOnce() -> R) -> R {
 
 /// The fingerprint of a value: its [`checksum`](super::checksum::of).
 pub(crate) fn of(t: &Tensor) -> Result<Tensor> {
+    let _profile = crate::inspect::profile::op("replay check");
     #[cfg(test)]
     counts::COUNTS.with(|c| c.set((c.get().0 + 1, c.get().1)));
     super::checksum::of(t)
@@ -227,6 +228,8 @@ impl Checks {
     /// parameters, then inputs, then outputs, so that a cause is named
     /// before its effects.
     pub fn compare(self, region: &str) -> Result<()> {
+        let _profile =
+            crate::inspect::profile::scope("replay check", crate::inspect::Phase::Replay);
         let Checks {
             forward,
             replay: parts,

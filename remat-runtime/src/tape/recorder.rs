@@ -306,10 +306,11 @@ impl Recorder {
         self.check_captures(s, &args, &ran.tensors)?;
         ran.sole = unread::sole_call::<S>(&calls, &ran.tensors)
             .map(|c| (c, calls[usize::from(c)].input.clone()));
-        // Its float outputs need gradients if it read a value that does;
+        // Its float outputs need gradients if it read for its value a value
+        // that does (not one it read only for its shape, device or dtype);
         // integer and boolean outputs never carry one (candle's backward
-        // skips them), here or in the replay.
-        let any_input = needs.iter().any(|&n| n);
+        // skips them). The replay takes this decision as it is.
+        let any_input = needs.iter().take(s.value_inputs).any(|&n| n);
         let tracked = std::mem::take(&mut ran.tensors);
         let outputs = tracked
             .iter()

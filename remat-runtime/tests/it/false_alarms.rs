@@ -143,3 +143,50 @@ fn saved_views_stay_views() {
         assert!(rel_diff(g.get(&x).unwrap(), pg.get(&x).unwrap()) < 1e-6);
     }
 }
+
+remat! {
+    /// A ramp and a causal mask built from the input's metadata only, read
+    /// by the statements around them.
+    fn ramp_and_mask(x: &Tensor) -> Result<Tensor> {
+        let t = x.dim(1)?;
+        let ramp = Tensor::arange(0u32, t as u32, x.device())?.to_dtype(x.dtype())?;
+        let mask = Tensor::tril2(t, x.dtype(), x.device())?;
+        let h = x.broadcast_add(&ramp)?;
+        let m = h.matmul(&mask)?;
+        let y = (m * &h)?;
+        Ok(y)
+    }
+}
+
+#[test]
+fn constants_from_an_inputs_metadata_under_every_plan() {
+    let names = ["t", "ramp", "mask", "h", "m", "y"];
+    for dtype in [DType::F32, DType::F64] {
+        let x = var(&[3, 4], 4, 1.0, dtype);
+        let xd = x.as_tensor().detach();
+        let plain = {
+            let t = 4usize;
+            let ramp = Tensor::arange(0u32, t as u32, &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let mask = Tensor::tril2(t, dtype, &Device::Cpu).unwrap();
+            let h = x.as_tensor().broadcast_add(&ramp).unwrap();
+            let y = (h.matmul(&mask).unwrap() * &h).unwrap();
+            let g = backward(&y.sum_all().unwrap()).unwrap();
+            (y.detach(), g.get(&x).unwrap().clone())
+        };
+        let mut plans = vec![Plan::declared(), Plan::save_all(), Plan::recompute_all()];
+        plans.extend(names.iter().map(|n| Plan::save_only([*n])));
+        plans.push(Plan::save_only(["ramp", "mask"]));
+        plans.push(Plan::save_only(["ramp", "m"]));
+        for plan in plans {
+            let y = plan.scope(|| ramp_and_mask(x.as_tensor())).unwrap();
+            assert!(rel_diff(&y, &plain.0) < 1e-12, "{plan}");
+            let g = backward(&y.sum_all().unwrap())
+                .unwrap_or_else(|e| panic!("{plan} ({dtype:?}): {e}"));
+            assert!(rel_diff(g.get(&x).unwrap(), &plain.1) < 1e-6, "{plan}");
+            let _ = &xd;
+        }
+    }
+}

@@ -71,22 +71,25 @@ pub(crate) const CHUNK: usize = LANES * ROWS;
 
 /// Whether CUDA tensors are checksummed by the kernels of `checksum.cu`
 /// (see [`crate::inspect::checksum_kernels`]).
-static KERNELS: AtomicBool = AtomicBool::new(false);
+static KERNELS: AtomicBool = AtomicBool::new(true);
 
 /// Turns the checksum kernels on or off for CUDA tensors.
 pub(crate) fn use_kernels(on: bool) {
     KERNELS.store(on, Ordering::Relaxed);
 }
 
-/// Whether the checksum kernels are on: [`use_kernels`], or the
-/// `REMAT_CHECKSUM_KERNELS=1` environment variable read at the first call.
+/// Whether the checksum kernels are on (the default): [`use_kernels`], or
+/// the `REMAT_CHECKSUM_KERNELS` environment variable (`0` or `1`) read at
+/// the first call.
 pub(crate) fn kernels_on() -> bool {
     static FROM_ENV: std::sync::Once = std::sync::Once::new();
-    FROM_ENV.call_once(|| {
-        if std::env::var("REMAT_CHECKSUM_KERNELS").is_ok_and(|v| v == "1") {
-            KERNELS.store(true, Ordering::Relaxed);
-        }
-    });
+    FROM_ENV.call_once(
+        || match std::env::var("REMAT_CHECKSUM_KERNELS").as_deref() {
+            Ok("1") => KERNELS.store(true, Ordering::Relaxed),
+            Ok("0") => KERNELS.store(false, Ordering::Relaxed),
+            _ => {}
+        },
+    );
     KERNELS.load(Ordering::Relaxed)
 }
 

@@ -1,13 +1,21 @@
-//! With the `cuda` feature: compiles the checksum kernels
-//! (`src/tape/checksum/checksum.cu`) to PTX with nvcc, embedded in the
+//! With the `cuda` feature: compiles remat's CUDA kernels (the checksum of
+//! the replay check, `src/tape/checksum/checksum.cu`, and fused attention,
+//! `src/nn/kernels/attention.cu`) to PTX with nvcc, embedded in the
 //! library, as candle builds its own kernels. Without it: nothing.
 
 use std::path::PathBuf;
 use std::process::Command;
 
+/// Each kernel source and the PTX file it becomes in `OUT_DIR`.
+const SOURCES: [(&str, &str); 2] = [
+    ("src/tape/checksum/checksum.cu", "checksum.ptx"),
+    ("src/nn/kernels/attention.cu", "attention.ptx"),
+];
+
 fn main() {
-    let source = "src/tape/checksum/checksum.cu";
-    println!("cargo:rerun-if-changed={source}");
+    for (source, _) in SOURCES {
+        println!("cargo:rerun-if-changed={source}");
+    }
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=NVCC");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
@@ -22,18 +30,19 @@ fn main() {
         Ok(home) => format!("{home}/bin/nvcc"),
         Err(_) => "nvcc".into(),
     });
-    let ptx = out.join("checksum.ptx");
-    let status = Command::new(&nvcc)
-        .args([
-            "--ptx",
-            "-O3",
-            "-std=c++17",
-            &format!("-arch=compute_{cap}"),
-        ])
-        .arg(source)
-        .arg("-o")
-        .arg(&ptx)
-        .status()
-        .unwrap_or_else(|e| panic!("the `cuda` feature needs nvcc ({nvcc}): {e}"));
-    assert!(status.success(), "nvcc failed on {source}");
+    for (source, ptx) in SOURCES {
+        let status = Command::new(&nvcc)
+            .args([
+                "--ptx",
+                "-O3",
+                "-std=c++17",
+                &format!("-arch=compute_{cap}"),
+            ])
+            .arg(source)
+            .arg("-o")
+            .arg(out.join(ptx))
+            .status()
+            .unwrap_or_else(|e| panic!("the `cuda` feature needs nvcc ({nvcc}): {e}"));
+        assert!(status.success(), "nvcc failed on {source}");
+    }
 }

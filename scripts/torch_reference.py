@@ -215,7 +215,13 @@ def profile(model, ids, targets, a, cuda):
                 torch.cuda.synchronize()
         wall = (time.perf_counter() - start) * 1e3 / a.steps
         key = "self_device_time_total" if cuda else "self_cpu_time_total"
-        ops = sorted(p.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)
+        events = p.key_averages()
+        if cuda:
+            # The device's own events (kernels, copies): an aten op's
+            # "self" device time repeats its kernels'.
+            from torch.autograd import DeviceType
+            events = [e for e in events if e.device_type != DeviceType.CPU]
+        ops = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)
         total = sum(getattr(e, key, 0) for e in ops) / 1e3 / a.steps
         out += ["", f"**{policy}**: step {wall:.1f} ms (profiled), {total:.1f} ms of "
                 f"{'device' if cuda else 'CPU'} self time", "",

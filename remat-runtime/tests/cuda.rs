@@ -621,3 +621,154 @@ fn drop_ins_on_cuda_match_the_cpu() {
         }
     }
 }
+
+/// The fused attention kernels (`nn::attention_kernels(true)`) against the
+/// composed op on the CPU in f64: outputs and the gradients of q, k, v, for
+/// grouped-query heads, more keys than queries, causal and additive masks
+/// (`-inf`, huge finite, a fully masked row, broadcast), head sizes 64, 80
+/// and 128, the packed `attention_qkv`; f32 (`<= 1e-4` relative to the
+/// largest value), f16 and bf16 (`<= 2e-2`: their inputs' and outputs'
+/// rounding). Every kernel runs: the forward, then dq, dk and dv.
+#[test]
+fn attention_kernels_match_the_cpu_in_f64() {
+    use remat_runtime::nn::{attention, attention_kernels, attention_qkv};
+    let dev = cuda();
+    attention_kernels(true);
+    let rel = |a: &Tensor, b: &Tensor| {
+        let a = a
+            .to_device(&Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap();
+        let d = (&a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap();
+        let s = b.abs().unwrap().flatten_all().unwrap().max(0).unwrap();
+        d.to_scalar::<f64>().unwrap() / s.to_scalar::<f64>().unwrap().max(1e-30)
+    };
+    // (b, h, hkv, t, s, d, causal, mask dims)
+    let cases: [(
+        usize,
+        usize,
+        usize,
+        usize,
+        usize,
+        usize,
+        bool,
+        Option<[usize; 4]>,
+    ); 5] = [
+        (2, 4, 2, 200, 200, 64, true, None),
+        (1, 3, 3, 70, 130, 80, true, Some([1, 3, 70, 130])),
+        (2, 2, 1, 33, 33, 128, false, Some([2, 1, 1, 33])),
+        (1, 2, 2, 129, 129, 32, false, Some([1, 1, 129, 129])),
+        (1, 1, 1, 1, 1, 16, true, None),
+    ];
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let tol = if dtype == DType::F32 { 1e-4 } else { 2e-2 };
+        for (i, &(b, h, hkv, t, s, d, causal, mdims)) in cases.iter().enumerate() {
+            let seed = 40 + i as u64;
+            let round = |v: &Var| {
+                v.as_tensor()
+                    .to_dtype(dtype)
+                    .unwrap()
+                    .to_dtype(DType::F64)
+                    .unwrap()
+            };
+            let q = Var::from_tensor(&round(&var(&[b, h, t, d], seed, 1.0, DType::F64))).unwrap();
+            let k =
+                Var::from_tensor(&round(&var(&[b, hkv, s, d], seed + 1, 1.0, DType::F64))).unwrap();
+            let v =
+                Var::from_tensor(&round(&var(&[b, hkv, s, d], seed + 2, 1.0, DType::F64))).unwrap();
+            let mask = mdims.map(|dims| {
+                let n: usize = dims.iter().product();
+                let mut m: Vec<f64> = (0..n).map(|j| ((j * 37 % 11) as f64 - 5.0) / 4.0).collect();
+                for (j, x) in m.iter_mut().enumerate() {
+                    if j % 7 == 3 {
+                        *x = f64::NEG_INFINITY;
+                    } else if j % 13 == 6 {
+                        *x = -1e9;
+                    }
+                }
+                if dims[2] > 2 {
+                    m[dims[3]..2 * dims[3]].fill(f64::NEG_INFINITY);
+                }
+                Tensor::from_vec(m, &dims, &Device::Cpu).unwrap()
+            });
+            let g_out = round(&var(&[b, h, t, d], seed + 3, 1.0, DType::F64));
+            let y = attention(
+                q.as_tensor(),
+                k.as_tensor(),
+                v.as_tensor(),
+                causal,
+                mask.as_ref(),
+            )
+            .unwrap();
+            let gr = (&y * &g_out)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let on = |t: &Tensor| t.to_dtype(dtype).unwrap().to_device(&dev).unwrap();
+            let (qd, kd, vd) = (
+                Var::from_tensor(&on(&q)).unwrap(),
+                Var::from_tensor(&on(&k)).unwrap(),
+                Var::from_tensor(&on(&v)).unwrap(),
+            );
+            let md = mask.as_ref().map(on);
+            let yd = attention(
+                qd.as_tensor(),
+                kd.as_tensor(),
+                vd.as_tensor(),
+                causal,
+                md.as_ref(),
+            )
+            .unwrap();
+            let gd = (&yd * on(&g_out))
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let at = format!("case {i} {dtype:?}");
+            assert!(rel(&yd, &y) <= tol, "{at}: output {}", rel(&yd, &y));
+            for (name, a, r) in [("q", &qd, &q), ("k", &kd, &k), ("v", &vd, &v)] {
+                let e = rel(gd.get(a).unwrap(), gr.get(r).unwrap());
+                assert!(e <= tol, "{at}: d{name} {e}");
+            }
+        }
+        // The packed projection: strided views of one (B, T, 3C) tensor.
+        let qkv = var(&[2, 96, 3 * 4 * 64], 60, 1.0, DType::F64);
+        let y = attention_qkv(qkv.as_tensor(), 4, true, None).unwrap();
+        let gr = y.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+        let qd = Var::from_tensor(
+            &qkv.as_tensor()
+                .to_dtype(dtype)
+                .unwrap()
+                .to_device(&dev)
+                .unwrap(),
+        )
+        .unwrap();
+        let yd = attention_qkv(qd.as_tensor(), 4, true, None).unwrap();
+        let gd = yd
+            .to_dtype(DType::F32)
+            .unwrap()
+            .sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let tol = if dtype == DType::F32 { 1e-4 } else { 5e-2 };
+        assert!(rel(&yd, &y) <= tol, "packed {dtype:?}: output");
+        let e = rel(gd.get(&qd).unwrap(), gr.get(&qkv).unwrap());
+        assert!(e <= tol, "packed {dtype:?}: dqkv {e}");
+    }
+    // The default again.
+    attention_kernels(true);
+}

@@ -17,7 +17,9 @@
 # the GPU issues' targets, each PASS or FAIL ($OUT/verdict.md; about 4 of
 # its 8 minutes on an H100); profile: where a step's time goes, remat's
 # `bench --profile` (each nn op, the replay check and the regions, by phase)
-# beside torch.profiler's kernels (PyTorch SDPA), at the same shape:
+# beside torch.profiler's kernels (PyTorch SDPA), at the same shape;
+# kernels: the CUDA tests, then the bench and its profile with remat's fused
+# attention kernels (`--attention kernels`) in f32 and bf16:
 #
 #   bash gpu-package/run.sh verdict profile
 #
@@ -106,8 +108,8 @@ if [ ${#groups[@]} -eq 0 ] || [ "${groups[*]}" = all ]; then
 fi
 for group in "${groups[@]}"; do
   case $group in
-    tests | bench | train | torch | verdict | profile) ;;
-    *) echo "unknown group '$group': tests, bench, train, torch, verdict, profile or all" >&2; exit 2 ;;
+    tests | bench | train | torch | verdict | profile | kernels) ;;
+    *) echo "unknown group '$group': tests, bench, train, torch, verdict, profile, kernels or all" >&2; exit 2 ;;
   esac
 done
 
@@ -179,6 +181,20 @@ for group in "${groups[@]}"; do
         --checksum kernels --out "$OUT/bench-profile"
       step torch-profile 90 python3 scripts/torch_reference.py --device "$device" "${shape[@]}" \
         --steps 2 --warmup 1 --attention sdpa --profile --out "$OUT/torch-profile" ;;
+    kernels)
+      # remat's fused attention kernels: the CUDA tests, then the bench and
+      # its profile in f32 and bf16 with them, beside the composed path.
+      step cuda-tests 240 "${with_libs[@]}" "$bin/bin/cuda-tests" "${tests[@]}"
+      for dtype in f32 bf16; do
+        step "bench-kernels-$dtype" 150 "${with_libs[@]}" "$bin/bin/bench" --device "$device" \
+          "${shape[@]}" "${verdict_steps[@]}" --dtype "$dtype" --attention kernels \
+          --policies none,full --unchecked full --out "$OUT/bench-kernels-$dtype"
+        step "profile-kernels-$dtype" 120 "${with_libs[@]}" "$bin/bin/bench" --device "$device" \
+          "${shape[@]}" --steps 2 --warmup 1 --dtype "$dtype" --attention kernels --profile true \
+          --policies none,full --out "$OUT/profile-kernels-$dtype"
+      done
+      step torch-profile-bf16 90 python3 scripts/torch_reference.py --device "$device" "${shape[@]}" \
+        --steps 2 --warmup 1 --dtype bf16 --attention sdpa --profile --out "$OUT/torch-profile-bf16" ;;
   esac
 done
 echo "results in $OUT/; $failed step(s) failed"

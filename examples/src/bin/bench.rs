@@ -52,6 +52,9 @@ usage: cargo run --release -p examples --bin bench -- [flags]
   --checksum kernels|composed  how the replay check checksums CUDA tensors:
                remat's kernels (one pass each) or candle's kernels composed
                (`remat_runtime::inspect::checksum_kernels`) [kernels]
+  --attention kernels|composed  how nn's attention runs on CUDA: remat's
+               fused kernels or candle's kernels composed
+               (`remat_runtime::nn::attention_kernels`) [kernels]
   --peak-plan true  instead: a PeakPlan asked for 8 peaks from full
                   recomputation's to plain candle's, each plan's measured peak
                   and time (--steps steps, interleaved with plain candle)
@@ -179,6 +182,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         "kernels" => remat_runtime::inspect::checksum_kernels(true),
         "composed" => remat_runtime::inspect::checksum_kernels(false),
         other => return Err(format!("--checksum {other}: kernels or composed").into()),
+    }
+    let attention: String = flags.get("attention", "kernels".to_string())?;
+    match attention.as_str() {
+        "kernels" => remat_runtime::nn::attention_kernels(true),
+        "composed" => remat_runtime::nn::attention_kernels(false),
+        other => return Err(format!("--attention {other}: kernels or composed").into()),
     }
     let ops = ops
         .split(',')

@@ -15,6 +15,7 @@ impl Computed {
     }
 
     fn take(&self) -> Result<Tensor> {
+        let _profile = crate::inspect::profile::op("(inside an op) output copy");
         let t = crate::lock(&self.0).take();
         let t = t.ok_or_else(|| candle_core::Error::Msg("remat nn: forward taken twice".into()))?;
         // A fresh, contiguous storage starting at 0 (what `try_clone` copies).

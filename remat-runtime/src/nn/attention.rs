@@ -38,6 +38,10 @@ pub(super) struct Residuals {
     /// numbers of a masked row's size (a log-sum-exp of `-1e9 + 1.8` is
     /// `-1e9` in f32).
     inv_sum: Tensor,
+    /// With the CUDA kernels (`super::kernels`): per query row its maximum
+    /// score and `1 / sum`, `(2, B, H, T)` f32; the backward runs on the
+    /// kernels too (and `inv_sum` is unused).
+    stats: Option<Tensor>,
     mask: Option<Mask>,
     /// `(T, S)`: 0 where query `i` may see key `j`, `-inf` elsewhere.
     causal: Option<Tensor>,
@@ -343,6 +347,7 @@ pub(super) fn forward(
     causal: bool,
     mask: Option<&Tensor>,
 ) -> Result<(Tensor, Residuals)> {
+    let _profile = crate::inspect::profile::op("(inside an op) attention");
     let (b, h, t, d, hkv, s, dv) = check_inputs(op, q, k, v)?;
     if causal && s < t {
         candle_core::bail!(
@@ -365,6 +370,7 @@ pub(super) fn forward(
         // row masked everywhere).
         let rest = Residuals {
             inv_sum: Tensor::zeros((b, h, t, 1), q.dtype(), q.device())?,
+            stats: None,
             mask,
             causal: None,
             scale,
@@ -373,6 +379,21 @@ pub(super) fn forward(
             empty: true,
         };
         return Ok((Tensor::zeros((b, t, h, dv), q.dtype(), q.device())?, rest));
+    }
+    if super::kernels::fit(q, k, v) && !mask.as_ref().is_some_and(|m| m.tracked) {
+        let scores = mask.as_ref().map(|m| &m.scores);
+        let (out, stats) = super::kernels::forward(q, k, v, scores, causal, scale)?;
+        let rest = Residuals {
+            inv_sum: stats.clone(),
+            stats: Some(stats),
+            mask,
+            causal: None,
+            scale,
+            group,
+            keys,
+            empty: false,
+        };
+        return Ok((out, rest));
     }
     let causal = if causal {
         Some(causal_mask(t, s, q.dtype(), q.device())?)
@@ -410,6 +431,7 @@ pub(super) fn forward(
     let out = Tensor::cat(&outs, 2)?.transpose(1, 2)?.contiguous()?;
     let rest = Residuals {
         inv_sum: Tensor::cat(&inv_sums, 2)?,
+        stats: None,
         mask,
         causal,
         scale,
@@ -545,6 +567,7 @@ impl Residuals {
         out: &Tensor,
         dout: &Tensor,
     ) -> Result<Grads> {
+        let _profile = crate::inspect::profile::backward("(inside an op) attention");
         let tracked = self.mask.as_ref().filter(|m| m.tracked);
         if self.empty {
             let dmask = tracked
@@ -555,6 +578,18 @@ impl Residuals {
                 dk: k.zeros_like()?,
                 dv: v.zeros_like()?,
                 dmask,
+            });
+        }
+        if let Some(stats) = &self.stats {
+            let scores = self.mask.as_ref().map(|m| &m.scores);
+            let (causal, scale) = (self.keys.causal, self.scale);
+            let (dq, dk, dv) =
+                super::kernels::backward(&q, &k, &v, scores, causal, scale, out, dout, stats)?;
+            return Ok(Grads {
+                dq,
+                dk,
+                dv,
+                dmask: None,
             });
         }
         let (q, k, v) = {

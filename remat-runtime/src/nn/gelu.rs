@@ -51,6 +51,7 @@ impl CustomOp1 for Gelu {
 
 /// `dy * gelu'(x)`: one pass on a CPU in f32 and f64, tensor ops elsewhere.
 pub(super) fn backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    let _profile = crate::inspect::profile::backward("(inside an op) gelu");
     let (x, dy) = (x.detach().contiguous()?, dy.detach().contiguous()?);
     let fused = x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64);
     if fused && dy.dtype() == x.dtype() {

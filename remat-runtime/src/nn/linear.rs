@@ -158,6 +158,7 @@ fn activation(x: &Tensor, gelu: bool) -> Result<Tensor> {
 
 /// `a W^T + b` over `a`'s rows, `(rows, out)`, outside the graph.
 pub(super) fn product(a: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let _profile = crate::inspect::profile::op("(inside an op) matmul");
     let y = a.reshape(rows(a)?)?.matmul(&w.detach().t()?)?;
     match b {
         Some(b) => y.broadcast_add(&b.detach()),

@@ -45,6 +45,7 @@ mod attention;
 mod bundle;
 mod dropout;
 mod gelu;
+mod kernels;
 mod linear;
 mod linear_loss;
 mod loss;
@@ -70,3 +71,20 @@ pub use prenorm::PreNorm;
 pub use qkv_attention::qkv_attention;
 pub use rope::{rope, rope_i};
 pub use softmax::softmax_last_dim;
+
+/// Whether [`attention`], [`attention_qkv`] and [`qkv_attention`] run on
+/// remat's fused CUDA kernels (FlashAttention-2's way: no `(T, S)` tensor,
+/// the rows' statistics kept for the backward) where they can: a CUDA
+/// device, f32, f16 or bf16, head sizes up to 128, a mask that needs no
+/// gradient. On by default; `attention_kernels(false)` (or the
+/// environment variable `REMAT_ATTENTION_KERNELS=0`) runs candle's kernels
+/// composed instead; no effect on the CPU. A node's backward takes the path its forward
+/// took, so the switch may change at any time.
+///
+/// ```
+/// remat_runtime::nn::attention_kernels(true);
+/// remat_runtime::nn::attention_kernels(false);
+/// ```
+pub fn attention_kernels(on: bool) {
+    kernels::use_kernels(on);
+}

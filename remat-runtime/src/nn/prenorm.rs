@@ -152,6 +152,7 @@ impl Normed {
 /// The rows `x` normalized by `norm`, and what its backward reads (`x`
 /// itself and nothing without a norm).
 pub(super) fn norm_forward(norm: Option<&PreNorm>, x: Tensor) -> Result<(Tensor, Option<Normed>)> {
+    let _profile = crate::inspect::profile::op("(inside an op) norm");
     match norm {
         Some(norm) => {
             let (n, normed) = Normed::forward(norm, &x)?;

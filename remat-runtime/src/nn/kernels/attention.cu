@@ -1,0 +1,298 @@
+// Fused attention, forward and backward, in the manner of FlashAttention-2
+// (see kernels.rs): no (T, S) tensor is ever written, scores and
+// probabilities live in registers, tiles of keys/values (forward, dq) or of
+// queries and output gradients (dk, dv) in shared memory, statistics and
+// sums in f32 whatever the element type.
+//
+// One thread per query row (forward, dq) or per key row (dk, dv), NT
+// threads per block; the row vectors (up to DM features) in registers.
+//
+// Layouts (element strides; the last dimension has stride 1):
+//   q (B, H, T, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv): any strides;
+//   mask: (B, H, T, S) strides, 0 where it broadcasts, added to the scores;
+//   out, dout: (B, T, H, Dv) strides; the forward writes out contiguous;
+//   stats: f32 (2, B, H, T): each row's maximum score (0 where every key is
+//   masked) then 1 / sum of exponentials (0 there);
+//   delta: f32 (B, H, T), dout . out per row (written by the dq kernel);
+//   dq (B, H, T, D), dk (B, Hkv, S, D), dv (B, Hkv, S, Dv): contiguous.
+// Causal masking hides key j from query i when j > i + S - T.
+#include <stdint.h>
+#ifdef __CUDACC__
+#include <cuda_fp16.h>
+#include <math.h>
+#endif
+
+#define NT 64
+#define KT 32
+
+// Elements: f32, f16 (__half) and bf16 (its 16 bits), read and written
+// through f32.
+__device__ __forceinline__ float load(float x) { return x; }
+__device__ __forceinline__ float load(__half x) { return __half2float(x); }
+struct bf16_t {
+  uint16_t bits;
+};
+__device__ __forceinline__ float load(bf16_t x) {
+  return __uint_as_float(((uint32_t)x.bits) << 16);
+}
+template <typename T> __device__ __forceinline__ T store(float x);
+template <> __device__ __forceinline__ float store<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half store<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ bf16_t store<bf16_t>(float x) {
+  uint32_t u = __float_as_uint(x);
+  bf16_t r;
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    r.bits = (uint16_t)((u >> 16) | 0x40u);  // NaN stays NaN
+  } else {
+    r.bits = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);  // to nearest even
+  }
+  return r;
+}
+
+// Sizes and strides every kernel takes, by value.
+struct Shape {
+  int h, hkv, t, s, d, dv, causal, has_mask;
+  float scale;
+  long long q_b, q_h, q_t;
+  long long k_b, k_h, k_s;
+  long long v_b, v_h, v_s;
+  long long m_b, m_h, m_t, m_s;
+  long long o_b, o_t, o_h;
+  long long g_b, g_t, g_h;  // dout
+};
+
+// The score of query row `qr` against key `kr` (features 0..DM, zero past
+// d), scaled and masked.
+template <typename T, int DM>
+__device__ __forceinline__ float score(const float *qr, const float *kr, const Shape &p,
+                                       const T *mask, int b, int h, int i, int j) {
+  float dot = 0.f;
+#pragma unroll
+  for (int c = 0; c < DM; c++) dot += qr[c] * kr[c];
+  float s = dot * p.scale;
+  if (p.has_mask) s += load(mask[b * p.m_b + h * p.m_h + i * p.m_t + j * p.m_s]);
+  return s;
+}
+
+// Keys 0..keys_for(i) are visible to query i.
+__device__ __forceinline__ int keys_for(const Shape &p, int i) {
+  if (!p.causal) return p.s;
+  int n = i + p.s - p.t + 1;
+  return n < p.s ? n : p.s;
+}
+
+template <typename T, int DM>
+__device__ void attention_forward(const T *q, const T *k, const T *v, const T *mask, T *out,
+                                  float *stats, Shape p) {
+  __shared__ float ks[KT][DM];
+  __shared__ float vs[KT][DM];
+  int b = blockIdx.z, h = blockIdx.y, i = blockIdx.x * NT + threadIdx.x;
+  int hk = h / (p.h / p.hkv);
+  bool row = i < p.t;
+  float qr[DM], acc[DM];
+#pragma unroll
+  for (int c = 0; c < DM; c++) {
+    qr[c] = (row && c < p.d) ? load(q[b * p.q_b + h * p.q_h + i * p.q_t + c]) : 0.f;
+    acc[c] = 0.f;
+  }
+  float m = -INFINITY, l = 0.f;
+  int last = min((int)(blockIdx.x + 1) * NT, p.t) - 1;
+  int block_keys = keys_for(p, last);
+  int mine = row ? keys_for(p, i) : 0;
+  for (int j0 = 0; j0 < block_keys; j0 += KT) {
+    for (int e = threadIdx.x; e < KT * DM; e += NT) {
+      int r = e / DM, c = e % DM, j = j0 + r;
+      ks[r][c] = (j < p.s && c < p.d) ? load(k[b * p.k_b + hk * p.k_h + j * p.k_s + c]) : 0.f;
+      vs[r][c] = (j < p.s && c < p.dv) ? load(v[b * p.v_b + hk * p.v_h + j * p.v_s + c]) : 0.f;
+    }
+    __syncthreads();
+    int n = min(KT, mine - j0);
+    for (int r = 0; r < n; r++) {
+      float s = score<T, DM>(qr, ks[r], p, mask, b, h, i, j0 + r);
+      if (s > m) {
+        // A new maximum: rescale what was summed (exp(-inf) = 0 at first).
+        float c = expf(m - s);
+        l *= c;
+#pragma unroll
+        for (int f = 0; f < DM; f++) acc[f] *= c;
+        m = s;
+      }
+      if (m == -INFINITY) continue;  // every key so far masked
+      float e = expf(s - m);
+      l += e;
+#pragma unroll
+      for (int f = 0; f < DM; f++) acc[f] += e * vs[r][f];
+    }
+    __syncthreads();
+  }
+  if (!row) return;
+  float inv = l > 0.f ? 1.f / l : 0.f;
+  if (m == -INFINITY) m = 0.f;
+  T *o = out + (((long long)b * p.t + i) * p.h + h) * p.dv;
+#pragma unroll
+  for (int c = 0; c < DM; c++)
+    if (c < p.dv) o[c] = store<T>(acc[c] * inv);
+  long long bht = (long long)gridDim.z * p.h * p.t;
+  long long at = ((long long)b * p.h + h) * p.t + i;
+  stats[at] = m;
+  stats[bht + at] = inv;
+}
+
+// dq, and delta = dout . out per row.
+template <typename T, int DM>
+__device__ void attention_backward_dq(const T *q, const T *k, const T *v, const T *mask,
+                                      const T *out, const T *dout, const float *stats, T *dq,
+                                      float *delta, Shape p) {
+  __shared__ float ks[KT][DM];
+  __shared__ float vs[KT][DM];
+  int b = blockIdx.z, h = blockIdx.y, i = blockIdx.x * NT + threadIdx.x;
+  int hk = h / (p.h / p.hkv);
+  bool row = i < p.t;
+  float qr[DM], gr[DM], acc[DM];
+  float di = 0.f;
+#pragma unroll
+  for (int c = 0; c < DM; c++) {
+    qr[c] = (row && c < p.d) ? load(q[b * p.q_b + h * p.q_h + i * p.q_t + c]) : 0.f;
+    float g = (row && c < p.dv) ? load(dout[b * p.g_b + i * p.g_t + h * p.g_h + c]) : 0.f;
+    float o = (row && c < p.dv) ? load(out[b * p.o_b + i * p.o_t + h * p.o_h + c]) : 0.f;
+    gr[c] = g;
+    di += g * o;
+    acc[c] = 0.f;
+  }
+  long long bht = (long long)gridDim.z * p.h * p.t;
+  long long at = ((long long)b * p.h + h) * p.t + i;
+  float m = row ? stats[at] : 0.f, inv = row ? stats[bht + at] : 0.f;
+  int last = min((int)(blockIdx.x + 1) * NT, p.t) - 1;
+  int block_keys = keys_for(p, last);
+  int mine = (row && inv != 0.f) ? keys_for(p, i) : 0;
+  for (int j0 = 0; j0 < block_keys; j0 += KT) {
+    for (int e = threadIdx.x; e < KT * DM; e += NT) {
+      int r = e / DM, c = e % DM, j = j0 + r;
+      ks[r][c] = (j < p.s && c < p.d) ? load(k[b * p.k_b + hk * p.k_h + j * p.k_s + c]) : 0.f;
+      vs[r][c] = (j < p.s && c < p.dv) ? load(v[b * p.v_b + hk * p.v_h + j * p.v_s + c]) : 0.f;
+    }
+    __syncthreads();
+    int n = min(KT, mine - j0);
+    for (int r = 0; r < n; r++) {
+      float s = score<T, DM>(qr, ks[r], p, mask, b, h, i, j0 + r);
+      float pr = expf(s - m) * inv;
+      float dp = 0.f;
+#pragma unroll
+      for (int c = 0; c < DM; c++) dp += gr[c] * vs[r][c];
+      float ds = pr * (dp - di);
+#pragma unroll
+      for (int c = 0; c < DM; c++) acc[c] += ds * ks[r][c];
+    }
+    __syncthreads();
+  }
+  if (!row) return;
+  T *o = dq + at * p.d;
+#pragma unroll
+  for (int c = 0; c < DM; c++)
+    if (c < p.d) o[c] = store<T>(acc[c] * p.scale);
+  delta[at] = di;
+}
+
+// dk (DK) or dv (!DK) of key row j of key/value head hk, summed over the
+// query heads that read it.
+template <typename T, int DM, bool DK>
+__device__ void attention_backward_dkv(const T *q, const T *k, const T *v, const T *mask,
+                                       const T *dout, const float *stats, const float *delta,
+                                       T *grad, Shape p) {
+  __shared__ float qs[KT][DM];
+  __shared__ float gs[KT][DM];
+  __shared__ float ms[KT], invs[KT], ds_[KT];
+  int b = blockIdx.z, hk = blockIdx.y, j = blockIdx.x * NT + threadIdx.x;
+  int group = p.h / p.hkv;
+  bool row = j < p.s;
+  float kr[DM], vr[DM], acc[DM];
+#pragma unroll
+  for (int c = 0; c < DM; c++) {
+    kr[c] = (row && c < p.d) ? load(k[b * p.k_b + hk * p.k_h + j * p.k_s + c]) : 0.f;
+    vr[c] = (DK && row && c < p.dv) ? load(v[b * p.v_b + hk * p.v_h + j * p.v_s + c]) : 0.f;
+    acc[c] = 0.f;
+  }
+  long long bht = (long long)gridDim.z * p.h * p.t;
+  // The first query that sees the block's first key.
+  int first = 0;
+  if (p.causal) {
+    int f = (int)(blockIdx.x * NT) - (p.s - p.t);
+    first = f > 0 ? (f / KT) * KT : 0;
+  }
+  // The first query that sees key j.
+  int from = p.causal ? j - (p.s - p.t) : 0;
+  for (int h = hk * group; h < (hk + 1) * group; h++) {
+    for (int i0 = first; i0 < p.t; i0 += KT) {
+      for (int e = threadIdx.x; e < KT * DM; e += NT) {
+        int r = e / DM, c = e % DM, i = i0 + r;
+        qs[r][c] = (i < p.t && c < p.d) ? load(q[b * p.q_b + h * p.q_h + i * p.q_t + c]) : 0.f;
+        gs[r][c] =
+            (i < p.t && c < p.dv) ? load(dout[b * p.g_b + i * p.g_t + h * p.g_h + c]) : 0.f;
+      }
+      for (int r = threadIdx.x; r < KT; r += NT) {
+        int i = i0 + r;
+        long long at = ((long long)b * p.h + h) * p.t + i;
+        ms[r] = i < p.t ? stats[at] : 0.f;
+        invs[r] = i < p.t ? stats[bht + at] : 0.f;
+        ds_[r] = (DK && i < p.t) ? delta[at] : 0.f;
+      }
+      __syncthreads();
+      if (row) {
+        for (int r = 0; r < KT; r++) {
+          int i = i0 + r;
+          if (i >= p.t) break;
+          if (i < from || invs[r] == 0.f) continue;
+          float s = score<T, DM>(qs[r], kr, p, mask, b, h, i, j);
+          float pr = expf(s - ms[r]) * invs[r];
+          if (DK) {
+            float dp = 0.f;
+#pragma unroll
+            for (int c = 0; c < DM; c++) dp += gs[r][c] * vr[c];
+            float ds = pr * (dp - ds_[r]);
+#pragma unroll
+            for (int c = 0; c < DM; c++) acc[c] += ds * qs[r][c];
+          } else {
+#pragma unroll
+            for (int c = 0; c < DM; c++) acc[c] += pr * gs[r][c];
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+  if (!row) return;
+  int width = DK ? p.d : p.dv;
+  T *o = grad + (((long long)b * p.hkv + hk) * p.s + j) * width;
+#pragma unroll
+  for (int c = 0; c < DM; c++)
+    if (c < width) o[c] = store<T>(DK ? acc[c] * p.scale : acc[c]);
+}
+
+// The entry points, per element type and largest head size.
+#define ATTENTION_KERNELS(T, NAME, DM)                                                        \
+  extern "C" __global__ void attention_forward_##NAME##_##DM(                                \
+      const T *q, const T *k, const T *v, const T *mask, T *out, float *stats, Shape p) {    \
+    attention_forward<T, DM>(q, k, v, mask, out, stats, p);                                   \
+  }                                                                                           \
+  extern "C" __global__ void attention_backward_dq_##NAME##_##DM(                            \
+      const T *q, const T *k, const T *v, const T *mask, const T *out, const T *dout,        \
+      const float *stats, T *dq, float *delta, Shape p) {                                     \
+    attention_backward_dq<T, DM>(q, k, v, mask, out, dout, stats, dq, delta, p);              \
+  }                                                                                           \
+  extern "C" __global__ void attention_backward_dk_##NAME##_##DM(                            \
+      const T *q, const T *k, const T *v, const T *mask, const T *dout, const float *stats,  \
+      const float *delta, T *dk, Shape p) {                                                   \
+    attention_backward_dkv<T, DM, true>(q, k, v, mask, dout, stats, delta, dk, p);            \
+  }                                                                                           \
+  extern "C" __global__ void attention_backward_dv_##NAME##_##DM(                            \
+      const T *q, const T *k, const T *v, const T *mask, const T *dout, const float *stats,  \
+      const float *delta, T *dv, Shape p) {                                                   \
+    attention_backward_dkv<T, DM, false>(q, k, v, mask, dout, stats, delta, dv, p);           \
+  }
+
+ATTENTION_KERNELS(float, f32, 64)
+ATTENTION_KERNELS(float, f32, 128)
+ATTENTION_KERNELS(__half, f16, 64)
+ATTENTION_KERNELS(__half, f16, 128)
+ATTENTION_KERNELS(bf16_t, bf16, 64)
+ATTENTION_KERNELS(bf16_t, bf16, 128)

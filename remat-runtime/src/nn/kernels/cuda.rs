@@ -1,0 +1,310 @@
+//! The launches of `attention.cu`'s kernels on candle's CUDA device.
+
+use std::sync::Mutex;
+
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::{
+    CpuStorage, CudaDevice, CudaStorage, CustomOp1, DType, Layout, Result, Storage, Tensor,
+};
+use half::{bf16, f16};
+
+use super::{Shape, MAX_HEAD};
+
+/// `attention.cu` compiled by `build.rs`.
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
+const MODULE: &str = "remat_attention";
+/// Threads per block (`NT` of attention.cu): rows per block.
+const ROWS: usize = 64;
+
+// SAFETY: `Shape` is `#[repr(C)]` plain data (integers and a float), laid
+// out as attention.cu's `struct Shape`, passed to the kernels by value.
+unsafe impl DeviceRepr for Shape {}
+
+/// A storage computed outside candle, handed to a tensor: the node's
+/// forward takes it (once).
+struct Handed(Mutex<Option<(CudaStorage, candle_core::Shape)>>);
+
+impl CustomOp1 for Handed {
+    fn name(&self) -> &'static str {
+        "remat-attention-kernel-output"
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, candle_core::Shape)> {
+        candle_core::bail!("remat attention kernels: a CUDA output handed on the CPU")
+    }
+    fn cuda_fwd(&self, _: &CudaStorage, _: &Layout) -> Result<(CudaStorage, candle_core::Shape)> {
+        crate::lock(&self.0).take().ok_or_else(|| {
+            candle_core::Error::Msg("remat attention kernels: output taken twice".into())
+        })
+    }
+}
+
+/// A tensor of `slice`, shaped `shape`, on `anchor`'s device.
+fn hand<T: CudaDType>(
+    anchor: &Tensor,
+    slice: CudaSlice<T>,
+    dev: &CudaDevice,
+    shape: impl Into<candle_core::Shape>,
+) -> Result<Tensor> {
+    let storage = CudaStorage::wrap_cuda_slice(slice, dev.clone());
+    anchor.apply_op1_no_bwd(&Handed(Mutex::new(Some((storage, shape.into())))))
+}
+
+/// The kernel's name for a head size: the instance with room for it.
+fn instance(stem: &str, dtype: &str, width: usize) -> String {
+    let dm = if width <= 64 { 64 } else { MAX_HEAD };
+    format!("{stem}_{dtype}_{dm}")
+}
+
+fn config(blocks: usize, heads: usize, batch: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (blocks.div_ceil(ROWS) as u32, heads as u32, batch as u32),
+        block_dim: (ROWS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The CUDA storage of `t` and its layout.
+fn storage(t: &Tensor) -> Result<(impl std::ops::Deref<Target = Storage> + '_, Layout)> {
+    let (s, l) = t.storage_and_layout();
+    if !matches!(&*s, Storage::Cuda(_)) {
+        candle_core::bail!("remat attention kernels: a tensor is not on CUDA");
+    }
+    let l = l.clone();
+    Ok((s, l))
+}
+
+/// The CUDA device of `t`.
+fn device(t: &Tensor) -> Result<CudaDevice> {
+    match &*t.storage_and_layout().0 {
+        Storage::Cuda(c) => Ok(c.device.clone()),
+        _ => candle_core::bail!("remat attention kernels: a tensor is not on CUDA"),
+    }
+}
+
+fn cuda_of(s: &Storage) -> &CudaStorage {
+    match s {
+        Storage::Cuda(c) => c,
+        _ => unreachable!("checked by `storage`"),
+    }
+}
+
+/// `t`'s elements from its start offset.
+fn view<'a, T: CudaDType>(s: &'a Storage, l: &Layout) -> Result<CudaView<'a, T>> {
+    Ok(cuda_of(s).as_cuda_slice::<T>()?.slice(l.start_offset()..))
+}
+
+pub(super) fn forward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    causal: bool,
+    scale: f64,
+) -> Result<(Tensor, Tensor)> {
+    match q.dtype() {
+        DType::F32 => forward_as::<f32>(q, k, v, mask, causal, scale, "f32"),
+        DType::F16 => forward_as::<f16>(q, k, v, mask, causal, scale, "f16"),
+        DType::BF16 => forward_as::<bf16>(q, k, v, mask, causal, scale, "bf16"),
+        other => Err(candle_core::Error::UnsupportedDTypeForOp(
+            other,
+            "attention kernels",
+        )),
+    }
+}
+
+fn forward_as<T: CudaDType + DeviceRepr>(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    causal: bool,
+    scale: f64,
+    name: &str,
+) -> Result<(Tensor, Tensor)> {
+    let shape = Shape::new(q, k, v, mask, causal, scale)?;
+    let (b, h, t, _) = q.dims4()?;
+    let dv = v.dim(3)?;
+    let dev = device(q)?;
+    let (out, stats) = {
+        let (qs, ql) = storage(q)?;
+        let (ks, kl) = storage(k)?;
+        let (vs, vl) = storage(v)?;
+        let m = mask.map(storage).transpose()?;
+        let (qv, kv, vv) = (
+            view::<T>(&qs, &ql)?,
+            view::<T>(&ks, &kl)?,
+            view::<T>(&vs, &vl)?,
+        );
+        let mv = match &m {
+            Some((s, l)) => view::<T>(s, l)?,
+            None => view::<T>(&qs, &ql)?,
+        };
+        // SAFETY: the forward writes every element of both: each of the
+        // B x H x T row threads its `Dv` outputs and its two statistics.
+        let out = unsafe { dev.alloc::<T>(b * t * h * dv)? };
+        let stats = unsafe { dev.alloc::<f32>(2 * b * h * t)? };
+        let func = dev.get_or_load_custom_func(
+            &instance("attention_forward", name, q.dim(3)?.max(dv)),
+            MODULE,
+            PTX,
+        )?;
+        let mut builder = func.builder();
+        builder.arg(&qv);
+        builder.arg(&kv);
+        builder.arg(&vv);
+        builder.arg(&mv);
+        builder.arg(&out);
+        builder.arg(&stats);
+        builder.arg(&shape);
+        // SAFETY: the arguments are the kernel's (const T* q, k, v, mask,
+        // T* out, float* stats, Shape) in order; `shape` holds the sizes
+        // and strides of the views (each row's features contiguous, checked
+        // by `fit`); the grid covers the B x H x T rows, ROWS per block.
+        unsafe { builder.launch(config(t, h, b)) }.w()?;
+        (out, stats)
+    };
+    Ok((
+        hand(q, out, &dev, (b, t, h, dv))?,
+        hand(q, stats, &dev, (2, b, h, t))?,
+    ))
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn backward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    causal: bool,
+    scale: f64,
+    out: &Tensor,
+    dout: &Tensor,
+    stats: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    // Each row's features contiguous for the kernels.
+    let dout = if dout.stride()[3] == 1 {
+        dout.clone()
+    } else {
+        dout.contiguous()?
+    };
+    let out = if out.stride()[3] == 1 {
+        out.clone()
+    } else {
+        out.contiguous()?
+    };
+    let stats = stats.contiguous()?;
+    let args = (q, k, v, mask, causal, scale, &out, &dout, &stats);
+    match q.dtype() {
+        DType::F32 => backward_as::<f32>(args, "f32"),
+        DType::F16 => backward_as::<f16>(args, "f16"),
+        DType::BF16 => backward_as::<bf16>(args, "bf16"),
+        other => Err(candle_core::Error::UnsupportedDTypeForOp(
+            other,
+            "attention kernels",
+        )),
+    }
+}
+
+type BackwardArgs<'a> = (
+    &'a Tensor,
+    &'a Tensor,
+    &'a Tensor,
+    Option<&'a Tensor>,
+    bool,
+    f64,
+    &'a Tensor,
+    &'a Tensor,
+    &'a Tensor,
+);
+
+fn backward_as<T: CudaDType + DeviceRepr>(
+    args: BackwardArgs<'_>,
+    name: &str,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (q, k, v, mask, causal, scale, out, dout, stats) = args;
+    let shape = Shape::new(q, k, v, mask, causal, scale)?.with_output(out, dout);
+    let (b, h, t, d) = q.dims4()?;
+    let (_, hkv, s, dv) = v.dims4()?;
+    let width = d.max(dv);
+    let dev = device(q)?;
+    let (dq, dk, dvv) = {
+        let (qs, ql) = storage(q)?;
+        let (ks, kl) = storage(k)?;
+        let (vs, vl) = storage(v)?;
+        let (os, ol) = storage(out)?;
+        let (gs, gl) = storage(dout)?;
+        let (ss, sl) = storage(stats)?;
+        let m = mask.map(storage).transpose()?;
+        let (qv, kv, vv) = (
+            view::<T>(&qs, &ql)?,
+            view::<T>(&ks, &kl)?,
+            view::<T>(&vs, &vl)?,
+        );
+        let (ov, gv, sv) = (
+            view::<T>(&os, &ol)?,
+            view::<T>(&gs, &gl)?,
+            view::<f32>(&ss, &sl)?,
+        );
+        let mv = match &m {
+            Some((s, l)) => view::<T>(s, l)?,
+            None => view::<T>(&qs, &ql)?,
+        };
+        // SAFETY: every element is written: the dq kernel's B x H x T row
+        // threads write their `D` gradients and their delta, the dk and dv
+        // kernels' B x Hkv x S key threads their `D` and `Dv`.
+        let dq = unsafe { dev.alloc::<T>(b * h * t * d)? };
+        let delta = unsafe { dev.alloc::<f32>(b * h * t)? };
+        let dk = unsafe { dev.alloc::<T>(b * hkv * s * d)? };
+        let dvv = unsafe { dev.alloc::<T>(b * hkv * s * dv)? };
+        let func = dev.get_or_load_custom_func(
+            &instance("attention_backward_dq", name, width),
+            MODULE,
+            PTX,
+        )?;
+        let mut builder = func.builder();
+        builder.arg(&qv);
+        builder.arg(&kv);
+        builder.arg(&vv);
+        builder.arg(&mv);
+        builder.arg(&ov);
+        builder.arg(&gv);
+        builder.arg(&sv);
+        builder.arg(&dq);
+        builder.arg(&delta);
+        builder.arg(&shape);
+        // SAFETY: (const T* q, k, v, mask, out, dout, const float* stats,
+        // T* dq, float* delta, Shape) in order, `shape` describing the
+        // views; the grid covers the B x H x T rows.
+        unsafe { builder.launch(config(t, h, b)) }.w()?;
+        for (stem, grad) in [
+            ("attention_backward_dk", &dk),
+            ("attention_backward_dv", &dvv),
+        ] {
+            let func = dev.get_or_load_custom_func(&instance(stem, name, width), MODULE, PTX)?;
+            let mut builder = func.builder();
+            builder.arg(&qv);
+            builder.arg(&kv);
+            builder.arg(&vv);
+            builder.arg(&mv);
+            builder.arg(&gv);
+            builder.arg(&sv);
+            builder.arg(&delta);
+            builder.arg(grad);
+            builder.arg(&shape);
+            // SAFETY: (const T* q, k, v, mask, dout, const float* stats,
+            // const float* delta, T* grad, Shape) in order; `delta` was
+            // written by the dq kernel, queued before on the same stream;
+            // the grid covers the B x Hkv x S key rows.
+            unsafe { builder.launch(config(s, hkv, b)) }.w()?;
+        }
+        (dq, dk, dvv)
+    };
+    Ok((
+        hand(q, dq, &dev, (b, h, t, d))?,
+        hand(q, dk, &dev, (b, hkv, s, d))?,
+        hand(q, dvv, &dev, (b, hkv, s, dv))?,
+    ))
+}

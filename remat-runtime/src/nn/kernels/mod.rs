@@ -1,0 +1,202 @@
+//! Fused attention kernels for CUDA (`attention.cu`, compiled to PTX by
+//! `build.rs`): the forward and the backward of [`super::attention`] in the
+//! manner of FlashAttention-2, with no `(T, S)` tensor, when its arguments
+//! allow (a CUDA device, f32/f16/bf16, head sizes up to 128, no tracked
+//! mask). The backward reads each row's maximum score and `1 / sum`, kept
+//! from the forward (`(2, B, H, T)` f32), and recomputes the
+//! probabilities, as the composed path does.
+//!
+//! On by default (they passed `attention_kernels_match_the_cpu_in_f64` on
+//! an H100); [`attention_kernels`](crate::nn::attention_kernels)`(false)` or
+//! `REMAT_ATTENTION_KERNELS=0` turns them off. On the CPU, the test
+//! `the_attention_kernels_on_host_threads_match_f64` runs the same source
+//! (each block's threads as POSIX threads) against the composed op in f64.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use candle_core::{DType, Result, Tensor};
+
+/// Whether CUDA attention runs on the kernels.
+static ON: AtomicBool = AtomicBool::new(true);
+
+/// Turns the kernels on or off.
+pub(crate) fn use_kernels(on: bool) {
+    ON.store(on, Ordering::Relaxed);
+}
+
+/// Whether the kernels are on: [`use_kernels`], or `REMAT_ATTENTION_KERNELS`
+/// (`0` or `1`) read at the first call.
+pub(crate) fn kernels_on() -> bool {
+    static FROM_ENV: std::sync::Once = std::sync::Once::new();
+    FROM_ENV.call_once(
+        || match std::env::var("REMAT_ATTENTION_KERNELS").as_deref() {
+            Ok("1") => ON.store(true, Ordering::Relaxed),
+            Ok("0") => ON.store(false, Ordering::Relaxed),
+            _ => {}
+        },
+    );
+    ON.load(Ordering::Relaxed)
+}
+
+/// The largest head size the kernels take (their row vectors live in
+/// registers).
+pub(crate) const MAX_HEAD: usize = 128;
+
+/// Whether the kernels can run attention over `q`, `k`, `v` (and an
+/// untracked `mask`, rank 4): on CUDA, with them on, a float dtype of 16 or
+/// 32 bits, head sizes up to [`MAX_HEAD`], each row's features contiguous.
+pub(crate) fn fit(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
+    let rows_contiguous =
+        |t: &Tensor| t.dims().last().is_some_and(|&d| d <= 1) || t.stride()[3] == 1;
+    q.device().is_cuda()
+        && kernels_on()
+        && matches!(q.dtype(), DType::F32 | DType::F16 | DType::BF16)
+        && q.rank() == 4
+        && q.dim(3).is_ok_and(|d| d <= MAX_HEAD)
+        && v.dim(3).is_ok_and(|d| d <= MAX_HEAD)
+        && [q, k, v].into_iter().all(rows_contiguous)
+}
+
+/// The sizes and strides every kernel takes by value: `Shape` of
+/// `attention.cu`, field for field.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(crate) struct Shape {
+    pub h: i32,
+    pub hkv: i32,
+    pub t: i32,
+    pub s: i32,
+    pub d: i32,
+    pub dv: i32,
+    pub causal: i32,
+    pub has_mask: i32,
+    pub scale: f32,
+    pub q: [i64; 3],
+    pub k: [i64; 3],
+    pub v: [i64; 3],
+    pub mask: [i64; 4],
+    pub out: [i64; 3],
+    pub dout: [i64; 3],
+}
+
+/// Strides of `t` (rank 4) in the order the kernels read them: `order`
+/// picks the dimensions; a dimension of size 1 gets 0 (a broadcast mask).
+fn strides<const N: usize>(t: &Tensor, order: [usize; N]) -> [i64; N] {
+    let (dims, st) = (t.dims(), t.stride());
+    order.map(|i| if dims[i] == 1 { 0 } else { st[i] as i64 })
+}
+
+impl Shape {
+    /// The shape of attention over `q` `(B, H, T, D)`, `k` `(B, Hkv, S, D)`,
+    /// `v` `(B, Hkv, S, Dv)` and a rank-4 `mask` broadcast to `(B, H, T,
+    /// S)`.
+    pub fn new(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: Option<&Tensor>,
+        causal: bool,
+        scale: f64,
+    ) -> Result<Self> {
+        let (_, h, t, d) = q.dims4()?;
+        let (_, hkv, s, _) = k.dims4()?;
+        let dv = v.dim(3)?;
+        let int = |n: usize| {
+            i32::try_from(n).map_err(|_| {
+                candle_core::Error::Msg(format!("attention: {n} does not fit the kernels' sizes"))
+            })
+        };
+        Ok(Shape {
+            h: int(h)?,
+            hkv: int(hkv)?,
+            t: int(t)?,
+            s: int(s)?,
+            d: int(d)?,
+            dv: int(dv)?,
+            causal: causal.into(),
+            has_mask: mask.is_some().into(),
+            scale: scale as f32,
+            q: strides(q, [0, 1, 2]),
+            k: strides(k, [0, 1, 2]),
+            v: strides(v, [0, 1, 2]),
+            mask: mask.map_or([0; 4], |m| strides(m, [0, 1, 2, 3])),
+            out: [0; 3],
+            dout: [0; 3],
+        })
+    }
+
+    /// With the output and its gradient `(B, T, H, Dv)`, for the backward.
+    pub fn with_output(mut self, out: &Tensor, dout: &Tensor) -> Self {
+        self.out = strides(out, [0, 1, 2]);
+        self.dout = strides(dout, [0, 1, 2]);
+        self
+    }
+}
+
+/// The attention's output `(B, T, H, Dv)` and the rows' statistics `(2, B,
+/// H, T)` f32 (maximum score, `1 / sum`), by the kernels.
+#[cfg(feature = "cuda")]
+pub(crate) fn forward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    causal: bool,
+    scale: f64,
+) -> Result<(Tensor, Tensor)> {
+    cuda::forward(q, k, v, mask, causal, scale)
+}
+
+/// The gradients `(dq, dk, dv)` by the kernels, contiguous, shaped as `q`,
+/// `k`, `v`.
+#[cfg(feature = "cuda")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    causal: bool,
+    scale: f64,
+    out: &Tensor,
+    dout: &Tensor,
+    stats: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    cuda::backward(q, k, v, mask, causal, scale, out, dout, stats)
+}
+
+/// Without the `cuda` feature no tensor is on CUDA, so [`fit`] is false.
+#[cfg(not(feature = "cuda"))]
+pub(crate) fn forward(
+    _: &Tensor,
+    _: &Tensor,
+    _: &Tensor,
+    _: Option<&Tensor>,
+    _: bool,
+    _: f64,
+) -> Result<(Tensor, Tensor)> {
+    Err(candle_core::Error::NotCompiledWithCudaSupport)
+}
+
+/// Without the `cuda` feature no tensor is on CUDA, so [`fit`] is false.
+#[cfg(not(feature = "cuda"))]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward(
+    _: &Tensor,
+    _: &Tensor,
+    _: &Tensor,
+    _: Option<&Tensor>,
+    _: bool,
+    _: f64,
+    _: &Tensor,
+    _: &Tensor,
+    _: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    Err(candle_core::Error::NotCompiledWithCudaSupport)
+}
+
+#[cfg(feature = "cuda")]
+mod cuda;
+
+#[cfg(test)]
+mod tests;

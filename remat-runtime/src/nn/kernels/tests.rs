@@ -1,0 +1,357 @@
+//! The attention kernels' source, run on host threads, against
+//! [`crate::nn::attention`] in f64.
+
+use candle_core::{DType, Device, Tensor, Var};
+
+use super::Shape;
+
+/// One case: sizes, masking, and whether q, k, v are views of one packed
+/// `(B, T, 3, H, D)` projection.
+struct Case {
+    b: usize,
+    h: usize,
+    hkv: usize,
+    t: usize,
+    s: usize,
+    d: usize,
+    dv: usize,
+    causal: bool,
+    /// The mask's shape (broadcast to `(B, H, T, S)`), if any.
+    mask: Option<[usize; 4]>,
+    packed: bool,
+}
+
+/// Deterministic values in [-2, 2).
+fn values(n: usize, seed: u64) -> Vec<f64> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 11) as f64 / (1u64 << 53) as f64 * 4.0 - 2.0
+        })
+        .collect()
+}
+
+/// `v` rounded to `dtype` and back to f64.
+fn rounded(v: &[f64], dims: &[usize], dtype: DType) -> Tensor {
+    Tensor::from_slice(v, dims, &Device::Cpu)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+}
+
+fn rel(a: &Tensor, b: &Tensor) -> f64 {
+    let d = (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap();
+    let s = b.abs().unwrap().flatten_all().unwrap().max(0).unwrap();
+    d.to_scalar::<f64>().unwrap() / s.to_scalar::<f64>().unwrap().max(1e-30)
+}
+
+/// Runs the host build of the kernels over `c` in `dtype` and compares the
+/// output and the three gradients with the composed op in f64.
+fn check(
+    exe: &std::path::Path,
+    dir: &std::path::Path,
+    c: &Case,
+    dtype: DType,
+    tol: f64,
+    seed: u64,
+) {
+    let Case {
+        b,
+        h,
+        hkv,
+        t,
+        s,
+        d,
+        dv,
+        causal,
+        ..
+    } = *c;
+    let cpu = Device::Cpu;
+    // Inputs, rounded to the dtype; q, k, v as the layout under test.
+    let (q, k, v, data_qkv) = if c.packed {
+        assert_eq!((h, d), (hkv, dv));
+        let p = rounded(&values(b * t * 3 * h * d, seed), &[b, t, 3, h, d], dtype);
+        let part = |i| {
+            p.narrow(2, i, 1)
+                .unwrap()
+                .squeeze(2)
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+        };
+        (part(0), part(1), part(2), p.flatten_all().unwrap())
+    } else {
+        let q = rounded(&values(b * h * t * d, seed), &[b, h, t, d], dtype);
+        let k = rounded(&values(b * hkv * s * d, seed + 1), &[b, hkv, s, d], dtype);
+        let v = rounded(&values(b * hkv * s * dv, seed + 2), &[b, hkv, s, dv], dtype);
+        let all = Tensor::cat(
+            &[
+                q.flatten_all().unwrap(),
+                k.flatten_all().unwrap(),
+                v.flatten_all().unwrap(),
+            ],
+            0,
+        )
+        .unwrap();
+        (q, k, v, all)
+    };
+    let mask = c.mask.map(|dims| {
+        let n: usize = dims.iter().product();
+        let mut m: Vec<f64> = values(n, seed + 3).iter().map(|x| x / 2.0).collect();
+        // Keys hidden by -inf, by a huge finite value, and (when the mask has
+        // rows) a whole row hidden.
+        for (i, x) in m.iter_mut().enumerate() {
+            if i % 7 == 3 {
+                *x = f64::NEG_INFINITY;
+            } else if i % 11 == 5 {
+                *x = -1e9;
+            }
+        }
+        if dims[2] > 2 {
+            let row = 2 * dims[3];
+            m[row..row + dims[3]].fill(f64::NEG_INFINITY);
+        }
+        rounded(&m, &dims, dtype)
+    });
+    let dout = rounded(&values(b * t * h * dv, seed + 4), &[b, t, h, dv], dtype);
+
+    // The reference: the composed op in f64 and its gradients.
+    let (qv, kv, vv) = (
+        Var::from_tensor(&q.contiguous().unwrap()).unwrap(),
+        Var::from_tensor(&k.contiguous().unwrap()).unwrap(),
+        Var::from_tensor(&v.contiguous().unwrap()).unwrap(),
+    );
+    let y = crate::nn::attention(
+        qv.as_tensor(),
+        kv.as_tensor(),
+        vv.as_tensor(),
+        causal,
+        mask.as_ref(),
+    )
+    .unwrap();
+    let loss = (&y * dout.transpose(1, 2).unwrap())
+        .unwrap()
+        .sum_all()
+        .unwrap();
+    let g = loss.backward().unwrap();
+    let reference = [
+        y.transpose(1, 2).unwrap().contiguous().unwrap(),
+        g.get(&qv).unwrap().clone(),
+        g.get(&kv).unwrap().clone(),
+        g.get(&vv).unwrap().clone(),
+    ];
+
+    // The case file (see host/main.cpp).
+    let scale = 1.0 / (d as f64).sqrt();
+    let shape = Shape::new(
+        &q,
+        &k,
+        &v,
+        mask.as_ref()
+            .map(|m| {
+                let mut m = m.clone();
+                while m.rank() < 4 {
+                    m = m.unsqueeze(0).unwrap();
+                }
+                m
+            })
+            .as_ref(),
+        causal,
+        scale,
+    )
+    .unwrap()
+    .with_output(&dout, &dout);
+    let n_qkv = data_qkv.elem_count();
+    let (oq, ok, ov) = if c.packed {
+        (0, h * d, 2 * h * d)
+    } else {
+        (0, b * h * t * d, b * h * t * d + b * hkv * s * d)
+    };
+    let mask_flat = mask.as_ref().map(|m| m.flatten_all().unwrap());
+    let om = n_qkv;
+    let od = om + mask_flat.as_ref().map_or(0, |m| m.elem_count());
+    let mut parts = vec![data_qkv];
+    parts.extend(mask_flat);
+    parts.push(dout.flatten_all().unwrap());
+    let data = Tensor::cat(&parts, 0).unwrap().to_dtype(dtype).unwrap();
+    let code: i64 = match dtype {
+        DType::F32 => 0,
+        DType::F16 => 1,
+        DType::BF16 => 2,
+        _ => unreachable!(),
+    };
+    let dm: i64 = if d.max(dv) <= 64 { 64 } else { 128 };
+    let mut bytes = Vec::new();
+    let mut put = |x: i64| bytes.extend_from_slice(&x.to_le_bytes());
+    for x in [code, dm, b as i64] {
+        put(x);
+    }
+    for x in [
+        shape.h,
+        shape.hkv,
+        shape.t,
+        shape.s,
+        shape.d,
+        shape.dv,
+        shape.causal,
+        shape.has_mask,
+    ] {
+        put(x.into());
+    }
+    let mut strides = Vec::new();
+    for a in [
+        &shape.q[..],
+        &shape.k,
+        &shape.v,
+        &shape.mask,
+        &shape.out,
+        &shape.dout,
+    ] {
+        strides.extend_from_slice(a);
+    }
+    bytes.extend_from_slice(&scale.to_le_bytes());
+    let mut put = |x: i64| bytes.extend_from_slice(&x.to_le_bytes());
+    for x in strides {
+        put(x);
+    }
+    for x in [oq, ok, ov, om, 0, od, data.elem_count()] {
+        put(x as i64);
+    }
+    match dtype {
+        DType::F32 => data
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .for_each(|x| bytes.extend_from_slice(&x.to_le_bytes())),
+        DType::F16 => data
+            .to_vec1::<half::f16>()
+            .unwrap()
+            .iter()
+            .for_each(|x| bytes.extend_from_slice(&x.to_le_bytes())),
+        _ => data
+            .to_vec1::<half::bf16>()
+            .unwrap()
+            .iter()
+            .for_each(|x| bytes.extend_from_slice(&x.to_le_bytes())),
+    }
+    let (input, output) = (
+        dir.join(format!("case{seed}.in")),
+        dir.join(format!("case{seed}.out")),
+    );
+    std::fs::write(&input, bytes).unwrap();
+    let status = std::process::Command::new(exe)
+        .arg(&input)
+        .arg(&output)
+        .status()
+        .unwrap();
+    assert!(
+        status.success(),
+        "the host kernels failed on case {seed}: {status}"
+    );
+
+    // The results, in the order main.cpp writes them.
+    let raw = std::fs::read(&output).unwrap();
+    let size = dtype.size_in_bytes();
+    let mut at = 0;
+    let mut take = |n: usize, dt: DType, dims: &[usize]| {
+        let bytes = &raw[at..at + n * dt.size_in_bytes()];
+        at += n * dt.size_in_bytes();
+        Tensor::from_raw_buffer(bytes, dt, dims, &cpu)
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+    };
+    let out = take(b * t * h * dv, dtype, &[b, t, h, dv]);
+    let stats = take(2 * b * h * t, DType::F32, &[2, b, h, t]);
+    let dq = take(b * h * t * d, dtype, &[b, h, t, d]);
+    let dk = take(b * hkv * s * d, dtype, &[b, hkv, s, d]);
+    let dvv = take(b * hkv * s * dv, dtype, &[b, hkv, s, dv]);
+    assert_eq!(at, raw.len(), "{size}");
+    assert!(stats
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f64>()
+        .unwrap()
+        .iter()
+        .all(|x| x.is_finite()));
+    for (name, got, want) in [
+        ("out", &out, &reference[0]),
+        ("dq", &dq, &reference[1]),
+        ("dk", &dk, &reference[2]),
+        ("dv", &dvv, &reference[3]),
+    ] {
+        let r = rel(got, want);
+        assert!(
+            r <= tol,
+            "case {seed} ({dtype:?}): {name} differs by {r:e} relative (tolerance {tol:e})"
+        );
+    }
+}
+
+/// `attention.cu` compiled by g++ with `host/shim.h` (each block's threads
+/// as POSIX threads at a barrier, f16 as `_Float16`) and run over cases of
+/// every kind the kernels take: packed strided views, grouped-query heads,
+/// more keys than queries, causal and additive masks (broadcast, `-inf`,
+/// huge finite, a fully masked row), head sizes past 64 (the 128
+/// instance), one query and one key; f32 against the composed op in f64
+/// (f32 rounding: `<= 1e-5` relative to the largest value), f16 and bf16
+/// (their inputs' rounding, the kernels' f32 arithmetic, their outputs'
+/// rounding: `<= 1e-2`). What a GPU must still show is nvcc's code and the
+/// launches (tests/cuda.rs).
+#[test]
+fn the_attention_kernels_on_host_threads_match_f64() {
+    let here = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/nn/kernels");
+    let dir = std::env::temp_dir().join(format!("remat-attention-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let exe = dir.join("kernels");
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
+    let built = std::process::Command::new(&cxx)
+        .args(["-std=c++17", "-O1", "-pthread", "-include"])
+        .arg(here.join("host/shim.h"))
+        .arg(here.join("host/main.cpp"))
+        .arg("-o")
+        .arg(&exe)
+        .status()
+        .unwrap_or_else(|e| panic!("this test needs a C++ compiler ({cxx}): {e}"));
+    assert!(built.success(), "{cxx} failed on attention.cu");
+    let case = |b, h, hkv, t, s, d, dv, causal, mask, packed| Case {
+        b,
+        h,
+        hkv,
+        t,
+        s,
+        d,
+        dv,
+        causal,
+        mask,
+        packed,
+    };
+    let cases = [
+        case(2, 3, 3, 70, 70, 16, 16, true, None, true),
+        case(2, 4, 2, 37, 37, 8, 8, false, Some([2, 1, 37, 37]), false),
+        case(1, 2, 2, 33, 50, 24, 8, true, Some([1, 2, 33, 50]), false),
+        case(2, 3, 1, 5, 129, 100, 64, false, Some([1, 1, 1, 129]), false),
+        case(1, 2, 1, 65, 65, 72, 72, true, None, false),
+        case(1, 1, 1, 1, 1, 4, 4, true, None, false),
+    ];
+    for (i, c) in cases.iter().enumerate() {
+        check(&exe, &dir, c, DType::F32, 1e-5, i as u64);
+    }
+    for (i, dtype) in [(10, DType::F16), (20, DType::BF16)] {
+        check(&exe, &dir, &cases[0], dtype, 1e-2, i);
+        check(&exe, &dir, &cases[2], dtype, 1e-2, i + 1);
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

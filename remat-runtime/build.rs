@@ -1,21 +1,23 @@
 //! With the `cuda` feature: compiles remat's CUDA kernels (the checksum of
-//! the replay check, `src/tape/checksum/checksum.cu`, and fused attention,
-//! `src/nn/kernels/attention.cu`) to PTX with nvcc, embedded in the
+//! the replay check, `src/tape/checksum/checksum.cu`; fused attention and
+//! GELU's backward, `src/nn/kernels/`) to PTX with nvcc, embedded in the
 //! library, as candle builds its own kernels. Without it: nothing.
 
 use std::path::PathBuf;
 use std::process::Command;
 
 /// Each kernel source and the PTX file it becomes in `OUT_DIR`.
-const SOURCES: [(&str, &str); 2] = [
+const SOURCES: [(&str, &str); 3] = [
     ("src/tape/checksum/checksum.cu", "checksum.ptx"),
     ("src/nn/kernels/attention.cu", "attention.ptx"),
+    ("src/nn/kernels/gelu.cu", "gelu.ptx"),
 ];
 
 fn main() {
     for (source, _) in SOURCES {
         println!("cargo:rerun-if-changed={source}");
     }
+    println!("cargo:rerun-if-changed=src/nn/kernels/elements.cuh");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=NVCC");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {

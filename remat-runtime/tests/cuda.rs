@@ -622,7 +622,7 @@ fn drop_ins_on_cuda_match_the_cpu() {
     }
 }
 
-/// The fused attention kernels (`nn::attention_kernels(true)`) against the
+/// The fused attention kernels (`nn::cuda_kernels(true)`, the default) against the
 /// composed op on the CPU in f64: outputs and the gradients of q, k, v, for
 /// grouped-query heads, more keys than queries, causal and additive masks
 /// (`-inf`, huge finite, a fully masked row, broadcast), head sizes 64, 80
@@ -631,9 +631,9 @@ fn drop_ins_on_cuda_match_the_cpu() {
 /// rounding). Every kernel runs: the forward, then dq, dk and dv.
 #[test]
 fn attention_kernels_match_the_cpu_in_f64() {
-    use remat_runtime::nn::{attention, attention_kernels, attention_qkv};
+    use remat_runtime::nn::{attention, attention_qkv, cuda_kernels};
     let dev = cuda();
-    attention_kernels(true);
+    cuda_kernels(true);
     let rel = |a: &Tensor, b: &Tensor| {
         let a = a
             .to_device(&Device::Cpu)
@@ -649,7 +649,9 @@ fn attention_kernels_match_the_cpu_in_f64() {
             .max(0)
             .unwrap();
         let s = b.abs().unwrap().flatten_all().unwrap().max(0).unwrap();
-        d.to_scalar::<f64>().unwrap() / s.to_scalar::<f64>().unwrap().max(1e-30)
+        // Relative to the largest value, or to 1e-3 where all are 0 (one
+        // visible key: the softmax's gradient vanishes).
+        d.to_scalar::<f64>().unwrap() / s.to_scalar::<f64>().unwrap().max(1e-3)
     };
     // (b, h, hkv, t, s, d, causal, mask dims)
     let cases: [(
@@ -770,5 +772,5 @@ fn attention_kernels_match_the_cpu_in_f64() {
         assert!(e <= tol, "packed {dtype:?}: dqkv {e}");
     }
     // The default again.
-    attention_kernels(true);
+    cuda_kernels(true);
 }

@@ -19,7 +19,7 @@
 # `bench --profile` (each nn op, the replay check and the regions, by phase)
 # beside torch.profiler's kernels (PyTorch SDPA), at the same shape;
 # kernels: the CUDA tests, then the bench and its profile with remat's fused
-# attention kernels (`--attention kernels`) in f32 and bf16:
+# kernels (`bench --nn kernels`: attention, GELU's backward) in f32 and bf16:
 #
 #   bash gpu-package/run.sh verdict profile
 #
@@ -187,10 +187,10 @@ for group in "${groups[@]}"; do
       step cuda-tests 240 "${with_libs[@]}" "$bin/bin/cuda-tests" "${tests[@]}"
       for dtype in f32 bf16; do
         step "bench-kernels-$dtype" 150 "${with_libs[@]}" "$bin/bin/bench" --device "$device" \
-          "${shape[@]}" "${verdict_steps[@]}" --dtype "$dtype" --attention kernels \
+          "${shape[@]}" "${verdict_steps[@]}" --dtype "$dtype" --nn kernels \
           --policies none,full --unchecked full --out "$OUT/bench-kernels-$dtype"
         step "profile-kernels-$dtype" 120 "${with_libs[@]}" "$bin/bin/bench" --device "$device" \
-          "${shape[@]}" --steps 2 --warmup 1 --dtype "$dtype" --attention kernels --profile true \
+          "${shape[@]}" --steps 2 --warmup 1 --dtype "$dtype" --nn kernels --profile true \
           --policies none,full --out "$OUT/profile-kernels-$dtype"
       done
       step torch-profile-bf16 90 python3 scripts/torch_reference.py --device "$device" "${shape[@]}" \

@@ -52,9 +52,9 @@ usage: cargo run --release -p examples --bin bench -- [flags]
   --checksum kernels|composed  how the replay check checksums CUDA tensors:
                remat's kernels (one pass each) or candle's kernels composed
                (`remat_runtime::inspect::checksum_kernels`) [kernels]
-  --attention kernels|composed  how nn's attention runs on CUDA: remat's
-               fused kernels or candle's kernels composed
-               (`remat_runtime::nn::attention_kernels`) [kernels]
+  --nn kernels|composed  how nn's ops run on CUDA: remat's fused kernels
+               (attention, GELU's backward) or candle's kernels composed
+               (`remat_runtime::nn::cuda_kernels`) [kernels]
   --peak-plan true  instead: a PeakPlan asked for 8 peaks from full
                   recomputation's to plain candle's, each plan's measured peak
                   and time (--steps steps, interleaved with plain candle)
@@ -183,11 +183,11 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         "composed" => remat_runtime::inspect::checksum_kernels(false),
         other => return Err(format!("--checksum {other}: kernels or composed").into()),
     }
-    let attention: String = flags.get("attention", "kernels".to_string())?;
-    match attention.as_str() {
-        "kernels" => remat_runtime::nn::attention_kernels(true),
-        "composed" => remat_runtime::nn::attention_kernels(false),
-        other => return Err(format!("--attention {other}: kernels or composed").into()),
+    let nn_kernels: String = flags.get("nn", "kernels".to_string())?;
+    match nn_kernels.as_str() {
+        "kernels" => remat_runtime::nn::cuda_kernels(true),
+        "composed" => remat_runtime::nn::cuda_kernels(false),
+        other => return Err(format!("--nn {other}: kernels or composed").into()),
     }
     let ops = ops
         .split(',')

@@ -53,7 +53,14 @@ impl CustomOp1 for Gelu {
 pub(super) fn backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
     let _profile = crate::inspect::profile::backward("(inside an op) gelu");
     let (x, dy) = (x.detach().contiguous()?, dy.detach().contiguous()?);
-    let fused = x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64);
+    let fused = match x.device() {
+        candle_core::Device::Cpu => matches!(x.dtype(), DType::F32 | DType::F64),
+        candle_core::Device::Cuda(_) => {
+            super::kernels::kernels_on()
+                && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
+        }
+        _ => false,
+    };
     if fused && dy.dtype() == x.dtype() {
         return x.apply_op2_no_bwd(&dy, &GeluGrad);
     }
@@ -73,7 +80,8 @@ fn grad_pass<T: WithDType>(x: &[T], dy: &[T]) -> Vec<T> {
         .collect()
 }
 
-/// `dy * gelu'(x)` in one pass over contiguous CPU tensors.
+/// `dy * gelu'(x)` in one pass over contiguous tensors: on the CPU in f64,
+/// on CUDA by `kernels/gelu.cu` in f32.
 struct GeluGrad;
 
 impl CustomOp2 for GeluGrad {
@@ -100,6 +108,16 @@ impl CustomOp2 for GeluGrad {
             }
             _ => candle_core::bail!("remat nn: gelu's one-pass backward is for f32 and f64"),
         };
+        Ok((out, l1.shape().clone()))
+    }
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = super::kernels::gelu_backward(s1, l1, s2, l2)?;
         Ok((out, l1.shape().clone()))
     }
 }

@@ -72,19 +72,21 @@ pub use qkv_attention::qkv_attention;
 pub use rope::{rope, rope_i};
 pub use softmax::softmax_last_dim;
 
-/// Whether [`attention`], [`attention_qkv`] and [`qkv_attention`] run on
-/// remat's fused CUDA kernels (FlashAttention-2's way: no `(T, S)` tensor,
-/// the rows' statistics kept for the backward) where they can: a CUDA
-/// device, f32, f16 or bf16, head sizes up to 128, a mask that needs no
-/// gradient. On by default; `attention_kernels(false)` (or the
-/// environment variable `REMAT_ATTENTION_KERNELS=0`) runs candle's kernels
-/// composed instead; no effect on the CPU. A node's backward takes the path its forward
-/// took, so the switch may change at any time.
+/// Whether `nn`'s ops run on remat's fused CUDA kernels where they have
+/// them: [`attention`], [`attention_qkv`] and [`qkv_attention`]
+/// (FlashAttention-2's way: no `(T, S)` tensor, the rows' statistics kept
+/// for the backward; f32, f16 or bf16, head sizes up to 128, a mask that
+/// needs no gradient) and the backward of the GELU in [`gelu`],
+/// [`gelu_linear_add`] and [`gelu_mlp`] (one pass). On by default;
+/// `cuda_kernels(false)` (or the environment variable
+/// `REMAT_NN_KERNELS=0`) runs candle's kernels composed instead; no effect
+/// on the CPU. A node's backward takes the path its forward took, so the
+/// switch may change at any time.
 ///
 /// ```
-/// remat_runtime::nn::attention_kernels(true);
-/// remat_runtime::nn::attention_kernels(false);
+/// remat_runtime::nn::cuda_kernels(false);
+/// remat_runtime::nn::cuda_kernels(true);
 /// ```
-pub fn attention_kernels(on: bool) {
+pub fn cuda_kernels(on: bool) {
     kernels::use_kernels(on);
 }

@@ -16,38 +16,11 @@
 //   delta: f32 (B, H, T), dout . out per row (written by the dq kernel);
 //   dq (B, H, T, D), dk (B, Hkv, S, D), dv (B, Hkv, S, Dv): contiguous.
 // Causal masking hides key j from query i when j > i + S - T.
-#include <stdint.h>
-#ifdef __CUDACC__
-#include <cuda_fp16.h>
-#include <math.h>
-#endif
 
 #define NT 64
 #define KT 32
 
-// Elements: f32, f16 (__half) and bf16 (its 16 bits), read and written
-// through f32.
-__device__ __forceinline__ float load(float x) { return x; }
-__device__ __forceinline__ float load(__half x) { return __half2float(x); }
-struct bf16_t {
-  uint16_t bits;
-};
-__device__ __forceinline__ float load(bf16_t x) {
-  return __uint_as_float(((uint32_t)x.bits) << 16);
-}
-template <typename T> __device__ __forceinline__ T store(float x);
-template <> __device__ __forceinline__ float store<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half store<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ bf16_t store<bf16_t>(float x) {
-  uint32_t u = __float_as_uint(x);
-  bf16_t r;
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    r.bits = (uint16_t)((u >> 16) | 0x40u);  // NaN stays NaN
-  } else {
-    r.bits = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);  // to nearest even
-  }
-  return r;
-}
+#include "elements.cuh"
 
 // Sizes and strides every kernel takes, by value.
 struct Shape {
@@ -61,15 +34,42 @@ struct Shape {
   long long g_b, g_t, g_h;  // dout
 };
 
-// The score of query row `qr` against key `kr` (features 0..DM, zero past
-// d), scaled and masked.
-template <typename T, int DM>
-__device__ __forceinline__ float score(const float *qr, const float *kr, const Shape &p,
-                                       const T *mask, int b, int h, int i, int j) {
-  float dot = 0.f;
+// `reg . sh` of a row in registers and a row in shared memory (16-byte
+// aligned): four-wide shared loads, four independent sums.
+template <int DM> __device__ __forceinline__ float dot_shared(const float *reg, const float *sh) {
+  const float4 *s4 = reinterpret_cast<const float4 *>(sh);
+  float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
 #pragma unroll
-  for (int c = 0; c < DM; c++) dot += qr[c] * kr[c];
-  float s = dot * p.scale;
+  for (int c = 0; c < DM / 4; c++) {
+    float4 v = s4[c];
+    a0 += reg[4 * c] * v.x;
+    a1 += reg[4 * c + 1] * v.y;
+    a2 += reg[4 * c + 2] * v.z;
+    a3 += reg[4 * c + 3] * v.w;
+  }
+  return (a0 + a1) + (a2 + a3);
+}
+
+// acc += a * sh, for a row in shared memory (16-byte aligned).
+template <int DM> __device__ __forceinline__ void axpy_shared(float *acc, float a, const float *sh) {
+  const float4 *s4 = reinterpret_cast<const float4 *>(sh);
+#pragma unroll
+  for (int c = 0; c < DM / 4; c++) {
+    float4 v = s4[c];
+    acc[4 * c] += a * v.x;
+    acc[4 * c + 1] += a * v.y;
+    acc[4 * c + 2] += a * v.z;
+    acc[4 * c + 3] += a * v.w;
+  }
+}
+
+// The score of the row in registers against the row in shared memory (a
+// query and a key, either way; features 0..DM, zero past d), scaled and
+// masked.
+template <typename T, int DM>
+__device__ __forceinline__ float score(const float *reg, const float *sh, const Shape &p,
+                                       const T *mask, int b, int h, int i, int j) {
+  float s = dot_shared<DM>(reg, sh) * p.scale;
   if (p.has_mask) s += load(mask[b * p.m_b + h * p.m_h + i * p.m_t + j * p.m_s]);
   return s;
 }
@@ -84,8 +84,8 @@ __device__ __forceinline__ int keys_for(const Shape &p, int i) {
 template <typename T, int DM>
 __device__ void attention_forward(const T *q, const T *k, const T *v, const T *mask, T *out,
                                   float *stats, Shape p) {
-  __shared__ float ks[KT][DM];
-  __shared__ float vs[KT][DM];
+  __shared__ __align__(16) float ks[KT][DM];
+  __shared__ __align__(16) float vs[KT][DM];
   int b = blockIdx.z, h = blockIdx.y, i = blockIdx.x * NT + threadIdx.x;
   int hk = h / (p.h / p.hkv);
   bool row = i < p.t;
@@ -120,8 +120,7 @@ __device__ void attention_forward(const T *q, const T *k, const T *v, const T *m
       if (m == -INFINITY) continue;  // every key so far masked
       float e = expf(s - m);
       l += e;
-#pragma unroll
-      for (int f = 0; f < DM; f++) acc[f] += e * vs[r][f];
+      axpy_shared<DM>(acc, e, vs[r]);
     }
     __syncthreads();
   }
@@ -143,22 +142,25 @@ template <typename T, int DM>
 __device__ void attention_backward_dq(const T *q, const T *k, const T *v, const T *mask,
                                       const T *out, const T *dout, const float *stats, T *dq,
                                       float *delta, Shape p) {
-  __shared__ float ks[KT][DM];
-  __shared__ float vs[KT][DM];
+  __shared__ __align__(16) float ks[KT][DM];
+  __shared__ __align__(16) float vs[KT][DM];
   int b = blockIdx.z, h = blockIdx.y, i = blockIdx.x * NT + threadIdx.x;
   int hk = h / (p.h / p.hkv);
   bool row = i < p.t;
   float qr[DM], gr[DM], acc[DM];
-  float di = 0.f;
+  // delta = dout . out, summed as dot_shared sums dout . v: with one
+  // visible key (out = v) the two cancel exactly and dq is 0.
+  float d4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
   for (int c = 0; c < DM; c++) {
     qr[c] = (row && c < p.d) ? load(q[b * p.q_b + h * p.q_h + i * p.q_t + c]) : 0.f;
     float g = (row && c < p.dv) ? load(dout[b * p.g_b + i * p.g_t + h * p.g_h + c]) : 0.f;
     float o = (row && c < p.dv) ? load(out[b * p.o_b + i * p.o_t + h * p.o_h + c]) : 0.f;
     gr[c] = g;
-    di += g * o;
+    d4[c % 4] += g * o;
     acc[c] = 0.f;
   }
+  float di = (d4[0] + d4[1]) + (d4[2] + d4[3]);
   long long bht = (long long)gridDim.z * p.h * p.t;
   long long at = ((long long)b * p.h + h) * p.t + i;
   float m = row ? stats[at] : 0.f, inv = row ? stats[bht + at] : 0.f;
@@ -176,12 +178,9 @@ __device__ void attention_backward_dq(const T *q, const T *k, const T *v, const 
     for (int r = 0; r < n; r++) {
       float s = score<T, DM>(qr, ks[r], p, mask, b, h, i, j0 + r);
       float pr = expf(s - m) * inv;
-      float dp = 0.f;
-#pragma unroll
-      for (int c = 0; c < DM; c++) dp += gr[c] * vs[r][c];
+      float dp = dot_shared<DM>(gr, vs[r]);
       float ds = pr * (dp - di);
-#pragma unroll
-      for (int c = 0; c < DM; c++) acc[c] += ds * ks[r][c];
+      axpy_shared<DM>(acc, ds, ks[r]);
     }
     __syncthreads();
   }
@@ -199,8 +198,8 @@ template <typename T, int DM, bool DK>
 __device__ void attention_backward_dkv(const T *q, const T *k, const T *v, const T *mask,
                                        const T *dout, const float *stats, const float *delta,
                                        T *grad, Shape p) {
-  __shared__ float qs[KT][DM];
-  __shared__ float gs[KT][DM];
+  __shared__ __align__(16) float qs[KT][DM];
+  __shared__ __align__(16) float gs[KT][DM];
   __shared__ float ms[KT], invs[KT], ds_[KT];
   int b = blockIdx.z, hk = blockIdx.y, j = blockIdx.x * NT + threadIdx.x;
   int group = p.h / p.hkv;
@@ -242,18 +241,13 @@ __device__ void attention_backward_dkv(const T *q, const T *k, const T *v, const
           int i = i0 + r;
           if (i >= p.t) break;
           if (i < from || invs[r] == 0.f) continue;
-          float s = score<T, DM>(qs[r], kr, p, mask, b, h, i, j);
+          float s = score<T, DM>(kr, qs[r], p, mask, b, h, i, j);
           float pr = expf(s - ms[r]) * invs[r];
           if (DK) {
-            float dp = 0.f;
-#pragma unroll
-            for (int c = 0; c < DM; c++) dp += gs[r][c] * vr[c];
-            float ds = pr * (dp - ds_[r]);
-#pragma unroll
-            for (int c = 0; c < DM; c++) acc[c] += ds * qs[r][c];
+            float ds = pr * (dot_shared<DM>(vr, gs[r]) - ds_[r]);
+            axpy_shared<DM>(acc, ds, qs[r]);
           } else {
-#pragma unroll
-            for (int c = 0; c < DM; c++) acc[c] += pr * gs[r][c];
+            axpy_shared<DM>(acc, pr, gs[r]);
           }
         }
       }

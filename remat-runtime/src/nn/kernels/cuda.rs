@@ -2,6 +2,7 @@
 
 use std::sync::Mutex;
 
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
 };
@@ -307,4 +308,66 @@ fn backward_as<T: CudaDType + DeviceRepr>(
         hand(q, dk, &dev, (b, hkv, s, d))?,
         hand(q, dvv, &dev, (b, hkv, s, dv))?,
     ))
+}
+
+/// `gelu.cu` compiled by `build.rs`.
+const GELU_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gelu.ptx"));
+
+pub(super) fn gelu_backward(
+    x: &CudaStorage,
+    lx: &Layout,
+    dy: &CudaStorage,
+    ldy: &Layout,
+) -> Result<CudaStorage> {
+    let (Some((a, b)), Some((c, _))) = (lx.contiguous_offsets(), ldy.contiguous_offsets()) else {
+        candle_core::bail!("remat nn: gelu's backward wants contiguous tensors")
+    };
+    let n = b - a;
+    if ldy.shape().elem_count() != n {
+        candle_core::bail!("remat nn: gelu's backward: x and dy differ in size");
+    }
+    match x.dtype() {
+        DType::F32 => gelu_as::<f32>(x, dy, a, c, n, "f32"),
+        DType::F16 => gelu_as::<f16>(x, dy, a, c, n, "f16"),
+        DType::BF16 => gelu_as::<bf16>(x, dy, a, c, n, "bf16"),
+        other => Err(candle_core::Error::UnsupportedDTypeForOp(
+            other,
+            "gelu backward kernel",
+        )),
+    }
+}
+
+fn gelu_as<T: CudaDType + DeviceRepr>(
+    x: &CudaStorage,
+    dy: &CudaStorage,
+    a: usize,
+    c: usize,
+    n: usize,
+    name: &str,
+) -> Result<CudaStorage> {
+    let dev = x.device.clone();
+    let xs = x.as_cuda_slice::<T>()?.slice(a..);
+    let gs = dy.as_cuda_slice::<T>()?.slice(c..);
+    // SAFETY: the grid-stride loop writes each of the `n` elements.
+    let out = unsafe { dev.alloc::<T>(n)? };
+    if n > 0 {
+        let func =
+            dev.get_or_load_custom_func(&format!("gelu_backward_{name}"), "remat_gelu", GELU_PTX)?;
+        let mut builder = func.builder();
+        builder.arg(&n);
+        builder.arg(&xs);
+        builder.arg(&gs);
+        builder.arg(&out);
+        let threads = 256;
+        let blocks = n.div_ceil(threads).min(65_535) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (threads as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: (size_t n, const T* x, const T* dy, T* out) in order; `x`
+        // and `dy` hold `n` elements from their offsets (contiguous, checked).
+        unsafe { builder.launch(cfg) }.w()?;
+    }
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }

@@ -1,5 +1,6 @@
-//! Fused attention kernels for CUDA (`attention.cu`, compiled to PTX by
-//! `build.rs`): the forward and the backward of [`super::attention`] in the
+//! remat's CUDA kernels for `nn` (compiled to PTX by `build.rs`): the
+//! backward of the GELU in one pass (`gelu.cu`), and fused attention
+//! (`attention.cu`), the forward and the backward of [`super::attention`] in the
 //! manner of FlashAttention-2, with no `(T, S)` tensor, when its arguments
 //! allow (a CUDA device, f32/f16/bf16, head sizes up to 128, no tracked
 //! mask). The backward reads each row's maximum score and `1 / sum`, kept
@@ -7,8 +8,8 @@
 //! probabilities, as the composed path does.
 //!
 //! On by default (they passed `attention_kernels_match_the_cpu_in_f64` on
-//! an H100); [`attention_kernels`](crate::nn::attention_kernels)`(false)` or
-//! `REMAT_ATTENTION_KERNELS=0` turns them off. On the CPU, the test
+//! an H100); [`cuda_kernels`](crate::nn::cuda_kernels)`(false)` or
+//! `REMAT_NN_KERNELS=0` turns them off. On the CPU, the test
 //! `the_attention_kernels_on_host_threads_match_f64` runs the same source
 //! (each block's threads as POSIX threads) against the composed op in f64.
 
@@ -24,17 +25,15 @@ pub(crate) fn use_kernels(on: bool) {
     ON.store(on, Ordering::Relaxed);
 }
 
-/// Whether the kernels are on: [`use_kernels`], or `REMAT_ATTENTION_KERNELS`
+/// Whether the kernels are on: [`use_kernels`], or `REMAT_NN_KERNELS`
 /// (`0` or `1`) read at the first call.
 pub(crate) fn kernels_on() -> bool {
     static FROM_ENV: std::sync::Once = std::sync::Once::new();
-    FROM_ENV.call_once(
-        || match std::env::var("REMAT_ATTENTION_KERNELS").as_deref() {
-            Ok("1") => ON.store(true, Ordering::Relaxed),
-            Ok("0") => ON.store(false, Ordering::Relaxed),
-            _ => {}
-        },
-    );
+    FROM_ENV.call_once(|| match std::env::var("REMAT_NN_KERNELS").as_deref() {
+        Ok("1") => ON.store(true, Ordering::Relaxed),
+        Ok("0") => ON.store(false, Ordering::Relaxed),
+        _ => {}
+    });
     ON.load(Ordering::Relaxed)
 }
 
@@ -192,6 +191,28 @@ pub(crate) fn backward(
     _: &Tensor,
     _: &Tensor,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    Err(candle_core::Error::NotCompiledWithCudaSupport)
+}
+
+/// `dy * gelu'(x)` for contiguous `x` and `dy` on CUDA, by `gelu.cu`.
+#[cfg(feature = "cuda")]
+pub(crate) fn gelu_backward(
+    x: &candle_core::CudaStorage,
+    lx: &candle_core::Layout,
+    dy: &candle_core::CudaStorage,
+    ldy: &candle_core::Layout,
+) -> Result<candle_core::CudaStorage> {
+    cuda::gelu_backward(x, lx, dy, ldy)
+}
+
+/// Without the `cuda` feature there is no CUDA storage.
+#[cfg(not(feature = "cuda"))]
+pub(crate) fn gelu_backward(
+    _: &candle_core::CudaStorage,
+    _: &candle_core::Layout,
+    _: &candle_core::CudaStorage,
+    _: &candle_core::Layout,
+) -> Result<candle_core::CudaStorage> {
     Err(candle_core::Error::NotCompiledWithCudaSupport)
 }
 

@@ -344,7 +344,7 @@ fn the_attention_kernels_on_host_threads_match_f64() {
         case(1, 2, 2, 33, 50, 24, 8, true, Some([1, 2, 33, 50]), false),
         case(2, 3, 1, 5, 129, 100, 64, false, Some([1, 1, 1, 129]), false),
         case(1, 2, 1, 65, 65, 72, 72, true, None, false),
-        case(1, 1, 1, 1, 1, 4, 4, true, None, false),
+        case(1, 1, 1, 1, 1, 16, 16, true, None, false),
     ];
     for (i, c) in cases.iter().enumerate() {
         check(&exe, &dir, c, DType::F32, 1e-5, i as u64);
@@ -352,6 +352,80 @@ fn the_attention_kernels_on_host_threads_match_f64() {
     for (i, dtype) in [(10, DType::F16), (20, DType::BF16)] {
         check(&exe, &dir, &cases[0], dtype, 1e-2, i);
         check(&exe, &dir, &cases[2], dtype, 1e-2, i + 1);
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `gelu.cu` on the host (shim.h) against the CPU's one-pass backward in
+/// f64: f32 within 1e-6 relative to the largest value (f32 arithmetic);
+/// f16 and bf16 within their rounding of the result (1e-2). A grid of
+/// fewer threads than elements, so the grid-stride loop is run.
+#[test]
+fn the_gelu_kernel_on_the_host_matches_f64() {
+    let here = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/nn/kernels");
+    let dir = std::env::temp_dir().join(format!("remat-gelu-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let exe = dir.join("gelu");
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
+    let built = std::process::Command::new(&cxx)
+        .args(["-std=c++17", "-O1", "-pthread", "-include"])
+        .arg(here.join("host/shim.h"))
+        .arg(here.join("host/gelu.cpp"))
+        .arg("-o")
+        .arg(&exe)
+        .status()
+        .unwrap_or_else(|e| panic!("this test needs a C++ compiler ({cxx}): {e}"));
+    assert!(built.success(), "{cxx} failed on gelu.cu");
+    let n = 1000;
+    // Values from -8 to 8, past where tanh saturates, and 0.
+    let x: Vec<f64> = (0..n).map(|i| (i as f64 - 500.0) / 62.5).collect();
+    let dy = values(n, 7);
+    for (code, dtype, tol) in [
+        (0u64, DType::F32, 1e-6),
+        (1, DType::F16, 1e-2),
+        (2, DType::BF16, 1e-2),
+    ] {
+        let (xt, gt) = (rounded(&x, &[n], dtype), rounded(&dy, &[n], dtype));
+        let want = crate::nn::gelu::backward(&xt, &gt).unwrap();
+        let mut bytes = Vec::new();
+        bytes.extend_from_slice(&(n as u64).to_le_bytes());
+        bytes.extend_from_slice(&code.to_le_bytes());
+        bytes.extend(
+            Tensor::cat(&[&xt, &gt], 0)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_dtype(DType::F64)
+                .unwrap()
+                .to_vec1::<f64>()
+                .unwrap()
+                .iter()
+                .flat_map(|&v| match dtype {
+                    DType::F32 => (v as f32).to_le_bytes().to_vec(),
+                    DType::F16 => half::f16::from_f64(v).to_le_bytes().to_vec(),
+                    _ => half::bf16::from_f64(v).to_le_bytes().to_vec(),
+                }),
+        );
+        let (input, output) = (
+            dir.join(format!("g{code}.in")),
+            dir.join(format!("g{code}.out")),
+        );
+        std::fs::write(&input, bytes).unwrap();
+        let status = std::process::Command::new(&exe)
+            .arg(&input)
+            .arg(&output)
+            .status()
+            .unwrap();
+        assert!(status.success(), "the host gelu kernel failed: {status}");
+        let raw = std::fs::read(&output).unwrap();
+        let got = Tensor::from_raw_buffer(&raw, dtype, &[n], &Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap();
+        let r = rel(&got, &want);
+        assert!(r <= tol, "{dtype:?}: {r:e}");
     }
     std::fs::remove_dir_all(&dir).ok();
 }

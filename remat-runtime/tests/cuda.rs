@@ -654,7 +654,7 @@ fn attention_kernels_match_the_cpu_in_f64() {
         d.to_scalar::<f64>().unwrap() / s.to_scalar::<f64>().unwrap().max(1e-3)
     };
     // (b, h, hkv, t, s, d, causal, mask dims)
-    let cases: [(
+    type Case = (
         usize,
         usize,
         usize,
@@ -663,7 +663,8 @@ fn attention_kernels_match_the_cpu_in_f64() {
         usize,
         bool,
         Option<[usize; 4]>,
-    ); 5] = [
+    );
+    let cases: [Case; 5] = [
         (2, 4, 2, 200, 200, 64, true, None),
         (1, 3, 3, 70, 130, 80, true, Some([1, 3, 70, 130])),
         (2, 2, 1, 33, 33, 128, false, Some([2, 1, 1, 33])),

@@ -97,8 +97,10 @@ pub(crate) struct Recorded {
     pub records: Vec<Record>,
     /// The parameters the block used, in order of first use.
     pub params: Vec<Tensor>,
-    /// Per region input: the record of the first recomputed statement that
-    /// reads it (the replay reads it), if any.
+    /// Per region input: the record of the first statement that reads it
+    /// in the backward, if any: a recomputed statement (the replay reads
+    /// it), or a saved one whose kept graph holds it as it is (its backward
+    /// reads it; an input that needs gradients is read through a copy).
     pub inputs_read: Vec<Option<u32>>,
     /// Per parameter: the record of the first statement whose graph used it.
     pub param_statements: Vec<u32>,
@@ -119,6 +121,10 @@ pub(crate) struct Recorder {
     /// Every value a recomputed statement reads (what the replay reads),
     /// with the first record that reads it.
     replay_reads: HashMap<TensorId, usize>,
+    /// Every value a saved statement's kept graph holds as it is (not a
+    /// leaf copy), with the first record that reads it: its backward reads
+    /// it, so a change in place before then must be seen.
+    saved_reads: HashMap<TensorId, usize>,
     /// Recomputed statements whose whole value is one `nn` op call's
     /// tensor: (record, the value). The replay may leave such a value
     /// uncomputed ([`unread`]).
@@ -188,6 +194,7 @@ impl Recorder {
             saved_outputs: HashMap::new(),
             ferried: HashSet::new(),
             replay_reads: HashMap::new(),
+            saved_reads: HashMap::new(),
             sole_values: Vec::new(),
             records: Vec::new(),
             leaf_ids: value_leaves.clone(),
@@ -343,6 +350,8 @@ impl Recorder {
         let mut leaves = Vec::with_capacity(inputs.len());
         let mut args = Vec::with_capacity(inputs.len());
         let mut chained = false;
+        // The inputs it reads for their values as they are (no copy).
+        let mut as_is = Vec::new();
         for (i, (t, &need)) in inputs.iter().zip(needs).enumerate() {
             // An input read for its shape or detached needs no leaf.
             let need = need && i < s.value_inputs;
@@ -369,6 +378,9 @@ impl Recorder {
             } else {
                 leaves.push(None);
                 args.push((*t).clone());
+                if i < s.value_inputs {
+                    as_is.push(t.id());
+                }
             }
         }
         // Its op calls count in no other statement.
@@ -390,6 +402,11 @@ impl Recorder {
             self.ferried.extend((0..outputs.len()).map(|j| (index, j)));
         }
         let any_tracked = tracked.iter().any(|t| t.track_op());
+        if any_tracked {
+            for id in as_is {
+                self.saved_reads.entry(id).or_insert(index);
+            }
+        }
         let saved = Saved {
             leaves: if any_tracked {
                 leaves
@@ -530,7 +547,11 @@ impl Recorder {
     pub fn finish(mut self, inputs: &[Tensor]) -> Recorded {
         let inputs_read = inputs
             .iter()
-            .map(|t| self.replay_reads.get(&t.id()).map(|&k| k as u32))
+            .map(|t| {
+                let replay = self.replay_reads.get(&t.id());
+                let saved = self.saved_reads.get(&t.id());
+                replay.into_iter().chain(saved).min().map(|&k| k as u32)
+            })
             .collect();
         let param_statements = self.param_first.iter().map(|&k| k as u32).collect();
         for (k, record) in self.records.iter_mut().enumerate() {

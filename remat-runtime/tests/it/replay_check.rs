@@ -300,7 +300,16 @@ fn padding_mask(t: usize, s: usize, dtype: DType) -> Tensor {
 #[test]
 fn one_column_of_a_mask_changed_in_place_is_caught() {
     for dtype in DTYPES {
-        for plan in [Plan::recompute_all(), Plan::declared()] {
+        // Read by a recomputed statement (the replay reads it) or only by
+        // saved ones (their backward reads it): caught either way.
+        let plans = [
+            Plan::recompute_all(),
+            Plan::declared(),
+            Plan::save_all(),
+            Plan::save_only(["s"]),
+            Plan::save_only(["s", "p", "loss"]),
+        ];
+        for plan in plans {
             for col in [0, 3, 7] {
                 let q = var(&[6, 4], 7, 1.0, dtype);
                 let k = var(&[8, 4], 8, 1.0, dtype);

@@ -189,8 +189,9 @@ impl Call {
                 known,
             });
         }
-        // Inputs no recomputed statement reads were released after the
-        // forward: the block sees placeholders for them. The others that
+        // Inputs no statement's backward reads (no recomputed statement
+        // reads them, and no saved one holds them as they are) were
+        // released after the forward: the block sees placeholders for them. The others that
         // need gradients are leaves (one copy each, which every unit reading
         // them shares), so that a statement reading one without declaring
         // it shows in its graph.

@@ -128,13 +128,24 @@ impl Profile {
                 failed: None,
             });
         }
+        // Only this thread's recording is ended here: another thread may
+        // start its own as soon as this one is taken.
+        let mine = std::thread::current().id();
+        let take = || {
+            let mut r = lock(&RECORDING);
+            if r.as_ref().is_some_and(|r| r.thread == mine) {
+                ON.store(false, Ordering::Release);
+                r.take()
+            } else {
+                None
+            }
+        };
         let (out, recording) = scoped(
             || ON.store(true, Ordering::Release),
             || {
-                ON.store(false, Ordering::Release);
-                lock(&RECORDING).take();
+                take();
             },
-            || (f(), lock(&RECORDING).take()),
+            || (f(), take()),
         );
         let Some(recording) = recording else {
             return Err(crate::RematError::ProfileRunning);

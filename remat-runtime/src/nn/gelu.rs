@@ -61,7 +61,8 @@ pub(super) fn backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
         }
         _ => false,
     };
-    if fused && dy.dtype() == x.dtype() {
+    // (Nothing to launch for an empty tensor.)
+    if fused && dy.dtype() == x.dtype() && x.elem_count() > 0 {
         return x.apply_op2_no_bwd(&dy, &GeluGrad);
     }
     // Elsewhere, the same formula with tensor ops.

@@ -348,9 +348,12 @@ fn gelu_as<T: CudaDType + DeviceRepr>(
     let dev = x.device.clone();
     let xs = x.as_cuda_slice::<T>()?.slice(a..);
     let gs = dy.as_cuda_slice::<T>()?.slice(c..);
+    if n == 0 {
+        candle_core::bail!("remat nn: gelu's backward kernel over no elements");
+    }
     // SAFETY: the grid-stride loop writes each of the `n` elements.
     let out = unsafe { dev.alloc::<T>(n)? };
-    if n > 0 {
+    {
         let func =
             dev.get_or_load_custom_func(&format!("gelu_backward_{name}"), "remat_gelu", GELU_PTX)?;
         let mut builder = func.builder();

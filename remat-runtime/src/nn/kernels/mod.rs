@@ -51,7 +51,10 @@ pub(crate) fn fit(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
         && kernels_on()
         && matches!(q.dtype(), DType::F32 | DType::F16 | DType::BF16)
         && q.rank() == 4
-        && q.dim(3).is_ok_and(|d| d <= MAX_HEAD)
+        // Batch and heads index the grid's y and z (at most 65,535 each).
+        && q.dim(0).is_ok_and(|b| b <= 65_535)
+        && q.dim(1).is_ok_and(|h| h <= 65_535)
+        && q.dim(3).is_ok_and(|d| (1..=MAX_HEAD).contains(&d))
         && v.dim(3).is_ok_and(|d| d <= MAX_HEAD)
         && [q, k, v].into_iter().all(rows_contiguous)
 }
@@ -60,6 +63,7 @@ pub(crate) fn fit(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
 /// `attention.cu`, field for field.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) struct Shape {
     pub h: i32,
     pub hkv: i32,
@@ -80,11 +84,13 @@ pub(crate) struct Shape {
 
 /// Strides of `t` (rank 4) in the order the kernels read them: `order`
 /// picks the dimensions; a dimension of size 1 gets 0 (a broadcast mask).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn strides<const N: usize>(t: &Tensor, order: [usize; N]) -> [i64; N] {
     let (dims, st) = (t.dims(), t.stride());
     order.map(|i| if dims[i] == 1 { 0 } else { st[i] as i64 })
 }
 
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 impl Shape {
     /// The shape of attention over `q` `(B, H, T, D)`, `k` `(B, Hkv, S, D)`,
     /// `v` `(B, Hkv, S, Dv)` and a rank-4 `mask` broadcast to `(B, H, T,

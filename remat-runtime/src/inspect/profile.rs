@@ -42,14 +42,24 @@ struct Recording {
     failed: Option<candle_core::Error>,
 }
 
-impl Recording {
-    /// Waits for the device and returns the time.
-    fn now(&mut self) -> Instant {
-        if let Err(e) = self.device.synchronize() {
-            self.failed.get_or_insert(e);
+/// Waits for the device of this thread's recording, without holding the
+/// lock (other threads' ops go on), and returns the time; `None` when no
+/// profile is recorded on this thread.
+fn now() -> Option<Instant> {
+    let device = {
+        let guard = lock(&RECORDING);
+        let r = guard.as_ref()?;
+        if r.thread != std::thread::current().id() {
+            return None;
         }
-        Instant::now()
+        r.device.clone()
+    };
+    if let Err(e) = device.synchronize() {
+        if let Some(r) = lock(&RECORDING).as_mut() {
+            r.failed.get_or_insert(e);
+        }
     }
+    Some(Instant::now())
 }
 
 /// Time spent in one kind of work in one phase, over a [`Profile`].
@@ -208,14 +218,14 @@ pub(crate) fn scope(what: &'static str, phase: Phase) -> Scope {
     if !ON.load(Ordering::Acquire) {
         return Scope(false);
     }
-    let mut guard = lock(&RECORDING);
-    let Some(r) = guard
-        .as_mut()
-        .filter(|r| r.thread == std::thread::current().id())
-    else {
+    // Only this thread ends its recording: it outlives the two locks.
+    let Some(now) = now() else {
         return Scope(false);
     };
-    let now = r.now();
+    let mut guard = lock(&RECORDING);
+    let Some(r) = guard.as_mut() else {
+        return Scope(false);
+    };
     if let Some(parent) = r.open.last_mut() {
         parent.seconds += (now - parent.since).as_secs_f64();
     }
@@ -247,9 +257,9 @@ impl Drop for Scope {
         if !self.0 {
             return;
         }
+        let Some(now) = now() else { return };
         let mut guard = lock(&RECORDING);
         let Some(r) = guard.as_mut() else { return };
-        let now = r.now();
         let Some(open) = r.open.pop() else { return };
         let row = r.rows.entry(open.key).or_insert((0, 0.0));
         row.0 += 1;

@@ -223,6 +223,14 @@ fn checksum_speed() {
     }
     let sum = start.elapsed().as_nanos() as f64 / 20.0 / (4 << 20) as f64;
     println!("checksum {ns:.3} ns/element; candle sum_all {sum:.3} ns/element");
+    // The cost of one call, on a bias-sized value.
+    let small = Tensor::randn(0f32, 1.0, (256,), &Device::Cpu).unwrap();
+    let start = std::time::Instant::now();
+    for _ in 0..10_000 {
+        let _ = of(&small).unwrap();
+    }
+    let call = start.elapsed().as_nanos() as f64 / 10_000.0;
+    println!("checksum of 256 elements: {:.1} us per call", call / 1e3);
 }
 
 /// The kernels' source itself (`checksum.cu`), compiled for the host by

@@ -7,9 +7,10 @@ use std::path::PathBuf;
 use std::process::Command;
 
 /// Each kernel source and the PTX file it becomes in `OUT_DIR`.
-const SOURCES: [(&str, &str); 3] = [
+const SOURCES: [(&str, &str); 4] = [
     ("src/tape/checksum/checksum.cu", "checksum.ptx"),
     ("src/nn/kernels/attention.cu", "attention.ptx"),
+    ("src/nn/kernels/attention_tc.cu", "attention_tc.ptx"),
     ("src/nn/kernels/gelu.cu", "gelu.ptx"),
 ];
 
@@ -18,6 +19,7 @@ fn main() {
         println!("cargo:rerun-if-changed={source}");
     }
     println!("cargo:rerun-if-changed=src/nn/kernels/elements.cuh");
+    println!("cargo:rerun-if-changed=src/nn/kernels/attention.cuh");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=NVCC");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {

@@ -19,7 +19,10 @@
 # `bench --profile` (each nn op, the replay check and the regions, by phase)
 # beside torch.profiler's kernels (PyTorch SDPA), at the same shape;
 # kernels: the CUDA tests, then the bench and its profile with remat's fused
-# kernels (`bench --nn kernels`: attention, GELU's backward) in f32 and bf16:
+# kernels (`bench --nn kernels`: attention, GELU's backward) in f32 and bf16;
+# tc: the CUDA tests, then bf16 and f16 attention on tensor cores
+# (attention_tc.cu) beside the SIMT kernels (REMAT_NN_TENSOR_CORES=0), the
+# bf16 profile, and PyTorch SDPA in bf16 and f16:
 #
 #   bash gpu-package/run.sh verdict profile
 #
@@ -108,8 +111,8 @@ if [ ${#groups[@]} -eq 0 ] || [ "${groups[*]}" = all ]; then
 fi
 for group in "${groups[@]}"; do
   case $group in
-    tests | bench | train | torch | verdict | profile | kernels) ;;
-    *) echo "unknown group '$group': tests, bench, train, torch, verdict, profile, kernels or all" >&2; exit 2 ;;
+    tests | bench | train | torch | verdict | profile | kernels | tc) ;;
+    *) echo "unknown group '$group': tests, bench, train, torch, verdict, profile, kernels, tc or all" >&2; exit 2 ;;
   esac
 done
 
@@ -195,6 +198,20 @@ for group in "${groups[@]}"; do
       done
       step torch-profile-bf16 90 python3 scripts/torch_reference.py --device "$device" "${shape[@]}" \
         --steps 2 --warmup 1 --dtype bf16 --attention sdpa --profile --out "$OUT/torch-profile-bf16" ;;
+    tc)
+      step cuda-tests 240 "${with_libs[@]}" "$bin/bin/cuda-tests" "${tests[@]}"
+      for dtype in bf16 f16; do
+        for cores in 1 0; do
+          step "bench-tc$cores-$dtype" 120 "${with_libs[@]}" REMAT_NN_TENSOR_CORES=$cores \
+            "$bin/bin/bench" --device "$device" "${shape[@]}" "${verdict_steps[@]}" --dtype "$dtype" \
+            --policies none,full --unchecked full --out "$OUT/bench-tc$cores-$dtype"
+        done
+        step "torch-$dtype" 90 python3 scripts/torch_reference.py --device "$device" "${shape[@]}" \
+          "${verdict_steps[@]}" --dtype "$dtype" --attention sdpa --out "$OUT/torch-$dtype"
+      done
+      step profile-tc-bf16 120 "${with_libs[@]}" "$bin/bin/bench" --device "$device" \
+        "${shape[@]}" --steps 2 --warmup 1 --dtype bf16 --profile true \
+        --policies none,full --out "$OUT/profile-tc-bf16" ;;
   esac
 done
 echo "results in $OUT/; $failed step(s) failed"

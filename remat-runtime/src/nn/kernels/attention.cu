@@ -20,19 +20,7 @@
 #define NT 64
 #define KT 32
 
-#include "elements.cuh"
-
-// Sizes and strides every kernel takes, by value.
-struct Shape {
-  int h, hkv, t, s, d, dv, causal, has_mask;
-  float scale;
-  long long q_b, q_h, q_t;
-  long long k_b, k_h, k_s;
-  long long v_b, v_h, v_s;
-  long long m_b, m_h, m_t, m_s;
-  long long o_b, o_t, o_h;
-  long long g_b, g_t, g_h;  // dout
-};
+#include "attention.cuh"
 
 // `reg . sh` of a row in registers and a row in shared memory (16-byte
 // aligned): four-wide shared loads, four independent sums.
@@ -72,13 +60,6 @@ __device__ __forceinline__ float score(const float *reg, const float *sh, const 
   float s = dot_shared<DM>(reg, sh) * p.scale;
   if (p.has_mask) s += load(mask[b * p.m_b + h * p.m_h + i * p.m_t + j * p.m_s]);
   return s;
-}
-
-// Keys 0..keys_for(i) are visible to query i.
-__device__ __forceinline__ int keys_for(const Shape &p, int i) {
-  if (!p.causal) return p.s;
-  int n = i + p.s - p.t + 1;
-  return n < p.s ? n : p.s;
 }
 
 template <typename T, int DM>

@@ -17,7 +17,11 @@ use super::{Shape, MAX_HEAD};
 /// `attention.cu` compiled by `build.rs`.
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
 const MODULE: &str = "remat_attention";
-/// Threads per block (`NT` of attention.cu): rows per block.
+/// `attention_tc.cu` (f16 and bf16 on tensor cores) compiled by `build.rs`.
+const TC_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention_tc.ptx"));
+const TC_MODULE: &str = "remat_attention_tc";
+/// Rows per block, both files (attention.cu: `NT` threads, one per row;
+/// attention_tc.cu: 4 warps of 16 rows).
 const ROWS: usize = 64;
 
 // SAFETY: `Shape` is `#[repr(C)]` plain data (integers and a float), laid
@@ -59,12 +63,19 @@ fn instance(stem: &str, dtype: &str, width: usize) -> String {
     format!("{stem}_{dtype}_{dm}")
 }
 
-fn config(blocks: usize, heads: usize, batch: usize) -> LaunchConfig {
+/// The grid over `rows` rows of `heads` heads of `batch` items; 128
+/// threads a block for the tensor-core kernels, else one per row.
+fn config(rows: usize, heads: usize, batch: usize, tensor_cores: bool) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (blocks.div_ceil(ROWS) as u32, heads as u32, batch as u32),
-        block_dim: (ROWS as u32, 1, 1),
+        grid_dim: (rows.div_ceil(ROWS) as u32, heads as u32, batch as u32),
+        block_dim: (if tensor_cores { 128 } else { ROWS as u32 }, 1, 1),
         shared_mem_bytes: 0,
     }
+}
+
+/// Whether `dtype` runs on the tensor-core kernels (f16, bf16, with them on).
+fn on_tensor_cores(dtype: DType) -> bool {
+    matches!(dtype, DType::F16 | DType::BF16) && super::tensor_cores_on()
 }
 
 /// The CUDA storage of `t` and its layout.
@@ -144,14 +155,23 @@ fn forward_as<T: CudaDType + DeviceRepr>(
             None => view::<T>(&qs, &ql)?,
         };
         // SAFETY: the forward writes every element of both: each of the
-        // B x H x T row threads its `Dv` outputs and its two statistics.
+        // B x H x T rows its `Dv` outputs and its two statistics.
         let out = unsafe { dev.alloc::<T>(b * t * h * dv)? };
         let stats = unsafe { dev.alloc::<f32>(2 * b * h * t)? };
-        let func = dev.get_or_load_custom_func(
-            &instance("attention_forward", name, q.dim(3)?.max(dv)),
-            MODULE,
-            PTX,
-        )?;
+        let tc = on_tensor_cores(q.dtype());
+        let func = if tc {
+            dev.get_or_load_custom_func(
+                &instance("attention_tc_forward", name, q.dim(3)?.max(dv)),
+                TC_MODULE,
+                TC_PTX,
+            )?
+        } else {
+            dev.get_or_load_custom_func(
+                &instance("attention_forward", name, q.dim(3)?.max(dv)),
+                MODULE,
+                PTX,
+            )?
+        };
         let mut builder = func.builder();
         builder.arg(&qv);
         builder.arg(&kv);
@@ -163,8 +183,9 @@ fn forward_as<T: CudaDType + DeviceRepr>(
         // SAFETY: the arguments are the kernel's (const T* q, k, v, mask,
         // T* out, float* stats, Shape) in order; `shape` holds the sizes
         // and strides of the views (each row's features contiguous, checked
-        // by `fit`); the grid covers the B x H x T rows, ROWS per block.
-        unsafe { builder.launch(config(t, h, b)) }.w()?;
+        // by `fit`); the grid covers the B x H x T rows, ROWS per block,
+        // with the block size the kernel was written for.
+        unsafe { builder.launch(config(t, h, b, tc)) }.w()?;
         (out, stats)
     };
     Ok((
@@ -253,17 +274,23 @@ fn backward_as<T: CudaDType + DeviceRepr>(
             Some((s, l)) => view::<T>(s, l)?,
             None => view::<T>(&qs, &ql)?,
         };
-        // SAFETY: every element is written: the dq kernel's B x H x T row
-        // threads write their `D` gradients and their delta, the dk and dv
-        // kernels' B x Hkv x S key threads their `D` and `Dv`.
+        // SAFETY: every element is written: the dq kernel's B x H x T rows
+        // their `D` gradients and their delta, the dk and dv kernels' (or
+        // the dkv kernel's) B x Hkv x S key rows their `D` and `Dv`.
         let dq = unsafe { dev.alloc::<T>(b * h * t * d)? };
         let delta = unsafe { dev.alloc::<f32>(b * h * t)? };
         let dk = unsafe { dev.alloc::<T>(b * hkv * s * d)? };
         let dvv = unsafe { dev.alloc::<T>(b * hkv * s * dv)? };
+        let tc = on_tensor_cores(q.dtype());
+        let (module, ptx, stem) = if tc {
+            (TC_MODULE, TC_PTX, "attention_tc_backward")
+        } else {
+            (MODULE, PTX, "attention_backward")
+        };
         let func = dev.get_or_load_custom_func(
-            &instance("attention_backward_dq", name, width),
-            MODULE,
-            PTX,
+            &instance(&format!("{stem}_dq"), name, width),
+            module,
+            ptx,
         )?;
         let mut builder = func.builder();
         builder.arg(&qv);
@@ -279,12 +306,20 @@ fn backward_as<T: CudaDType + DeviceRepr>(
         // SAFETY: (const T* q, k, v, mask, out, dout, const float* stats,
         // T* dq, float* delta, Shape) in order, `shape` describing the
         // views; the grid covers the B x H x T rows.
-        unsafe { builder.launch(config(t, h, b)) }.w()?;
-        for (stem, grad) in [
-            ("attention_backward_dk", &dk),
-            ("attention_backward_dv", &dvv),
-        ] {
-            let func = dev.get_or_load_custom_func(&instance(stem, name, width), MODULE, PTX)?;
+        unsafe { builder.launch(config(t, h, b, tc)) }.w()?;
+        // The key rows: dk and dv in one kernel on tensor cores, else one
+        // kernel each.
+        let grads: &[(&str, &[&CudaSlice<T>])] = if tc {
+            &[("dkv", &[&dk, &dvv])]
+        } else {
+            &[("dk", &[&dk]), ("dv", &[&dvv])]
+        };
+        for (what, outs) in grads {
+            let func = dev.get_or_load_custom_func(
+                &instance(&format!("{stem}_{what}"), name, width),
+                module,
+                ptx,
+            )?;
             let mut builder = func.builder();
             builder.arg(&qv);
             builder.arg(&kv);
@@ -293,13 +328,15 @@ fn backward_as<T: CudaDType + DeviceRepr>(
             builder.arg(&gv);
             builder.arg(&sv);
             builder.arg(&delta);
-            builder.arg(grad);
+            for grad in *outs {
+                builder.arg(*grad);
+            }
             builder.arg(&shape);
             // SAFETY: (const T* q, k, v, mask, dout, const float* stats,
-            // const float* delta, T* grad, Shape) in order; `delta` was
-            // written by the dq kernel, queued before on the same stream;
-            // the grid covers the B x Hkv x S key rows.
-            unsafe { builder.launch(config(s, hkv, b)) }.w()?;
+            // const float* delta, T* grad (dk, dv for "dkv"), Shape) in
+            // order; `delta` was written by the dq kernel, queued before on
+            // the same stream; the grid covers the B x Hkv x S key rows.
+            unsafe { builder.launch(config(s, hkv, b, tc)) }.w()?;
         }
         (dq, dk, dvv)
     };

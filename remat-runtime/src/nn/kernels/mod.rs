@@ -37,6 +37,16 @@ pub(crate) fn kernels_on() -> bool {
     ON.load(Ordering::Relaxed)
 }
 
+/// Whether f16 and bf16 attention runs on the tensor-core kernels
+/// (`attention_tc.cu`; else on `attention.cu`'s SIMT lanes, as f32 does):
+/// `REMAT_NN_TENSOR_CORES` (`0` or `1`) read at the first call, on when
+/// unset.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn tensor_cores_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("REMAT_NN_TENSOR_CORES").as_deref() != Ok("0"))
+}
+
 /// The largest head size the kernels take (their row vectors live in
 /// registers).
 pub(crate) const MAX_HEAD: usize = 128;

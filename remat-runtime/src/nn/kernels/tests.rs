@@ -19,6 +19,9 @@ struct Case {
     /// The mask's shape (broadcast to `(B, H, T, S)`), if any.
     mask: Option<[usize; 4]>,
     packed: bool,
+    /// The queries' values times this: sharper softmaxes, whose running
+    /// maximum moves further from tile to tile.
+    sharp: f64,
 }
 
 /// Deterministic values in [-2, 2).
@@ -54,16 +57,20 @@ fn rel(a: &Tensor, b: &Tensor) -> f64 {
         .max(0)
         .unwrap();
     let s = b.abs().unwrap().flatten_all().unwrap().max(0).unwrap();
-    d.to_scalar::<f64>().unwrap() / s.to_scalar::<f64>().unwrap().max(1e-30)
+    // Relative to the largest value, or to 1e-3 where all are 0 (one
+    // visible key: the softmax's gradient vanishes, and the tensor cores'
+    // dO . V^T and the lanes' dO . O cancel only to their rounding).
+    d.to_scalar::<f64>().unwrap() / s.to_scalar::<f64>().unwrap().max(1e-3)
 }
 
-/// Runs the host build of the kernels over `c` in `dtype` and compares the
-/// output and the three gradients with the composed op in f64.
+/// Runs the host build of the kernels (`attention_tc.cu`'s if
+/// `tensor_cores`) over `c` in `dtype` and compares the output and the
+/// three gradients with the composed op in f64.
 fn check(
     exe: &std::path::Path,
     dir: &std::path::Path,
     c: &Case,
-    dtype: DType,
+    (dtype, tensor_cores): (DType, bool),
     tol: f64,
     seed: u64,
 ) {
@@ -93,7 +100,11 @@ fn check(
         };
         (part(0), part(1), part(2), p.flatten_all().unwrap())
     } else {
-        let q = rounded(&values(b * h * t * d, seed), &[b, h, t, d], dtype);
+        let q: Vec<f64> = values(b * h * t * d, seed)
+            .iter()
+            .map(|x| x * c.sharp)
+            .collect();
+        let q = rounded(&q, &[b, h, t, d], dtype);
         let k = rounded(&values(b * hkv * s * d, seed + 1), &[b, hkv, s, d], dtype);
         let v = rounded(&values(b * hkv * s * dv, seed + 2), &[b, hkv, s, dv], dtype);
         let all = Tensor::cat(
@@ -186,10 +197,12 @@ fn check(
     parts.extend(mask_flat);
     parts.push(dout.flatten_all().unwrap());
     let data = Tensor::cat(&parts, 0).unwrap().to_dtype(dtype).unwrap();
-    let code: i64 = match dtype {
-        DType::F32 => 0,
-        DType::F16 => 1,
-        DType::BF16 => 2,
+    let code: i64 = match (dtype, tensor_cores) {
+        (DType::F32, false) => 0,
+        (DType::F16, false) => 1,
+        (DType::BF16, false) => 2,
+        (DType::F16, true) => 3,
+        (DType::BF16, true) => 4,
         _ => unreachable!(),
     };
     let dm: i64 = if d.max(dv) <= 64 { 64 } else { 128 };
@@ -337,6 +350,7 @@ fn the_attention_kernels_on_host_threads_match_f64() {
         causal,
         mask,
         packed,
+        sharp: 1.0,
     };
     let cases = [
         case(2, 3, 3, 70, 70, 16, 16, true, None, true),
@@ -347,11 +361,21 @@ fn the_attention_kernels_on_host_threads_match_f64() {
         case(1, 1, 1, 1, 1, 16, 16, true, None, false),
     ];
     for (i, c) in cases.iter().enumerate() {
-        check(&exe, &dir, c, DType::F32, 1e-5, i as u64);
+        check(&exe, &dir, c, (DType::F32, false), 1e-5, i as u64);
     }
     for (i, dtype) in [(10, DType::F16), (20, DType::BF16)] {
-        check(&exe, &dir, &cases[0], dtype, 1e-2, i);
-        check(&exe, &dir, &cases[2], dtype, 1e-2, i + 1);
+        check(&exe, &dir, &cases[0], (dtype, false), 1e-2, i);
+        check(&exe, &dir, &cases[2], (dtype, false), 1e-2, i + 1);
+    }
+    // The tensor-core kernels, every case: their probabilities and score
+    // gradients are rounded to the dtype before their products as well.
+    let sharp = Case {
+        sharp: 6.0,
+        ..case(1, 2, 1, 150, 150, 32, 32, false, None, false)
+    };
+    for (i, c) in cases.iter().chain([&sharp]).enumerate() {
+        check(&exe, &dir, c, (DType::F16, true), 1e-2, 30 + i as u64);
+        check(&exe, &dir, c, (DType::BF16, true), 2e-2, 40 + i as u64);
     }
     std::fs::remove_dir_all(&dir).ok();
 }

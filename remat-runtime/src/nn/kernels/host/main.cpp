@@ -1,6 +1,7 @@
-// Runs attention.cu's kernels on host threads (see shim.h): reads a case
-// from argv[1], writes out, stats, dq, dk, dv to argv[2]. The case: i64
-// dtype (0 f32, 1 f16, 2 bf16), i64 DM (64 or 128), i64 B, then the Shape's
+// Runs attention.cu's and attention_tc.cu's kernels on host threads (see
+// shim.h): reads a case from argv[1], writes out, stats, dq, dk, dv to
+// argv[2]. The case: i64 dtype (0 f32, 1 f16, 2 bf16 on attention.cu; 3
+// f16, 4 bf16 on attention_tc.cu), i64 DM (64 or 128), i64 B, then the Shape's
 // fields in order as i64 (scale as f64), then i64 offsets of q, k, v, mask,
 // out-for-backward (unused: the forward's own), dout in the data, i64
 // element count, the data (elements of the dtype).
@@ -9,26 +10,31 @@
 #include <vector>
 
 #include "../attention.cu"
+#include "../attention_tc.cu"
 
 thread_local Index threadIdx;
 Index blockIdx, gridDim;
 pthread_barrier_t block_barrier;
+pthread_barrier_t warp_barriers[32];
+float shuffle_slots[32][32];
 
-template <typename F> void grid(unsigned gx, unsigned gy, unsigned gz, F kernel) {
+template <typename F> void grid(unsigned gx, unsigned gy, unsigned gz, unsigned nt, F kernel) {
   gridDim = {gx, gy, gz};
   for (unsigned z = 0; z < gz; z++)
     for (unsigned y = 0; y < gy; y++)
       for (unsigned x = 0; x < gx; x++) {
         blockIdx = {x, y, z};
-        pthread_barrier_init(&block_barrier, nullptr, NT);
+        pthread_barrier_init(&block_barrier, nullptr, nt);
+        for (unsigned w = 0; w < nt / 32; w++) pthread_barrier_init(&warp_barriers[w], nullptr, 32);
         std::vector<std::thread> threads;
-        for (unsigned t = 0; t < NT; t++)
+        for (unsigned t = 0; t < nt; t++)
           threads.emplace_back([=] {
             threadIdx = {t, 0, 0};
             kernel();
           });
         for (auto &th : threads) th.join();
         pthread_barrier_destroy(&block_barrier);
+        for (unsigned w = 0; w < nt / 32; w++) pthread_barrier_destroy(&warp_barriers[w]);
       }
 }
 
@@ -43,21 +49,51 @@ template <typename T, int DM> int run(FILE *in, FILE *out, long long B, Shape p)
   std::vector<T> o(bht * p.dv), dq(bht * p.d), dk(B * p.hkv * p.s * p.d), dv(B * p.hkv * p.s * p.dv);
   std::vector<float> stats(2 * bht), delta(bht);
   unsigned rows = (p.t + NT - 1) / NT, keys = (p.s + NT - 1) / NT;
-  grid(rows, p.h, B, [&] { attention_forward<T, DM>(q, k, v, mask, o.data(), stats.data(), p); });
+  grid(rows, p.h, B, NT, [&] { attention_forward<T, DM>(q, k, v, mask, o.data(), stats.data(), p); });
   // The backward reads the output as (B, T, H, Dv), contiguous.
   Shape g = p;
   g.o_b = (long long)p.t * p.h * p.dv, g.o_t = (long long)p.h * p.dv, g.o_h = p.dv;
-  grid(rows, p.h, B, [&] {
+  grid(rows, p.h, B, NT, [&] {
     attention_backward_dq<T, DM>(q, k, v, mask, o.data(), dout, stats.data(), dq.data(),
                                  delta.data(), g);
   });
-  grid(keys, p.hkv, B, [&] {
+  grid(keys, p.hkv, B, NT, [&] {
     attention_backward_dkv<T, DM, true>(q, k, v, mask, dout, stats.data(), delta.data(),
                                         dk.data(), g);
   });
-  grid(keys, p.hkv, B, [&] {
+  grid(keys, p.hkv, B, NT, [&] {
     attention_backward_dkv<T, DM, false>(q, k, v, mask, dout, stats.data(), delta.data(),
                                          dv.data(), g);
+  });
+  fwrite(o.data(), sizeof(T), o.size(), out);
+  fwrite(stats.data(), 4, stats.size(), out);
+  fwrite(dq.data(), sizeof(T), dq.size(), out);
+  fwrite(dk.data(), sizeof(T), dk.size(), out);
+  fwrite(dv.data(), sizeof(T), dv.size(), out);
+  return 0;
+}
+
+// The same case on attention_tc.cu's kernels.
+template <typename T, int DM> int run_tc(FILE *in, FILE *out, long long B, Shape p) {
+  long long off[6], n;
+  if (fread(off, 8, 6, in) != 6 || fread(&n, 8, 1, in) != 1) return 3;
+  std::vector<T> data(n);
+  if (n && fread(data.data(), sizeof(T), n, in) != (size_t)n) return 3;
+  const T *q = data.data() + off[0], *k = data.data() + off[1], *v = data.data() + off[2];
+  const T *mask = p.has_mask ? data.data() + off[3] : nullptr, *dout = data.data() + off[5];
+  long long bht = B * p.h * p.t;
+  std::vector<T> o(bht * p.dv), dq(bht * p.d), dk(B * p.hkv * p.s * p.d), dv(B * p.hkv * p.s * p.dv);
+  std::vector<float> stats(2 * bht), delta(bht);
+  unsigned rows = (p.t + ROWS - 1) / ROWS, keys = (p.s + ROWS - 1) / ROWS, nt = 32 * WARPS;
+  constexpr int BC = DM == 64 ? 64 : 32;
+  grid(rows, p.h, B, nt, [&] { tc_forward<T, DM, BC>(q, k, v, mask, o.data(), stats.data(), p); });
+  Shape g = p;
+  g.o_b = (long long)p.t * p.h * p.dv, g.o_t = (long long)p.h * p.dv, g.o_h = p.dv;
+  grid(rows, p.h, B, nt, [&] {
+    tc_backward_dq<T, DM, 32>(q, k, v, mask, o.data(), dout, stats.data(), dq.data(), delta.data(), g);
+  });
+  grid(keys, p.hkv, B, nt, [&] {
+    tc_backward_dkv<T, DM, 32>(q, k, v, mask, dout, stats.data(), delta.data(), dk.data(), dv.data(), g);
   });
   fwrite(o.data(), sizeof(T), o.size(), out);
   fwrite(stats.data(), 4, stats.size(), out);
@@ -91,6 +127,10 @@ int main(int argc, char **argv) {
   if (dtype == 0 && dm == 128) rc = run<float, 128>(in, out, B, p);
   if (dtype == 1 && dm == 64) rc = run<__half, 64>(in, out, B, p);
   if (dtype == 2 && dm == 64) rc = run<bf16_t, 64>(in, out, B, p);
+  if (dtype == 3 && dm == 64) rc = run_tc<__half, 64>(in, out, B, p);
+  if (dtype == 3 && dm == 128) rc = run_tc<__half, 128>(in, out, B, p);
+  if (dtype == 4 && dm == 64) rc = run_tc<bf16_t, 64>(in, out, B, p);
+  if (dtype == 4 && dm == 128) rc = run_tc<bf16_t, 128>(in, out, B, p);
   fclose(out);
   return rc;
 }

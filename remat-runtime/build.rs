@@ -1,17 +1,18 @@
 //! With the `cuda` feature: compiles remat's CUDA kernels (the checksum of
-//! the replay check, `src/tape/checksum/checksum.cu`; fused attention and
-//! GELU's backward, `src/nn/kernels/`) to PTX with nvcc, embedded in the
+//! the replay check, `src/tape/checksum/checksum.cu`; fused attention, the
+//! norms and GELU's backward, `src/nn/kernels/`) to PTX with nvcc, embedded in the
 //! library, as candle builds its own kernels. Without it: nothing.
 
 use std::path::PathBuf;
 use std::process::Command;
 
 /// Each kernel source and the PTX file it becomes in `OUT_DIR`.
-const SOURCES: [(&str, &str); 4] = [
+const SOURCES: [(&str, &str); 5] = [
     ("src/tape/checksum/checksum.cu", "checksum.ptx"),
     ("src/nn/kernels/attention.cu", "attention.ptx"),
     ("src/nn/kernels/attention_tc.cu", "attention_tc.ptx"),
     ("src/nn/kernels/gelu.cu", "gelu.ptx"),
+    ("src/nn/kernels/norm.cu", "norm.ptx"),
 ];
 
 fn main() {

@@ -459,6 +459,74 @@ fn nn_ops_on_cuda_match_the_cpu() {
             1,
             Box::new(|t| nn::swiglu(&t[0])),
         ),
+        // The fused ops with their pre-norm (norm.cu on CUDA): 140 rows, two
+        // full column chunks of 64 and a partial one, 48 features.
+        (
+            "gelu_mlp (layer pre-norm)",
+            vec![
+                tensor(&[2, 70, 48], 1, 1.0, DType::F32),
+                (tensor(&[48], 2, 0.3, DType::F32) + 1.0).unwrap(),
+                tensor(&[48], 3, 0.3, DType::F32),
+                tensor(&[64, 48], 4, 0.2, DType::F32),
+                tensor(&[64], 5, 0.1, DType::F32),
+                tensor(&[48, 64], 6, 0.2, DType::F32),
+                tensor(&[48], 7, 0.1, DType::F32),
+            ],
+            7,
+            Box::new(|t| {
+                let norm = nn::PreNorm::Layer {
+                    gain: &t[1],
+                    bias: &t[2],
+                    eps: 1e-5,
+                };
+                nn::gelu_mlp(
+                    &t[0],
+                    Some(norm),
+                    &t[3],
+                    Some(&t[4]),
+                    &t[5],
+                    Some(&t[6]),
+                    Some(&t[0]),
+                )
+            }),
+        ),
+        (
+            "swiglu_mlp (RMS pre-norm)",
+            vec![
+                tensor(&[2, 70, 48], 1, 1.0, DType::F32),
+                (tensor(&[48], 2, 0.3, DType::F32) + 1.0).unwrap(),
+                tensor(&[64, 48], 4, 0.2, DType::F32),
+                tensor(&[64, 48], 5, 0.2, DType::F32),
+                tensor(&[48, 64], 6, 0.2, DType::F32),
+            ],
+            5,
+            Box::new(|t| {
+                let norm = nn::PreNorm::Rms {
+                    gain: &t[1],
+                    eps: 1e-6,
+                };
+                nn::swiglu_mlp(&t[0], Some(norm), &t[2], &t[3], &t[4], None)
+            }),
+        ),
+        (
+            "qkv_attention (layer pre-norm)",
+            vec![
+                tensor(&[2, 70, 48], 1, 1.0, DType::F32),
+                (tensor(&[48], 2, 0.3, DType::F32) + 1.0).unwrap(),
+                tensor(&[48], 3, 0.3, DType::F32),
+                tensor(&[144, 48], 4, 0.2, DType::F32),
+                tensor(&[144], 5, 0.1, DType::F32),
+            ],
+            5,
+            Box::new(|t| {
+                let norm = nn::PreNorm::Layer {
+                    gain: &t[1],
+                    bias: &t[2],
+                    eps: 1e-5,
+                };
+                nn::qkv_attention(&t[0], Some(norm), &t[3], Some(&t[4]), 4, true, None)
+            }),
+        ),
         (
             "gelu",
             vec![tensor(&[2, 8, 16], 1, 1.0, DType::F32)],

@@ -20,9 +20,9 @@
 # beside torch.profiler's kernels (PyTorch SDPA), at the same shape;
 # kernels: the CUDA tests, then the bench and its profile with remat's fused
 # kernels (`bench --nn kernels`: attention, GELU's backward) in f32 and bf16;
-# tc: the CUDA tests, then bf16 and f16 attention on tensor cores
-# (attention_tc.cu) beside the SIMT kernels (REMAT_NN_TENSOR_CORES=0), the
-# bf16 profile, and PyTorch SDPA in bf16 and f16:
+# tc: the CUDA tests, the bench in bf16, f32 and f16 beside PyTorch SDPA in
+# the same dtype, the profile in bf16 and f32, and Nsight Compute's time of
+# every kernel of one plain bf16 step (if ncu is there):
 #
 #   bash gpu-package/run.sh verdict profile
 #
@@ -200,18 +200,27 @@ for group in "${groups[@]}"; do
         --steps 2 --warmup 1 --dtype bf16 --attention sdpa --profile --out "$OUT/torch-profile-bf16" ;;
     tc)
       step cuda-tests 240 "${with_libs[@]}" "$bin/bin/cuda-tests" "${tests[@]}"
-      for dtype in bf16 f16; do
-        for cores in 1 0; do
-          step "bench-tc$cores-$dtype" 120 "${with_libs[@]}" REMAT_NN_TENSOR_CORES=$cores \
-            "$bin/bin/bench" --device "$device" "${shape[@]}" "${verdict_steps[@]}" --dtype "$dtype" \
-            --policies none,full --unchecked full --out "$OUT/bench-tc$cores-$dtype"
-        done
+      for dtype in bf16 f32 f16; do
+        step "bench-$dtype" 120 "${with_libs[@]}" "$bin/bin/bench" --device "$device" "${shape[@]}" \
+          "${verdict_steps[@]}" --dtype "$dtype" --policies none,full --unchecked full \
+          --out "$OUT/bench-$dtype"
         step "torch-$dtype" 90 python3 scripts/torch_reference.py --device "$device" "${shape[@]}" \
           "${verdict_steps[@]}" --dtype "$dtype" --attention sdpa --out "$OUT/torch-$dtype"
       done
-      step profile-tc-bf16 120 "${with_libs[@]}" "$bin/bin/bench" --device "$device" \
-        "${shape[@]}" --steps 2 --warmup 1 --dtype bf16 --profile true \
-        --policies none,full --out "$OUT/profile-tc-bf16" ;;
+      for dtype in bf16 f32; do
+        step "profile-$dtype" 120 "${with_libs[@]}" "$bin/bin/bench" --device "$device" \
+          "${shape[@]}" --steps 2 --warmup 1 --dtype "$dtype" --profile true \
+          --policies none,full --out "$OUT/profile-$dtype"
+      done
+      # Nsight Compute over one plain bf16 step: every kernel's device time.
+      ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1 || true)
+      if [ "$device" = cuda ] && [ -n "$ncu" ]; then
+        step ncu-bf16 150 "${with_libs[@]}" "$ncu" --csv --metrics gpu__time_duration.sum \
+          --log-file "$OUT/ncu-bf16.csv" "$bin/bin/bench" --device cuda "${shape[@]}" --steps 1 \
+          --warmup 0 --dtype bf16 --policies none --out "$OUT/ncu-bench"
+        python3 scripts/gpu/ncu_top.py "$OUT/ncu-bf16.csv" 40 >"$OUT/ncu-bf16-top.txt" 2>&1 || true
+        rm -f "$OUT/ncu-bf16.csv"
+      fi ;;
   esac
 done
 echo "results in $OUT/; $failed step(s) failed"

@@ -4,6 +4,7 @@
 
 use candle_core::{DType, Result, Tensor, D};
 
+use super::kernels;
 use super::norm::{norm_grads, normalize, renormalize, scale_shift, sum_rows, work_dtype};
 
 /// The norm a fused op applies to its input first: layer norm (gain and
@@ -60,6 +61,16 @@ pub(super) struct Normed {
     rstd: Tensor,
     /// The parameters' own dtypes (the gradients'), gain first.
     dtypes: Vec<DType>,
+    /// Set when `norm.cu`'s kernels normalized the rows: the parameters as
+    /// given and eps, for their recompute and backward.
+    kernel: Option<Kernel>,
+}
+
+/// What the norm kernels read again after the forward.
+struct Kernel {
+    gain: Tensor,
+    bias: Option<Tensor>,
+    eps: f64,
 }
 
 impl Normed {
@@ -67,6 +78,27 @@ impl Normed {
     /// backward reads.
     /// Computed in f32 for f16 and bf16 inputs, as the norms are.
     pub fn forward(norm: &PreNorm, x: &Tensor) -> Result<(Tensor, Normed)> {
+        let (gain, bias, eps) = match *norm {
+            PreNorm::Layer { gain, bias, eps } => (gain, Some(bias), eps),
+            PreNorm::Rms { gain, eps } => (gain, None, eps),
+        };
+        if kernels::norm_fit(x, gain, bias) {
+            let (y, mean, rstd) = kernels::norm_forward(x, gain, bias, eps)?;
+            let work = rstd.dtype();
+            let normed = Normed {
+                gain: gain.detach().to_dtype(work)?,
+                bias: bias.map(|b| b.detach().to_dtype(work)).transpose()?,
+                mean: bias.is_some().then_some(mean),
+                rstd,
+                dtypes: norm.params().iter().map(|p| p.dtype()).collect(),
+                kernel: Some(Kernel {
+                    gain: gain.detach(),
+                    bias: bias.map(Tensor::detach),
+                    eps,
+                }),
+            };
+            return Ok((y, normed));
+        }
         let dtype = x.dtype();
         let x = &x.to_dtype(work_dtype(dtype))?;
         let work = x.dtype();
@@ -81,6 +113,7 @@ impl Normed {
                     mean: Some(mean),
                     rstd,
                     dtypes: norm.params().iter().map(|p| p.dtype()).collect(),
+                    kernel: None,
                 };
                 (y, normed)
             }
@@ -94,6 +127,7 @@ impl Normed {
                     mean: None,
                     rstd,
                     dtypes: norm.params().iter().map(|p| p.dtype()).collect(),
+                    kernel: None,
                 };
                 (y, normed)
             }
@@ -112,6 +146,14 @@ impl Normed {
     /// The normalized rows, recomputed from `x` as the forward computed
     /// them.
     pub fn recompute(&self, x: &Tensor) -> Result<Tensor> {
+        if let Some(k) = self
+            .kernel
+            .as_ref()
+            .filter(|k| kernels::norm_fit(x, &k.gain, k.bias.as_ref()))
+        {
+            // The forward's kernel again: the forward's bits.
+            return Ok(kernels::norm_forward(x, &k.gain, k.bias.as_ref(), k.eps)?.0);
+        }
         let xhat = self.xhat(x)?;
         match &self.bias {
             Some(bias) => scale_shift(&xhat, &self.gain, bias),
@@ -137,6 +179,21 @@ impl Normed {
     /// computes in (`f32` for f16 and bf16 inputs), for a caller that
     /// sums or scales them further before rounding.
     pub fn backward_work(&self, x: &Tensor, dy: &Tensor) -> Result<(Tensor, Vec<Tensor>)> {
+        // The kernels take dy in x's dtype only (a caller's f32 gradient
+        // of bf16 rows stays f32 on the composed path).
+        if let Some(k) = self
+            .kernel
+            .as_ref()
+            .filter(|k| dy.dtype() == x.dtype() && kernels::norm_fit(x, &k.gain, k.bias.as_ref()))
+        {
+            let layer = k.bias.is_some();
+            let mean = match &self.mean {
+                Some(mean) => mean.clone(),
+                None => self.rstd.zeros_like()?,
+            };
+            let (dx, dg, db) = kernels::norm_backward(x, &k.gain, dy, (&mean, &self.rstd), layer)?;
+            return Ok((dx, if layer { vec![dg, db] } else { vec![dg] }));
+        }
         let xhat = self.xhat(x)?;
         let dy = dy.to_dtype(self.rstd.dtype())?;
         let layer = self.mean.is_some();

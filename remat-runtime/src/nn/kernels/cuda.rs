@@ -47,7 +47,7 @@ impl CustomOp1 for Handed {
 }
 
 /// A tensor of `slice`, shaped `shape`, on `anchor`'s device.
-fn hand<T: CudaDType>(
+pub(super) fn hand<T: CudaDType>(
     anchor: &Tensor,
     slice: CudaSlice<T>,
     dev: &CudaDevice,
@@ -79,7 +79,7 @@ fn on_tensor_cores(dtype: DType) -> bool {
 }
 
 /// The CUDA storage of `t` and its layout.
-fn storage(t: &Tensor) -> Result<(impl std::ops::Deref<Target = Storage> + '_, Layout)> {
+pub(super) fn storage(t: &Tensor) -> Result<(impl std::ops::Deref<Target = Storage> + '_, Layout)> {
     let (s, l) = t.storage_and_layout();
     if !matches!(&*s, Storage::Cuda(_)) {
         candle_core::bail!("remat attention kernels: a tensor is not on CUDA");
@@ -89,7 +89,7 @@ fn storage(t: &Tensor) -> Result<(impl std::ops::Deref<Target = Storage> + '_, L
 }
 
 /// The CUDA device of `t`.
-fn device(t: &Tensor) -> Result<CudaDevice> {
+pub(super) fn device(t: &Tensor) -> Result<CudaDevice> {
     match &*t.storage_and_layout().0 {
         Storage::Cuda(c) => Ok(c.device.clone()),
         _ => candle_core::bail!("remat attention kernels: a tensor is not on CUDA"),
@@ -104,7 +104,7 @@ fn cuda_of(s: &Storage) -> &CudaStorage {
 }
 
 /// `t`'s elements from its start offset.
-fn view<'a, T: CudaDType>(s: &'a Storage, l: &Layout) -> Result<CudaView<'a, T>> {
+pub(super) fn view<'a, T: CudaDType>(s: &'a Storage, l: &Layout) -> Result<CudaView<'a, T>> {
     Ok(cuda_of(s).as_cuda_slice::<T>()?.slice(l.start_offset()..))
 }
 

@@ -1,9 +1,11 @@
 //! remat's CUDA kernels for `nn` (compiled to PTX by `build.rs`): the
-//! backward of the GELU in one pass (`gelu.cu`), and fused attention
-//! (`attention.cu`), the forward and the backward of [`super::attention`] in the
-//! manner of FlashAttention-2, with no `(T, S)` tensor, when its arguments
-//! allow (a CUDA device, f32/f16/bf16, head sizes up to 128, no tracked
-//! mask). The backward reads each row's maximum score and `1 / sum`, kept
+//! backward of the GELU in one pass (`gelu.cu`), the pre-norm of the fused
+//! ops forward and backward (`norm.cu`), and fused attention, the forward
+//! and the backward of [`super::attention`] in the manner of
+//! FlashAttention-2, with no `(T, S)` tensor, when its arguments allow (a
+//! CUDA device, f32/f16/bf16, head sizes up to 128, no tracked mask): f32
+//! on the SIMT lanes (`attention.cu`), f16 and bf16 on tensor cores
+//! (`attention_tc.cu`). The backward reads each row's maximum score and `1 / sum`, kept
 //! from the forward (`(2, B, H, T)` f32), and recomputes the
 //! probabilities, as the composed path does.
 //!
@@ -232,8 +234,77 @@ pub(crate) fn gelu_backward(
     Err(candle_core::Error::NotCompiledWithCudaSupport)
 }
 
+/// Whether the norm kernels (`norm.cu`) can normalize the rows of `x`
+/// `(rows, C)` with `gain` (and `bias`) `(C)`: on CUDA, with the kernels
+/// on, f32/f16/bf16, the parameters in `x`'s dtype, the column sums'
+/// chunks of 64 rows within the grid.
+pub(crate) fn norm_fit(x: &Tensor, gain: &Tensor, bias: Option<&Tensor>) -> bool {
+    let param = |p: &Tensor| p.dtype() == x.dtype() && p.dims() == [x.dims()[1]];
+    x.device().is_cuda()
+        && kernels_on()
+        && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
+        && x.rank() == 2
+        && x.dims()[1] >= 1
+        && x.dims()[0].div_ceil(64) <= 65_535
+        && param(gain)
+        && bias.is_none_or(param)
+}
+
+/// The rows of `x` `(rows, C)` normalized (layer norm with a `bias`, RMS
+/// norm without), with each row's mean (0 for RMS) and `1 / std`, `(rows,
+/// 1)` f32, by `norm.cu`.
+#[cfg(feature = "cuda")]
+pub(crate) fn norm_forward(
+    x: &Tensor,
+    gain: &Tensor,
+    bias: Option<&Tensor>,
+    eps: f64,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    cuda_norm::forward(x, gain, bias, eps)
+}
+
+/// The gradients of `x` `(rows, C)`, of the gain and of the bias (`(C)`),
+/// f32, for the gradient `dy` of [`norm_forward`]'s output.
+#[cfg(feature = "cuda")]
+pub(crate) fn norm_backward(
+    x: &Tensor,
+    gain: &Tensor,
+    dy: &Tensor,
+    (mean, rstd): (&Tensor, &Tensor),
+    layer: bool,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    cuda_norm::backward(x, gain, dy, mean, rstd, layer)
+}
+
+/// Without the `cuda` feature no tensor is on CUDA, so [`norm_fit`] is
+/// false.
+#[cfg(not(feature = "cuda"))]
+pub(crate) fn norm_forward(
+    _: &Tensor,
+    _: &Tensor,
+    _: Option<&Tensor>,
+    _: f64,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    Err(candle_core::Error::NotCompiledWithCudaSupport)
+}
+
+/// Without the `cuda` feature no tensor is on CUDA, so [`norm_fit`] is
+/// false.
+#[cfg(not(feature = "cuda"))]
+pub(crate) fn norm_backward(
+    _: &Tensor,
+    _: &Tensor,
+    _: &Tensor,
+    _: (&Tensor, &Tensor),
+    _: bool,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    Err(candle_core::Error::NotCompiledWithCudaSupport)
+}
+
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "cuda")]
+mod cuda_norm;
 
 #[cfg(test)]
 mod tests;

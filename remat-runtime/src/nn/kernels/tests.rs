@@ -453,3 +453,147 @@ fn the_gelu_kernel_on_the_host_matches_f64() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `norm.cu` on host threads (shim.h, a warp per block) against the norm
+/// computed here in f64 from the same rounded inputs: layer and RMS norm,
+/// rows past one column chunk (64) and a partial chunk, feature counts
+/// that are not a multiple of the warp, rows far from 0 (the mean
+/// cancels). f32 within 1e-5 relative to the largest value (f32
+/// arithmetic over up to 300 features); f16 and bf16 outputs within their
+/// rounding (1e-2), their f32 gradients within 1e-4 (the inputs are the
+/// rounded ones, so only f32 arithmetic differs).
+#[test]
+fn the_norm_kernels_on_host_threads_match_f64() {
+    let here = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/nn/kernels");
+    let dir = std::env::temp_dir().join(format!("remat-norm-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let exe = dir.join("norm");
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
+    let built = std::process::Command::new(&cxx)
+        .args(["-std=c++17", "-O1", "-pthread", "-include"])
+        .arg(here.join("host/shim.h"))
+        .arg(here.join("host/norm.cpp"))
+        .arg("-o")
+        .arg(&exe)
+        .status()
+        .unwrap_or_else(|e| panic!("this test needs a C++ compiler ({cxx}): {e}"));
+    assert!(built.success(), "{cxx} failed on norm.cu");
+    let cpu = Device::Cpu;
+    let mut seed = 100;
+    for (rows, c, offset) in [(70, 33, 0.0), (3, 300, 50.0), (129, 5, 0.0)] {
+        for layer in [true, false] {
+            for (code, dtype) in [(0i64, DType::F32), (1, DType::F16), (2, DType::BF16)] {
+                seed += 1;
+                let n = rows * c;
+                let shift = |v: Vec<f64>| v.into_iter().map(|x| x + offset).collect::<Vec<_>>();
+                let x = rounded(&shift(values(n, seed)), &[rows, c], dtype);
+                let g = rounded(&values(c, seed + 1), &[c], dtype);
+                let b = rounded(&values(c, seed + 2), &[c], dtype);
+                let dy = rounded(&values(n, seed + 3), &[rows, c], dtype);
+                let eps = 1e-5;
+                // The reference, by hand in f64.
+                let (xs, gs, bs, dys) = (
+                    x.flatten_all().unwrap().to_vec1::<f64>().unwrap(),
+                    g.to_vec1::<f64>().unwrap(),
+                    b.to_vec1::<f64>().unwrap(),
+                    dy.flatten_all().unwrap().to_vec1::<f64>().unwrap(),
+                );
+                let (mut y, mut dx) = (vec![0.0; n], vec![0.0; n]);
+                let (mut dg, mut db) = (vec![0.0; c], vec![0.0; c]);
+                for r in 0..rows {
+                    let row = &xs[r * c..(r + 1) * c];
+                    let mu = if layer {
+                        row.iter().sum::<f64>() / c as f64
+                    } else {
+                        0.0
+                    };
+                    let var = row.iter().map(|v| (v - mu) * (v - mu)).sum::<f64>() / c as f64;
+                    let rs = 1.0 / (var + eps).sqrt();
+                    let xh: Vec<f64> = row.iter().map(|v| (v - mu) * rs).collect();
+                    let d = &dys[r * c..(r + 1) * c];
+                    let dxh: Vec<f64> = (0..c).map(|j| d[j] * gs[j]).collect();
+                    let proj = (0..c).map(|j| dxh[j] * xh[j]).sum::<f64>() / c as f64;
+                    let mean_dxh = if layer {
+                        dxh.iter().sum::<f64>() / c as f64
+                    } else {
+                        0.0
+                    };
+                    for j in 0..c {
+                        y[r * c + j] = xh[j] * gs[j] + if layer { bs[j] } else { 0.0 };
+                        dx[r * c + j] = rs * (dxh[j] - xh[j] * proj - mean_dxh);
+                        dg[j] += d[j] * xh[j];
+                        db[j] += d[j];
+                    }
+                }
+                let mut bytes = Vec::new();
+                for v in [rows as i64, c as i64, code, layer as i64] {
+                    bytes.extend_from_slice(&v.to_le_bytes());
+                }
+                bytes.extend_from_slice(&eps.to_le_bytes());
+                let all = Tensor::cat(
+                    &[x.flatten_all().unwrap(), g, b, dy.flatten_all().unwrap()],
+                    0,
+                )
+                .unwrap();
+                for v in all.to_vec1::<f64>().unwrap() {
+                    match dtype {
+                        DType::F32 => bytes.extend_from_slice(&(v as f32).to_le_bytes()),
+                        DType::F16 => {
+                            bytes.extend_from_slice(&half::f16::from_f64(v).to_le_bytes())
+                        }
+                        _ => bytes.extend_from_slice(&half::bf16::from_f64(v).to_le_bytes()),
+                    }
+                }
+                let (input, output) = (
+                    dir.join(format!("n{seed}.in")),
+                    dir.join(format!("n{seed}.out")),
+                );
+                std::fs::write(&input, bytes).unwrap();
+                let status = std::process::Command::new(&exe)
+                    .arg(&input)
+                    .arg(&output)
+                    .status()
+                    .unwrap();
+                assert!(status.success(), "the host norm kernels failed: {status}");
+                let raw = std::fs::read(&output).unwrap();
+                let chunks = rows.div_ceil(64);
+                let mut at = 0;
+                let mut take = |len: usize, dt: DType| {
+                    let size = len * dt.size_in_bytes();
+                    let t = Tensor::from_raw_buffer(&raw[at..at + size], dt, &[len], &cpu)
+                        .unwrap()
+                        .to_dtype(DType::F64)
+                        .unwrap();
+                    at += size;
+                    t
+                };
+                let got_y = take(n, dtype);
+                let (_mean, _rstd) = (take(rows, DType::F32), take(rows, DType::F32));
+                let got_dx = take(n, DType::F32);
+                let sum_chunks = |t: Tensor| t.reshape((chunks, c)).unwrap().sum(0).unwrap();
+                let got_dg = sum_chunks(take(chunks * c, DType::F32));
+                let got_db = sum_chunks(take(chunks * c, DType::F32));
+                assert_eq!(at, raw.len());
+                let want = |v: &[f64]| Tensor::from_slice(v, v.len(), &cpu).unwrap();
+                let ytol = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+                let gtol = if dtype == DType::F32 { 1e-5 } else { 1e-4 };
+                let mut checks = vec![
+                    ("y", got_y, want(&y), ytol),
+                    ("dx", got_dx, want(&dx), gtol),
+                    ("dgain", got_dg, want(&dg), gtol),
+                ];
+                if layer {
+                    checks.push(("dbias", got_db, want(&db), gtol));
+                }
+                for (name, got, want, tol) in checks {
+                    let r = rel(&got, &want);
+                    assert!(
+                        r <= tol,
+                        "{rows}x{c} layer {layer} {dtype:?}: {name} differs by {r:e} (tolerance {tol:e})"
+                    );
+                }
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -7,12 +7,13 @@ use std::path::PathBuf;
 use std::process::Command;
 
 /// Each kernel source and the PTX file it becomes in `OUT_DIR`.
-const SOURCES: [(&str, &str); 5] = [
+const SOURCES: [(&str, &str); 6] = [
     ("src/tape/checksum/checksum.cu", "checksum.ptx"),
     ("src/nn/kernels/attention.cu", "attention.ptx"),
     ("src/nn/kernels/attention_tc.cu", "attention_tc.ptx"),
     ("src/nn/kernels/gelu.cu", "gelu.ptx"),
     ("src/nn/kernels/norm.cu", "norm.ptx"),
+    ("src/nn/kernels/bias.cu", "bias.ptx"),
 ];
 
 fn main() {

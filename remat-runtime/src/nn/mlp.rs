@@ -8,6 +8,7 @@ use candle_core::{Tensor, WithDType};
 
 use super::attach::{forward_computed, Computed};
 use super::bundle::{bundle_all, Slot};
+use super::kernels::{sum_rows, weight_grad};
 use super::linear::{output_dims, product, rows};
 use super::prenorm::{norm_backward, norm_forward, normalized, Normed, PreNorm};
 use crate::tape::unread;
@@ -243,19 +244,16 @@ impl Weights {
                 let h = kept.pop().expect("one intermediate");
                 let w2 = &p[1 + usize::from(fc_bias)];
                 let (dw2, dh) = gelu_grads(h, g, w2)?;
-                // `(n^T dh)^T`, not `dh^T n`: the product's transposed
-                // left operand is `n`, not the four times wider `dh`
-                // (candle's CPU product allocates about its size for it).
-                let dw1 = n()?.t()?.matmul(&dh)?.t()?;
+                let dw1 = weight_grad(&n()?, &dh)?;
                 let dx = dh.matmul(&p[0])?;
                 let mut grads = vec![dw1];
                 if fc_bias {
-                    grads.push(dh.sum(0)?);
+                    grads.push(sum_rows(&dh)?);
                 }
                 drop(dh);
                 grads.push(dw2);
                 if proj_bias {
-                    grads.push(g.sum(0)?);
+                    grads.push(sum_rows(g)?);
                 }
                 Ok((dx, grads))
             }
@@ -265,8 +263,8 @@ impl Weights {
                 let (dwd, dgate, dup) = swiglu_chunks(gate, u, g, &p[2])?;
                 let dx = (dgate.matmul(&p[0])? + dup.matmul(&p[1])?)?;
                 let n = n()?;
-                let dwg = n.t()?.matmul(&dgate)?.t()?;
-                let dwu = n.t()?.matmul(&dup)?.t()?;
+                let dwg = weight_grad(&n, &dgate)?;
+                let dwu = weight_grad(&n, &dup)?;
                 Ok((dx, vec![dwg, dwu, dwd]))
             }
         }

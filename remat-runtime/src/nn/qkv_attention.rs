@@ -8,6 +8,7 @@ use candle_core::{CustomOp2, Result, Tensor};
 use super::attach::{forward_computed, Computed};
 use super::attention::{forward, packed_grads, split, Residuals};
 use super::bundle::{bundle_all, Slot};
+use super::kernels::{sum_rows, weight_grad};
 use super::linear::{product, rows};
 use super::prenorm::{norm_backward, norm_forward, normalized, Normed, PreNorm};
 
@@ -140,10 +141,8 @@ impl CustomOp2 for QkvAttention {
         // The projection's backward, as `linear`'s.
         let dn = dqkv.matmul(&self.w)?;
         let n = n()?;
-        // `(n^T dqkv)^T`: the product's transposed left operand is `n`, a
-        // third of `dqkv`'s width (candle's CPU product allocates about its size for it).
-        let dw = n.t()?.matmul(&dqkv)?.t()?;
-        let db = self.b.as_ref().map(|_| dqkv.sum(0)).transpose()?;
+        let dw = weight_grad(&n, &dqkv)?;
+        let db = self.b.as_ref().map(|_| sum_rows(&dqkv)).transpose()?;
         drop((dqkv, n));
         let (dx, mut grads) = norm_backward(self.norm.as_ref(), &x2, dn)?;
         grads.push(dw);

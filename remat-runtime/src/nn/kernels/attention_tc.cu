@@ -45,12 +45,34 @@ template <typename T>
 using FragBt = wmma::fragment<wmma::matrix_b, 16, 16, 16, E<T>, wmma::col_major>;
 typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> Acc;
 
-// Rows r0.. of a tile (ld elements apart) from rows `from`.. of a (rows,
+// 16 bytes (8 elements) from `src` to `dst`, both 16-byte aligned.
+__device__ __forceinline__ void copy8(void *dst, const void *src) {
+#ifdef __CUDACC__
+  *reinterpret_cast<uint4 *>(dst) = *reinterpret_cast<const uint4 *>(src);
+#else
+  memcpy(dst, src, 16);
+#endif
+}
+
+// Rows 0..rows of a tile (LD elements apart) from rows `from`.. of a (n,
 // width) matrix at `src` (row stride `stride`, features contiguous), zero
-// past `n` rows or `width` features; the block's threads together.
+// past `n` rows or `width` features; the block's threads together, eight
+// elements at a time where the rows are 16-byte aligned.
 template <typename T, int DM, int LD>
 __device__ __forceinline__ void load_rows(E<T> (*tile)[LD], int rows, const T *src, long long stride,
                                           int from, int n, int width) {
+  if ((unsigned long long)src % 16 == 0 && stride % 8 == 0 && width % 8 == 0) {
+    for (int e = threadIdx.x; e < rows * (DM / 8); e += 32 * WARPS) {
+      int r = e / (DM / 8), c = e % (DM / 8) * 8, i = from + r;
+      if (i < n && c < width) {
+        copy8(&tile[r][c], src + i * stride + c);
+      } else {
+        const unsigned zero[4] = {0u, 0u, 0u, 0u};
+        copy8(&tile[r][c], zero);
+      }
+    }
+    return;
+  }
   for (int e = threadIdx.x; e < rows * DM; e += 32 * WARPS) {
     int r = e / DM, c = e % DM, i = from + r;
     put<T>(&tile[r][c], (i < n && c < width) ? src[i * stride + c] : store<T>(0.f));

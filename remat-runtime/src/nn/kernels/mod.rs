@@ -1,6 +1,7 @@
 //! remat's CUDA kernels for `nn` (compiled to PTX by `build.rs`): the
 //! backward of the GELU in one pass (`gelu.cu`), the pre-norm of the fused
-//! ops forward and backward (`norm.cu`), and fused attention, the forward
+//! ops forward and backward (`norm.cu`), a linear layer's bias and its
+//! gradient (`bias.cu`), and fused attention, the forward
 //! and the backward of [`super::attention`] in the manner of
 //! FlashAttention-2, with no `(T, S)` tensor, when its arguments allow (a
 //! CUDA device, f32/f16/bf16, head sizes up to 128, no tracked mask): f32
@@ -301,8 +302,58 @@ pub(crate) fn norm_backward(
     Err(candle_core::Error::NotCompiledWithCudaSupport)
 }
 
+/// Whether the bias kernels (`bias.cu`) take `y` `(rows, n)` (and a bias
+/// `b` `(n)`): on CUDA, with the kernels on, f32/f16/bf16, `b` in `y`'s
+/// dtype, the chunks of 64 rows within the grid.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn bias_fit(y: &Tensor, b: Option<&Tensor>) -> bool {
+    y.device().is_cuda()
+        && kernels_on()
+        && matches!(y.dtype(), DType::F32 | DType::F16 | DType::BF16)
+        && y.rank() == 2
+        && y.dims()[0].div_ceil(64) <= 65_535
+        && b.is_none_or(|b| b.dtype() == y.dtype() && b.dims() == [y.dims()[1]])
+}
+
+/// `y + b` over the rows of `y` `(rows, n)` (a new tensor from a matmul,
+/// which nothing else reads yet): in place by `bias.cu` where
+/// [`bias_fit`], else candle's `broadcast_add`.
+pub(crate) fn add_bias(y: Tensor, b: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if bias_fit(&y, Some(b)) && y.is_contiguous() {
+        cuda_bias::bias_add(&y, &b.contiguous()?)?;
+        return Ok(y);
+    }
+    y.broadcast_add(b)
+}
+
+/// The sum of the rows of `x` `(rows, n)`: a bias's gradient. By `bias.cu`
+/// in f32 where [`bias_fit`], else candle's `sum(0)`.
+pub(crate) fn sum_rows(x: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if bias_fit(x, None) {
+        return cuda_bias::sum_rows(x);
+    }
+    x.sum(0)
+}
+
+/// `g^T a`, the gradient `(out, in)` of a weight whose product read `a`
+/// `(rows, in)` and got `g` `(rows, out)`. On the CPU computed as `(a^T
+/// g)^T` (candle's CPU product copies its transposed left operand, and `a`
+/// is the narrower); on CUDA as `g^T a`, contiguous (cuBLAS reads either
+/// operand transposed in place).
+pub(crate) fn weight_grad(a: &Tensor, g: &Tensor) -> Result<Tensor> {
+    if a.device().is_cuda() {
+        g.t()?.matmul(a)
+    } else {
+        a.t()?.matmul(g)?.t()
+    }
+}
+
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "cuda")]
+mod cuda_bias;
 #[cfg(feature = "cuda")]
 mod cuda_norm;
 

@@ -597,3 +597,84 @@ fn the_norm_kernels_on_host_threads_match_f64() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `bias.cu` on the host (shim.h) against f64 by hand: `y + b` within the
+/// dtype's rounding of the result (one rounding of an exact f32 sum: half
+/// an ulp, `<= 2^-8` relative for bf16), the column sums (f32, 64 rows a
+/// chunk, the chunks added here) within f32's rounding over 64 terms
+/// (`1e-5` relative to the largest sum); rows past one chunk and a partial
+/// one, features past one block of 32 and not a multiple of it.
+#[test]
+fn the_bias_kernels_on_the_host_match_f64() {
+    let here = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/nn/kernels");
+    let dir = std::env::temp_dir().join(format!("remat-bias-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let exe = dir.join("bias");
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
+    let built = std::process::Command::new(&cxx)
+        .args(["-std=c++17", "-O1", "-pthread", "-include"])
+        .arg(here.join("host/shim.h"))
+        .arg(here.join("host/bias.cpp"))
+        .arg("-o")
+        .arg(&exe)
+        .status()
+        .unwrap_or_else(|e| panic!("this test needs a C++ compiler ({cxx}): {e}"));
+    assert!(built.success(), "{cxx} failed on bias.cu");
+    let cpu = Device::Cpu;
+    for (rows, n) in [(150, 45), (3, 7), (64, 32)] {
+        for (code, dtype, tol) in [
+            (0i64, DType::F32, 1e-6),
+            (1, DType::F16, 1e-3),
+            (2, DType::BF16, 4e-3),
+        ] {
+            let y = rounded(&values(rows * n, 7 + code as u64), &[rows, n], dtype);
+            let b = rounded(&values(n, 9), &[n], dtype);
+            let mut bytes = Vec::new();
+            for v in [rows as i64, n as i64, code] {
+                bytes.extend_from_slice(&v.to_le_bytes());
+            }
+            let all = Tensor::cat(&[y.flatten_all().unwrap(), b.clone()], 0).unwrap();
+            for v in all.to_vec1::<f64>().unwrap() {
+                match dtype {
+                    DType::F32 => bytes.extend_from_slice(&(v as f32).to_le_bytes()),
+                    DType::F16 => bytes.extend_from_slice(&half::f16::from_f64(v).to_le_bytes()),
+                    _ => bytes.extend_from_slice(&half::bf16::from_f64(v).to_le_bytes()),
+                }
+            }
+            let (input, output) = (
+                dir.join(format!("b{rows}{code}.in")),
+                dir.join(format!("b{rows}{code}.out")),
+            );
+            std::fs::write(&input, bytes).unwrap();
+            let status = std::process::Command::new(&exe)
+                .arg(&input)
+                .arg(&output)
+                .status()
+                .unwrap();
+            assert!(status.success(), "the host bias kernels failed: {status}");
+            let raw = std::fs::read(&output).unwrap();
+            let size = rows * n * dtype.size_in_bytes();
+            let got_y = Tensor::from_raw_buffer(&raw[..size], dtype, &[rows, n], &cpu)
+                .unwrap()
+                .to_dtype(DType::F64)
+                .unwrap();
+            let chunks = rows.div_ceil(64);
+            let got_sums = Tensor::from_raw_buffer(&raw[size..], DType::F32, &[chunks, n], &cpu)
+                .unwrap()
+                .to_dtype(DType::F64)
+                .unwrap()
+                .sum(0)
+                .unwrap();
+            let want_y = y.broadcast_add(&b).unwrap();
+            let want_sums = y.sum(0).unwrap();
+            let r = rel(&got_y, &want_y);
+            assert!(r <= tol, "{rows}x{n} {dtype:?}: y + b differs by {r:e}");
+            let r = rel(&got_sums, &want_sums);
+            assert!(
+                r <= 1e-5,
+                "{rows}x{n} {dtype:?}: the column sums differ by {r:e}"
+            );
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

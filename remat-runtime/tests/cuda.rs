@@ -509,6 +509,30 @@ fn nn_ops_on_cuda_match_the_cpu() {
             }),
         ),
         (
+            "linear_cross_entropy (layer pre-norm, in chunks)",
+            vec![
+                tensor(&[140, 48], 1, 1.0, DType::F32),
+                (tensor(&[48], 2, 0.3, DType::F32) + 1.0).unwrap(),
+                tensor(&[48], 3, 0.3, DType::F32),
+                tensor(&[30, 48], 4, 0.3, DType::F32),
+                Tensor::from_vec((0..140u32).map(|i| i * 7 % 30).collect(), 140, &Device::Cpu)
+                    .unwrap(),
+            ],
+            4,
+            Box::new(|t| {
+                let o = nn::LinearCrossEntropy {
+                    norm: Some(nn::PreNorm::Layer {
+                        gain: &t[1],
+                        bias: &t[2],
+                        eps: 1e-5,
+                    }),
+                    chunk_bytes: Some(20 * 5 * 30 * 4),
+                    ..Default::default()
+                };
+                nn::linear_cross_entropy(&t[0], &t[3], &t[4], &o)
+            }),
+        ),
+        (
             "qkv_attention (layer pre-norm)",
             vec![
                 tensor(&[2, 70, 48], 1, 1.0, DType::F32),

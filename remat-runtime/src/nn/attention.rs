@@ -546,6 +546,9 @@ struct Grads {
     dk: Tensor,
     dv: Tensor,
     dmask: Option<Tensor>,
+    /// Where the kernels wrote `dq`, `dk` and `dv` into one `(B, T, 3C)`
+    /// tensor, as asked (`dq`, `dk`, `dv` are views of it).
+    packed: Option<Tensor>,
 }
 
 impl Residuals {
@@ -558,7 +561,9 @@ impl Residuals {
     /// layout).
     ///
     /// `q`, `k` and `v` are taken: views of a projection no one else holds
-    /// are released once their contiguous copies exist.
+    /// are released once their contiguous copies exist. `packed`: the
+    /// caller wants them packed as `(B, T, 3C)` (`attention_qkv`'s
+    /// gradient; the kernels then write them there).
     fn backward(
         &self,
         q: Tensor,
@@ -566,6 +571,7 @@ impl Residuals {
         v: Tensor,
         out: &Tensor,
         dout: &Tensor,
+        packed: bool,
     ) -> Result<Grads> {
         let _profile = crate::inspect::profile::backward("(inside an op) attention");
         let tracked = self.mask.as_ref().filter(|m| m.tracked);
@@ -578,18 +584,20 @@ impl Residuals {
                 dk: k.zeros_like()?,
                 dv: v.zeros_like()?,
                 dmask,
+                packed: None,
             });
         }
         if let Some(stats) = &self.stats {
             let scores = self.mask.as_ref().map(|m| &m.scores);
             let (causal, scale) = (self.keys.causal, self.scale);
-            let (dq, dk, dv) =
-                super::kernels::backward(&q, &k, &v, scores, causal, scale, out, dout, stats)?;
+            let args = (&q, &k, &v, scores, causal, scale);
+            let (dq, dk, dv, packed) = super::kernels::backward(args, out, dout, stats, packed)?;
             return Ok(Grads {
                 dq,
                 dk,
                 dv,
                 dmask: None,
+                packed,
             });
         }
         let (q, k, v) = {
@@ -673,6 +681,7 @@ impl Residuals {
             dk: sum_heads(&dk, self.group)?,
             dv: sum_heads(&dv, self.group)?,
             dmask,
+            packed: None,
         })
     }
 }
@@ -690,16 +699,21 @@ impl CustomOp3 for Attention {
         let _profile = crate::inspect::profile::backward("attention");
         match &self.bundled {
             None => {
-                let g = self
-                    .rest
-                    .backward(q.clone(), second.clone(), third.clone(), out, dout)?;
+                let g = self.rest.backward(
+                    q.clone(),
+                    second.clone(),
+                    third.clone(),
+                    out,
+                    dout,
+                    false,
+                )?;
                 Ok((Some(g.dq), Some(g.dk), Some(g.dv)))
             }
             // `second` is the bundle of `k` and `v`, `third` the mask.
             Some((k, v, slot)) => {
                 let g = self
                     .rest
-                    .backward(q.clone(), k.clone(), v.clone(), out, dout)?;
+                    .backward(q.clone(), k.clone(), v.clone(), out, dout, false)?;
                 let kv = slot.put(second, g.dk, g.dv)?;
                 Ok((Some(g.dq), kv, g.dmask))
             }
@@ -729,7 +743,10 @@ pub(super) fn packed_grads(
     drop(qkv);
     let heads = (b, t, heads, c3 / (3 * heads));
     let (out, dout) = (out.reshape(heads)?, dout.reshape(heads)?);
-    let g = rest.backward(q, k, v, &out, &dout)?;
+    let g = rest.backward(q, k, v, &out, &dout, true)?;
+    if let Some(packed) = g.packed {
+        return Ok((packed, g.dmask));
+    }
     // Back to `(B, T, 3, H, D)`, the packed layout, in one copy.
     let packed = Tensor::stack(
         &[

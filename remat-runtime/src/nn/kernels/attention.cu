@@ -14,7 +14,8 @@
 //   stats: f32 (2, B, H, T): each row's maximum score (0 where every key is
 //   masked) then 1 / sum of exponentials (0 there);
 //   delta: f32 (B, H, T), dout . out per row (written by the dq kernel);
-//   dq (B, H, T, D), dk (B, Hkv, S, D), dv (B, Hkv, S, Dv): contiguous.
+//   dq (B, H, T, D), dk (B, Hkv, S, D), dv (B, Hkv, S, Dv): where the
+//   Shape's dq_*, dk_*, dv_* say (contiguous, or one packed (B, T, 3, H, D)).
 // Causal masking hides key j from query i when j > i + S - T.
 
 #define NT 64
@@ -166,7 +167,7 @@ __device__ void attention_backward_dq(const T *q, const T *k, const T *v, const 
     __syncthreads();
   }
   if (!row) return;
-  T *o = dq + at * p.d;
+  T *o = dq + p.dq_o + b * p.dq_b + h * p.dq_h + i * p.dq_t;
 #pragma unroll
   for (int c = 0; c < DM; c++)
     if (c < p.d) o[c] = store<T>(acc[c] * p.scale);
@@ -237,7 +238,8 @@ __device__ void attention_backward_dkv(const T *q, const T *k, const T *v, const
   }
   if (!row) return;
   int width = DK ? p.d : p.dv;
-  T *o = grad + (((long long)b * p.hkv + hk) * p.s + j) * width;
+  T *o = DK ? grad + p.dk_o + b * p.dk_b + hk * p.dk_h + j * p.dk_s
+            : grad + p.dv_o + b * p.dv_b + hk * p.dv_h + j * p.dv_s;
 #pragma unroll
   for (int c = 0; c < DM; c++)
     if (c < width) o[c] = store<T>(DK ? acc[c] * p.scale : acc[c]);

@@ -14,6 +14,11 @@ struct Shape {
   long long m_b, m_h, m_t, m_s;
   long long o_b, o_t, o_h;
   long long g_b, g_t, g_h;  // dout
+  // Where the backward writes dq, dk and dv: an offset in elements, then
+  // the strides of (b, head, row); the features contiguous.
+  long long dq_o, dq_b, dq_h, dq_t;
+  long long dk_o, dk_b, dk_h, dk_s;
+  long long dv_o, dv_b, dv_h, dv_s;
 };
 
 // Keys 0..keys_for(i) are visible to query i.

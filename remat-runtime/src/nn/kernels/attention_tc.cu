@@ -317,7 +317,7 @@ __device__ void tc_backward_dq(const T *q, const T *k, const T *v, const T *mask
     for (int e = lane; e < 256; e += 32) {
       int r = e / 16, f = 16 * c + e % 16, ii = w0 + r;
       if (ii < p.t && f < p.d)
-        dq[(((long long)b * p.h + h) * p.t + ii) * p.d + f] = store<T>(sw[warp][r][e % 16] * p.scale);
+        dq[p.dq_o + b * p.dq_b + h * p.dq_h + ii * p.dq_t + f] = store<T>(sw[warp][r][e % 16] * p.scale);
     }
     __syncwarp();
   }
@@ -435,14 +435,14 @@ __device__ void tc_backward_dkv(const T *q, const T *k, const T *v, const T *mas
     for (int e = lane; e < 256; e += 32) {
       int r = e / 16, f = 16 * c + e % 16, jj = w0 + r;
       if (jj < p.s && f < p.d)
-        dk[(((long long)b * p.hkv + hk) * p.s + jj) * p.d + f] = store<T>(sw[warp][r][e % 16] * p.scale);
+        dk[p.dk_o + b * p.dk_b + hk * p.dk_h + jj * p.dk_s + f] = store<T>(sw[warp][r][e % 16] * p.scale);
     }
     __syncwarp();
     spill<LS>(&sw[warp][0][0], dvf[c]);
     for (int e = lane; e < 256; e += 32) {
       int r = e / 16, f = 16 * c + e % 16, jj = w0 + r;
       if (jj < p.s && f < p.dv)
-        dv[(((long long)b * p.hkv + hk) * p.s + jj) * p.dv + f] = store<T>(sw[warp][r][e % 16]);
+        dv[p.dv_o + b * p.dv_b + hk * p.dv_h + jj * p.dv_s + f] = store<T>(sw[warp][r][e % 16]);
     }
     __syncwarp();
   }

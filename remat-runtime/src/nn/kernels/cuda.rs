@@ -194,18 +194,13 @@ fn forward_as<T: CudaDType + DeviceRepr>(
     ))
 }
 
-#[allow(clippy::too_many_arguments)]
 pub(super) fn backward(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: Option<&Tensor>,
-    causal: bool,
-    scale: f64,
+    args: super::Args<'_>,
     out: &Tensor,
     dout: &Tensor,
     stats: &Tensor,
-) -> Result<(Tensor, Tensor, Tensor)> {
+    packed: bool,
+) -> Result<(Tensor, Tensor, Tensor, Option<Tensor>)> {
     // Each row's features contiguous for the kernels.
     let dout = if dout.stride()[3] == 1 {
         dout.clone()
@@ -218,7 +213,10 @@ pub(super) fn backward(
         out.contiguous()?
     };
     let stats = stats.contiguous()?;
-    let args = (q, k, v, mask, causal, scale, &out, &dout, &stats);
+    let (q, k, v, mask, causal, scale) = args;
+    // One packed tensor only where q, k and v have one shape.
+    let packed = packed && q.dims() == k.dims() && q.dims() == v.dims();
+    let args = (q, k, v, mask, causal, scale, &out, &dout, &stats, packed);
     match q.dtype() {
         DType::F32 => backward_as::<f32>(args, "f32"),
         DType::F16 => backward_as::<f16>(args, "f16"),
@@ -240,19 +238,23 @@ type BackwardArgs<'a> = (
     &'a Tensor,
     &'a Tensor,
     &'a Tensor,
+    bool,
 );
 
 fn backward_as<T: CudaDType + DeviceRepr>(
     args: BackwardArgs<'_>,
     name: &str,
-) -> Result<(Tensor, Tensor, Tensor)> {
-    let (q, k, v, mask, causal, scale, out, dout, stats) = args;
-    let shape = Shape::new(q, k, v, mask, causal, scale)?.with_output(out, dout);
+) -> Result<(Tensor, Tensor, Tensor, Option<Tensor>)> {
+    let (q, k, v, mask, causal, scale, out, dout, stats, packed) = args;
+    let mut shape = Shape::new(q, k, v, mask, causal, scale)?.with_output(out, dout);
+    if packed {
+        shape = shape.packed_gradients();
+    }
     let (b, h, t, d) = q.dims4()?;
     let (_, hkv, s, dv) = v.dims4()?;
     let width = d.max(dv);
     let dev = device(q)?;
-    let (dq, dk, dvv) = {
+    let (dq, rest) = {
         let (qs, ql) = storage(q)?;
         let (ks, kl) = storage(k)?;
         let (vs, vl) = storage(v)?;
@@ -276,11 +278,23 @@ fn backward_as<T: CudaDType + DeviceRepr>(
         };
         // SAFETY: every element is written: the dq kernel's B x H x T rows
         // their `D` gradients and their delta, the dk and dv kernels' (or
-        // the dkv kernel's) B x Hkv x S key rows their `D` and `Dv`.
-        let dq = unsafe { dev.alloc::<T>(b * h * t * d)? };
+        // the dkv kernel's) B x Hkv x S key rows their `D` and `Dv`; packed,
+        // those are the three thirds of each (B, T) row of `dq`, where
+        // `shape` says (`dk` and `dv` are then unused, one element each).
+        let (nq, nk, nv) = if packed {
+            (3 * b * h * t * d, 1, 1)
+        } else {
+            (b * h * t * d, b * hkv * s * d, b * hkv * s * dv)
+        };
+        let dq = unsafe { dev.alloc::<T>(nq)? };
         let delta = unsafe { dev.alloc::<f32>(b * h * t)? };
-        let dk = unsafe { dev.alloc::<T>(b * hkv * s * d)? };
-        let dvv = unsafe { dev.alloc::<T>(b * hkv * s * dv)? };
+        let dk_own = unsafe { dev.alloc::<T>(nk)? };
+        let dv_own = unsafe { dev.alloc::<T>(nv)? };
+        let (dk, dvv) = if packed {
+            (&dq, &dq)
+        } else {
+            (&dk_own, &dv_own)
+        };
         let tc = on_tensor_cores(q.dtype());
         let (module, ptx, stem) = if tc {
             (TC_MODULE, TC_PTX, "attention_tc_backward")
@@ -310,9 +324,9 @@ fn backward_as<T: CudaDType + DeviceRepr>(
         // The key rows: dk and dv in one kernel on tensor cores, else one
         // kernel each.
         let grads: &[(&str, &[&CudaSlice<T>])] = if tc {
-            &[("dkv", &[&dk, &dvv])]
+            &[("dkv", &[dk, dvv])]
         } else {
-            &[("dk", &[&dk]), ("dv", &[&dvv])]
+            &[("dk", &[dk]), ("dv", &[dvv])]
         };
         for (what, outs) in grads {
             let func = dev.get_or_load_custom_func(
@@ -338,13 +352,30 @@ fn backward_as<T: CudaDType + DeviceRepr>(
             // the same stream; the grid covers the B x Hkv x S key rows.
             unsafe { builder.launch(config(s, hkv, b, tc)) }.w()?;
         }
-        (dq, dk, dvv)
+        if packed {
+            (dq, None)
+        } else {
+            (dq, Some((dk_own, dv_own)))
+        }
     };
-    Ok((
-        hand(q, dq, &dev, (b, h, t, d))?,
-        hand(q, dk, &dev, (b, hkv, s, d))?,
-        hand(q, dvv, &dev, (b, hkv, s, dv))?,
-    ))
+    match rest {
+        None => {
+            let all = hand(q, dq, &dev, (b, t, 3 * h * d))?;
+            let third = |i| -> Result<Tensor> {
+                all.reshape((b, t, 3, h, d))?
+                    .narrow(2, i, 1)?
+                    .squeeze(2)?
+                    .transpose(1, 2)
+            };
+            Ok((third(0)?, third(1)?, third(2)?, Some(all)))
+        }
+        Some((dk, dvv)) => Ok((
+            hand(q, dq, &dev, (b, h, t, d))?,
+            hand(q, dk, &dev, (b, hkv, s, d))?,
+            hand(q, dvv, &dev, (b, hkv, s, dv))?,
+            None,
+        )),
+    }
 }
 
 /// `gelu.cu` compiled by `build.rs`.

@@ -93,6 +93,11 @@ pub(crate) struct Shape {
     pub mask: [i64; 4],
     pub out: [i64; 3],
     pub dout: [i64; 3],
+    /// Where the backward writes `dq`, `dk`, `dv`: an offset, then the
+    /// strides of (batch, head, row).
+    pub grad_q: [i64; 4],
+    pub grad_k: [i64; 4],
+    pub grad_v: [i64; 4],
 }
 
 /// Strides of `t` (rank 4) in the order the kernels read them: `order`
@@ -140,7 +145,25 @@ impl Shape {
             mask: mask.map_or([0; 4], |m| strides(m, [0, 1, 2, 3])),
             out: [0; 3],
             dout: [0; 3],
+            // Contiguous `(B, H, T, D)`, `(B, Hkv, S, D)`, `(B, Hkv, S, Dv)`.
+            grad_q: [0, (h * t * d) as i64, (t * d) as i64, d as i64],
+            grad_k: [0, (hkv * s * d) as i64, (s * d) as i64, d as i64],
+            grad_v: [0, (hkv * s * dv) as i64, (s * dv) as i64, dv as i64],
         })
+    }
+
+    /// With the gradients written into one `(B, T, 3, H, D)` tensor, as
+    /// `attention_qkv`'s projection packs them (q, k, v of one shape).
+    pub fn packed_gradients(mut self) -> Self {
+        let (h, t, d) = (self.h as i64, self.t as i64, self.d as i64);
+        let row = 3 * h * d;
+        for (i, g) in [&mut self.grad_q, &mut self.grad_k, &mut self.grad_v]
+            .into_iter()
+            .enumerate()
+        {
+            *g = [i as i64 * h * d, t * row, d, row];
+        }
+        self
     }
 
     /// With the output and its gradient `(B, T, H, Dv)`, for the backward.
@@ -165,22 +188,28 @@ pub(crate) fn forward(
     cuda::forward(q, k, v, mask, causal, scale)
 }
 
-/// The gradients `(dq, dk, dv)` by the kernels, contiguous, shaped as `q`,
-/// `k`, `v`.
+/// The attention's arguments: `q`, `k`, `v`, the mask, causal, the scale.
+pub(crate) type Args<'a> = (
+    &'a Tensor,
+    &'a Tensor,
+    &'a Tensor,
+    Option<&'a Tensor>,
+    bool,
+    f64,
+);
+
+/// The gradients `(dq, dk, dv)` by the kernels, shaped as `q`, `k`, `v`:
+/// contiguous, or with `packed` (q, k, v of one shape) views of one `(B,
+/// T, 3C)` tensor, returned too.
 #[cfg(feature = "cuda")]
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn backward(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: Option<&Tensor>,
-    causal: bool,
-    scale: f64,
+    args: Args<'_>,
     out: &Tensor,
     dout: &Tensor,
     stats: &Tensor,
-) -> Result<(Tensor, Tensor, Tensor)> {
-    cuda::backward(q, k, v, mask, causal, scale, out, dout, stats)
+    packed: bool,
+) -> Result<(Tensor, Tensor, Tensor, Option<Tensor>)> {
+    cuda::backward(args, out, dout, stats, packed)
 }
 
 /// Without the `cuda` feature no tensor is on CUDA, so [`fit`] is false.
@@ -198,18 +227,13 @@ pub(crate) fn forward(
 
 /// Without the `cuda` feature no tensor is on CUDA, so [`fit`] is false.
 #[cfg(not(feature = "cuda"))]
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn backward(
+    _: Args<'_>,
     _: &Tensor,
     _: &Tensor,
     _: &Tensor,
-    _: Option<&Tensor>,
     _: bool,
-    _: f64,
-    _: &Tensor,
-    _: &Tensor,
-    _: &Tensor,
-) -> Result<(Tensor, Tensor, Tensor)> {
+) -> Result<(Tensor, Tensor, Tensor, Option<Tensor>)> {
     Err(candle_core::Error::NotCompiledWithCudaSupport)
 }
 

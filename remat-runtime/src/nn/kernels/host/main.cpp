@@ -38,6 +38,43 @@ template <typename F> void grid(unsigned gx, unsigned gy, unsigned gz, unsigned 
       }
 }
 
+// Where the backward writes dq, dk and dv (into g): one packed (B, T, 3,
+// H, D) buffer, as attention_qkv's gradient, where q, k and v have one
+// shape (`packed` then holds it), else three contiguous tensors.
+template <typename T> bool place(Shape &g, long long B, std::vector<T> &packed) {
+  long long H = g.h, T_ = g.t, D = g.d;
+  if (g.h == g.hkv && g.d == g.dv && g.t == g.s) {
+    packed.assign(B * T_ * 3 * H * D, T{});
+    long long row = 3 * H * D;
+    g.dq_o = 0, g.dk_o = H * D, g.dv_o = 2 * H * D;
+    g.dq_b = g.dk_b = g.dv_b = T_ * row;
+    g.dq_h = g.dk_h = g.dv_h = D;
+    g.dq_t = g.dk_s = g.dv_s = row;
+    return true;
+  }
+  g.dq_o = g.dk_o = g.dv_o = 0;
+  g.dq_b = H * T_ * D, g.dq_h = T_ * D, g.dq_t = D;
+  g.dk_b = (long long)g.hkv * g.s * D, g.dk_h = (long long)g.s * D, g.dk_s = D;
+  g.dv_b = (long long)g.hkv * g.s * g.dv, g.dv_h = (long long)g.s * g.dv, g.dv_s = g.dv;
+  return false;
+}
+
+// dq, dk, dv contiguous from the packed buffer.
+template <typename T>
+void unpack(const Shape &g, long long B, const std::vector<T> &packed, std::vector<T> &dq,
+            std::vector<T> &dk, std::vector<T> &dv) {
+  long long H = g.h, T_ = g.t, D = g.d;
+  for (long long b = 0; b < B; b++)
+    for (long long h = 0; h < H; h++)
+      for (long long t = 0; t < T_; t++)
+        for (long long c = 0; c < D; c++) {
+          long long at = ((b * H + h) * T_ + t) * D + c, from = b * g.dq_b + h * D + t * g.dq_t + c;
+          dq[at] = packed[from];
+          dk[at] = packed[from + g.dk_o];
+          dv[at] = packed[from + g.dv_o];
+        }
+}
+
 template <typename T, int DM> int run(FILE *in, FILE *out, long long B, Shape p) {
   long long off[6], n;
   if (fread(off, 8, 6, in) != 6 || fread(&n, 8, 1, in) != 1) return 3;
@@ -53,18 +90,20 @@ template <typename T, int DM> int run(FILE *in, FILE *out, long long B, Shape p)
   // The backward reads the output as (B, T, H, Dv), contiguous.
   Shape g = p;
   g.o_b = (long long)p.t * p.h * p.dv, g.o_t = (long long)p.h * p.dv, g.o_h = p.dv;
+  std::vector<T> packed;
+  bool one = place(g, B, packed);
+  T *pq = one ? packed.data() : dq.data(), *pk = one ? packed.data() : dk.data(),
+    *pv = one ? packed.data() : dv.data();
   grid(rows, p.h, B, NT, [&] {
-    attention_backward_dq<T, DM>(q, k, v, mask, o.data(), dout, stats.data(), dq.data(),
-                                 delta.data(), g);
+    attention_backward_dq<T, DM>(q, k, v, mask, o.data(), dout, stats.data(), pq, delta.data(), g);
   });
   grid(keys, p.hkv, B, NT, [&] {
-    attention_backward_dkv<T, DM, true>(q, k, v, mask, dout, stats.data(), delta.data(),
-                                        dk.data(), g);
+    attention_backward_dkv<T, DM, true>(q, k, v, mask, dout, stats.data(), delta.data(), pk, g);
   });
   grid(keys, p.hkv, B, NT, [&] {
-    attention_backward_dkv<T, DM, false>(q, k, v, mask, dout, stats.data(), delta.data(),
-                                         dv.data(), g);
+    attention_backward_dkv<T, DM, false>(q, k, v, mask, dout, stats.data(), delta.data(), pv, g);
   });
+  if (one) unpack(g, B, packed, dq, dk, dv);
   fwrite(o.data(), sizeof(T), o.size(), out);
   fwrite(stats.data(), 4, stats.size(), out);
   fwrite(dq.data(), sizeof(T), dq.size(), out);
@@ -89,12 +128,17 @@ template <typename T, int DM> int run_tc(FILE *in, FILE *out, long long B, Shape
   grid(rows, p.h, B, nt, [&] { tc_forward<T, DM, BC>(q, k, v, mask, o.data(), stats.data(), p); });
   Shape g = p;
   g.o_b = (long long)p.t * p.h * p.dv, g.o_t = (long long)p.h * p.dv, g.o_h = p.dv;
+  std::vector<T> packed;
+  bool one = place(g, B, packed);
+  T *pq = one ? packed.data() : dq.data(), *pk = one ? packed.data() : dk.data(),
+    *pv = one ? packed.data() : dv.data();
   grid(rows, p.h, B, nt, [&] {
-    tc_backward_dq<T, DM, 32>(q, k, v, mask, o.data(), dout, stats.data(), dq.data(), delta.data(), g);
+    tc_backward_dq<T, DM, 32>(q, k, v, mask, o.data(), dout, stats.data(), pq, delta.data(), g);
   });
   grid(keys, p.hkv, B, nt, [&] {
-    tc_backward_dkv<T, DM, 32>(q, k, v, mask, dout, stats.data(), delta.data(), dk.data(), dv.data(), g);
+    tc_backward_dkv<T, DM, 32>(q, k, v, mask, dout, stats.data(), delta.data(), pk, pv, g);
   });
+  if (one) unpack(g, B, packed, dq, dk, dv);
   fwrite(o.data(), sizeof(T), o.size(), out);
   fwrite(stats.data(), 4, stats.size(), out);
   fwrite(dq.data(), sizeof(T), dq.size(), out);

@@ -259,8 +259,9 @@ impl Ctx {
     /// (kept on the tape), because a recomputed statement reads them.
     ///
     /// [`Ctx::save`] finds this out by itself when the reader declares the
-    /// output as an input; the `remat!` macro, which knows the dataflow
-    /// statically, says it up front with this method.
+    /// output as an input; this method says it up front, for a caller that
+    /// knows the dataflow (the `remat!` macro's expansion does not call it:
+    /// it reaches the same through its own entry points).
     ///
     /// ```
     /// # use candle_core::{Device, Var};

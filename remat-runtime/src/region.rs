@@ -10,7 +10,7 @@ use crate::graph::make_leaf;
 use crate::graph::{anchor_chain, Tap};
 use crate::inspect::{memory, trace};
 use crate::tape::recorder::{checks_captures, constant_outputs, Recorded, Recorder};
-use crate::tape::{fingerprint, Meta, Tape};
+use crate::tape::{fingerprint, Meta, Tape, MASKED_OUTPUTS};
 use crate::{lock, plan, random, Inputs, Outputs, Plan, RematError, Result};
 
 /// A checkpointed region: a block of statements whose activations are
@@ -247,7 +247,7 @@ impl Region {
         // one found constants. Generated regions give every output from a
         // statement.
         let untracked = |j: usize| !known[j] && !outputs[j].is_variable() && !outputs[j].track_op();
-        let mask = (0..outputs.len().min(64))
+        let mask = (0..outputs.len().min(MASKED_OUTPUTS))
             .filter(|&j| untracked(j))
             .fold(0u64, |m, j| m | 1 << j);
         let accepted = if self.declares_all_reads {
@@ -256,7 +256,7 @@ impl Region {
             constant_outputs(&self.name, captures.then_some(mask))
         };
         let constant: Vec<bool> = (0..outputs.len())
-            .map(|j| untracked(j) && j < 64 && accepted & (1 << j) != 0)
+            .map(|j| untracked(j) && j < MASKED_OUTPUTS && accepted & (1 << j) != 0)
             .collect();
         if let Some(index) =
             (0..outputs.len()).find(|&j| !known[j] && !outputs[j].is_variable() && !constant[j])

@@ -138,8 +138,13 @@ fn copies(item: &Item, start: usize, i: usize) -> impl Iterator<Item = &Leaf> {
         .filter(move |l| !l.producer.is_some_and(|p| p >= start && p < i))
 }
 
+/// The values read more than once whose copies a plan's state tracks, one
+/// bit each of a `u64` (past them, a copy is assumed made).
+const TRACKED_COPIES: usize = u64::BITS as usize;
+
 /// The bit of each value read more than once (by several statements, or
-/// twice by one), at most 64: the state of the copies made so far.
+/// twice by one), at most [`TRACKED_COPIES`]: the state of the copies made
+/// so far.
 fn shared_bits(items: &[Item]) -> HashMap<usize, u64> {
     let mut reads: HashMap<usize, usize> = HashMap::new();
     for leaf in items.iter().flat_map(|item| &item.leaves) {
@@ -153,7 +158,7 @@ fn shared_bits(items: &[Item]) -> HashMap<usize, u64> {
     shared.sort_unstable();
     shared
         .into_iter()
-        .take(64)
+        .take(TRACKED_COPIES)
         .enumerate()
         .map(|(b, v)| (v, 1u64 << b))
         .collect()

@@ -9,7 +9,7 @@
 //! * `unit`: [`Unit`], one step of the backward sweep;
 //! * `timed`: replay times of statements, for `PeakPlan`'s time model.
 //!
-//! Longer than the other files (about 480 lines) for a reason: the replay's
+//! Longer than the other files (about 600 lines) for a reason: the replay's
 //! two statement paths, `recompute` and `skip_saved`, and the checks of
 //! each (against the record, undeclared reads, fingerprints to collect)
 //! share one state (values, units, open leaves); split into files, every
@@ -28,7 +28,7 @@ use crate::graph::{carries_grad, check_cut, check_input, check_reads, make_leaf}
 use crate::inspect::trace::{self, Phase, TraceEvent};
 use crate::tape::fingerprint::{self, Checks, Compare, Subject};
 use crate::tape::unread;
-use crate::tape::{Meta, Record};
+use crate::tape::{Meta, Record, MASKED_OUTPUTS};
 use crate::{Outputs, Policy, RematError, Result};
 
 /// A value seen during replay.
@@ -383,7 +383,7 @@ impl Replay {
         let gained = tensors
             .iter()
             .enumerate()
-            .any(|(j, t)| j < 64 && carries_grad(t) && needed & (1 << j) == 0);
+            .any(|(j, t)| j < MASKED_OUTPUTS && carries_grad(t) && needed & (1 << j) == 0);
         if gained {
             return Err(RematError::UndeclaredInput {
                 region: region.to_string(),
@@ -428,7 +428,8 @@ impl Replay {
                 // Needs gradients as the forward decided (the same for every
                 // plan): an output that turns out a constant here (built
                 // from a tracked value's shape) passes no gradient on.
-                let requires_grad = carries_grad(t) || (j < 64 && needed & (1 << j) != 0);
+                let requires_grad =
+                    carries_grad(t) || (j < MASKED_OUTPUTS && needed & (1 << j) != 0);
                 let value = Value {
                     unit: Some(u),
                     requires_grad,

@@ -27,6 +27,11 @@ use crate::offload::{moves, Offloaded};
 use crate::storage::storage_extent;
 use crate::{Mismatch, Plan, Policy, RematError, Result};
 
+/// The outputs of a statement (or of a region) a `u64` bit mask speaks for,
+/// one bit each (whether it needs a gradient, whether it is a constant);
+/// later outputs follow each check's conservative rule.
+pub(crate) const MASKED_OUTPUTS: usize = u64::BITS as usize;
+
 /// Shape, dtype and device of a value: what the replay is checked against.
 #[derive(Debug, Clone)]
 pub(crate) struct Meta {

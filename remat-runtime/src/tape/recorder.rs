@@ -5,7 +5,7 @@
 //! [`Recorder::save`] runs it on leaf copies of the inputs that need
 //! gradients and keeps its tracked graph (its residuals) on the tape.
 //!
-//! Longer than the other files (about 460 lines) for the replay's reason:
+//! Longer than the other files (about 590 lines) for the replay's reason:
 //! the two paths and the checks each runs (inputs, undeclared reads on a
 //! region's first forward, fingerprints, the trace) share one state (what
 //! each value is, which leaves exist, what the planner measures).
@@ -18,6 +18,7 @@ use std::time::Instant;
 use candle_core::{Tensor, TensorId};
 
 use super::bytes::{Counter, Seen};
+use super::MASKED_OUTPUTS;
 use super::{fingerprint, unread};
 use super::{Meta, Profile, Record, Saved, Source};
 use crate::graph::{carries_grad, check_cut, check_input, check_reads, make_leaf};
@@ -264,7 +265,7 @@ impl Recorder {
         let outputs_need_grad = outputs
             .iter()
             .enumerate()
-            .filter(|(j, t)| *j >= 64 || self.requires_grad.get(&t.id()) == Some(&true))
+            .filter(|(j, t)| *j >= MASKED_OUTPUTS || self.requires_grad.get(&t.id()) == Some(&true))
             .fold(0u64, |mask, (j, _)| {
                 mask | 1u64.checked_shl(j as u32).unwrap_or(0)
             });

@@ -92,7 +92,11 @@ fn parse_fn(mut func: ItemFn, errors: &mut Errors) -> Block {
                         errors.push_spanned(
                             r,
                             "a remat! block cannot take `&mut` parameters: it runs twice (forward \
-                             and replay), so mutation would happen twice",
+                             and replay), so mutation would happen twice; pass what the block \
+                             reads by `&` and change it outside the block from what the block \
+                             returns (a KV cache: return the new keys and values and append them \
+                             after the call). Do not clone it inside the block: the writes would \
+                             land in the copy, silently",
                         );
                         Passing::Value
                     }

@@ -1,7 +1,8 @@
 //! The check that a `#[save]` or `#[offload]` statement's value holds a
 //! tensor: `let _: &dyn rt::HoldsTensors = (&&rt::Probe(&h)).saveable();`
-//! resolves to [`CheckPlain`] for the plain types of [`crate::Outputs`]
-//! (`usize`, `f64`, `Shape`, ...), which hands the value to the cast, which
+//! resolves to [`CheckPlain`] for values with no tensor in them ([`Plain`]:
+//! `usize`, `f64`, `Shape`, ..., and `Vec`s, `Option`s and tuples of
+//! them), which hands the value to the cast, which
 //! fails with the message of [`HoldsTensors`]; to [`CheckTensors`] for
 //! everything else, which passes. The check is a cast at the user's span,
 //! so that the error points there and nowhere into remat's sources.
@@ -19,21 +20,39 @@ pub struct Checked;
 
 impl HoldsTensors for Checked {}
 
+/// A value with no tensor anywhere in it: the plain types of
+/// [`crate::Outputs`] (`usize`, `f64`, `Shape`, ...) and `Vec`s, `Option`s
+/// and tuples of them (`Vec<Vec<f32>>` from `to_vec2`).
+pub trait Plain {}
+macro_rules! plain_leaves {
+    ($($t:ty),*) => {$(
+        impl Plain for $t {}
+    )*};
+}
+crate::values::for_plain_values!(plain_leaves);
+impl<T: Plain> Plain for Vec<T> {}
+impl<T: Plain> Plain for Option<T> {}
+macro_rules! plain_tuples {
+    ($($name:ident),+) => {
+        impl<$($name: Plain),+> Plain for ($($name,)+) {}
+    };
+}
+plain_tuples!(A);
+plain_tuples!(A, B);
+plain_tuples!(A, B, C);
+plain_tuples!(A, B, C, D);
+plain_tuples!(A, B, C, D, E);
+
 /// The failing level: plain values.
 pub trait CheckPlain<'a, T> {
     /// The value itself, for the cast to fail on.
     fn saveable(&self) -> &'a T;
 }
-macro_rules! plain_values {
-    ($($t:ty),*) => {$(
-        impl<'a> CheckPlain<'a, $t> for &Probe<'a, $t> {
-            fn saveable(&self) -> &'a $t {
-                self.0
-            }
-        }
-    )*};
+impl<'a, T: Plain> CheckPlain<'a, T> for &Probe<'a, T> {
+    fn saveable(&self) -> &'a T {
+        self.0
+    }
 }
-crate::values::for_plain_values!(plain_values);
 
 /// The passing level: everything else.
 pub trait CheckTensors {

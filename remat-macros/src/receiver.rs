@@ -8,9 +8,11 @@ use proc_macro2::{Group, Span, TokenStream, TokenTree};
 use syn::visit_mut::VisitMut;
 use syn::Ident;
 
-/// The binding the body's `self` becomes, at `span`.
+/// The binding the body's `self` becomes, at `span`: `self_`, a name a
+/// compile error can show (rustc's "`self_` is a `&` reference"), with the
+/// macro's own hygiene, so that a `self_` of the user's is another binding.
 pub(crate) fn this(span: Span) -> Ident {
-    Ident::new("__remat_self", span)
+    Ident::new("self_", span.resolved_at(Span::mixed_site()))
 }
 
 /// Replaces every `self` of `block` (expressions, and tokens inside macro

@@ -15,6 +15,11 @@
 
 #include "attention.cuh"
 
+// WMMA for f16 and bf16 needs compute capability 8.0: built for an older
+// one, this file has no kernels, and the launches fall back to
+// attention.cu's (cuda.rs).
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+
 #ifdef __CUDACC__
 #include <cuda_bf16.h>
 #include <mma.h>
@@ -474,3 +479,5 @@ TC_KERNELS(__half, f16, 64, 64)
 TC_KERNELS(__half, f16, 128, 32)
 TC_KERNELS(bf16_t, bf16, 64, 64)
 TC_KERNELS(bf16_t, bf16, 128, 32)
+
+#endif  // compute capability 8.0

@@ -73,9 +73,15 @@ fn config(rows: usize, heads: usize, batch: usize, tensor_cores: bool) -> Launch
     }
 }
 
-/// Whether `dtype` runs on the tensor-core kernels (f16, bf16, with them on).
-fn on_tensor_cores(dtype: DType) -> bool {
-    matches!(dtype, DType::F16 | DType::BF16) && super::tensor_cores_on()
+/// Whether `dtype` runs on the tensor-core kernels (f16, bf16, with them
+/// on) and the PTX has kernel `stem`: built for a compute capability under
+/// 8.0 it has none, and the SIMT kernels run instead.
+fn tensor_cores(dev: &CudaDevice, dtype: DType, stem: &str, name: &str, width: usize) -> bool {
+    matches!(dtype, DType::F16 | DType::BF16)
+        && super::tensor_cores_on()
+        && dev
+            .get_or_load_custom_func(&instance(stem, name, width), TC_MODULE, TC_PTX)
+            .is_ok()
 }
 
 /// The CUDA storage of `t` and its layout.
@@ -158,19 +164,16 @@ fn forward_as<T: CudaDType + DeviceRepr>(
         // B x H x T rows its `Dv` outputs and its two statistics.
         let out = unsafe { dev.alloc::<T>(b * t * h * dv)? };
         let stats = unsafe { dev.alloc::<f32>(2 * b * h * t)? };
-        let tc = on_tensor_cores(q.dtype());
+        let width = q.dim(3)?.max(dv);
+        let tc = tensor_cores(&dev, q.dtype(), "attention_tc_forward", name, width);
         let func = if tc {
             dev.get_or_load_custom_func(
-                &instance("attention_tc_forward", name, q.dim(3)?.max(dv)),
+                &instance("attention_tc_forward", name, width),
                 TC_MODULE,
                 TC_PTX,
             )?
         } else {
-            dev.get_or_load_custom_func(
-                &instance("attention_forward", name, q.dim(3)?.max(dv)),
-                MODULE,
-                PTX,
-            )?
+            dev.get_or_load_custom_func(&instance("attention_forward", name, width), MODULE, PTX)?
         };
         let mut builder = func.builder();
         builder.arg(&qv);
@@ -295,7 +298,7 @@ fn backward_as<T: CudaDType + DeviceRepr>(
         } else {
             (&dk_own, &dv_own)
         };
-        let tc = on_tensor_cores(q.dtype());
+        let tc = tensor_cores(&dev, q.dtype(), "attention_tc_backward_dq", name, width);
         let (module, ptx, stem) = if tc {
             (TC_MODULE, TC_PTX, "attention_tc_backward")
         } else {

@@ -261,14 +261,18 @@ pub(crate) fn gelu_backward(
 
 /// Whether the norm kernels (`norm.cu`) can normalize the rows of `x`
 /// `(rows, C)` with `gain` (and `bias`) `(C)`: on CUDA, with the kernels
-/// on, f32/f16/bf16, the parameters in `x`'s dtype, the column sums'
-/// chunks of 64 rows within the grid.
+/// on, f32/f16/bf16, at least one row and one feature, the parameters in
+/// `x`'s dtype and on its device, the column sums' chunks of 64 rows
+/// within the grid.
 pub(crate) fn norm_fit(x: &Tensor, gain: &Tensor, bias: Option<&Tensor>) -> bool {
-    let param = |p: &Tensor| p.dtype() == x.dtype() && p.dims() == [x.dims()[1]];
+    let param = |p: &Tensor| {
+        p.dtype() == x.dtype() && p.dims() == [x.dims()[1]] && p.device().same_device(x.device())
+    };
     x.device().is_cuda()
         && kernels_on()
         && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
         && x.rank() == 2
+        && x.dims()[0] >= 1
         && x.dims()[1] >= 1
         && x.dims()[0].div_ceil(64) <= 65_535
         && param(gain)
@@ -327,16 +331,23 @@ pub(crate) fn norm_backward(
 }
 
 /// Whether the bias kernels (`bias.cu`) take `y` `(rows, n)` (and a bias
-/// `b` `(n)`): on CUDA, with the kernels on, f32/f16/bf16, `b` in `y`'s
-/// dtype, the chunks of 64 rows within the grid.
+/// `b` `(n)`): on CUDA, with the kernels on, f32/f16/bf16, at least one
+/// row and one feature, `b` in `y`'s dtype and on its device, the chunks
+/// of 64 rows within the grid.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn bias_fit(y: &Tensor, b: Option<&Tensor>) -> bool {
     y.device().is_cuda()
         && kernels_on()
         && matches!(y.dtype(), DType::F32 | DType::F16 | DType::BF16)
         && y.rank() == 2
+        && y.dims()[0] >= 1
+        && y.dims()[1] >= 1
         && y.dims()[0].div_ceil(64) <= 65_535
-        && b.is_none_or(|b| b.dtype() == y.dtype() && b.dims() == [y.dims()[1]])
+        && b.is_none_or(|b| {
+            b.dtype() == y.dtype()
+                && b.dims() == [y.dims()[1]]
+                && b.device().same_device(y.device())
+        })
 }
 
 /// `y + b` over the rows of `y` `(rows, n)` (a new tensor from a matmul,

@@ -1,6 +1,6 @@
 //! Names, static dataflow and the semantic checks of a parsed block.
 //!
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use proc_macro2::Span;
 use syn::{Expr, Ident};
@@ -358,18 +358,22 @@ impl<'a> Analyser<'a> {
         out
     }
 
-    /// Names: explicit ones first (checked for duplicates), then the rest
-    /// from their bindings, made unique.
+    /// Names: explicit ones (`name = "..."`, checked for duplicates), and
+    /// for every other statement its binding's name, numbered by its place
+    /// among the statements of the block that bind that name (`h`, `h#2`,
+    /// ...), whatever their annotations: annotating or naming one statement
+    /// never renames another. A generated name that an explicit one already
+    /// took is an error at the explicit one.
     fn names(&mut self, reads: &Reads) -> Vec<String> {
         let block = self.block;
         let n = block.statements.len();
         let mut names = vec![String::new(); n];
-        let mut first_use: HashMap<String, Span> = HashMap::new();
+        let mut explicit: HashMap<String, Span> = HashMap::new();
         for (i, stmt) in block.statements.iter().enumerate() {
             let Some((name, span)) = self.explicit_name(stmt) else {
                 continue;
             };
-            if let Some(first) = first_use.get(&name) {
+            if let Some(first) = explicit.get(&name) {
                 self.errors.push(
                     span,
                     format!(
@@ -380,21 +384,36 @@ impl<'a> Analyser<'a> {
                     .push(*first, format!("`{name}` is first used here"));
                 continue;
             }
-            first_use.insert(name.clone(), span);
+            explicit.insert(name.clone(), span);
             names[i] = name;
         }
-        let mut used: HashSet<String> = first_use.into_keys().collect();
-        let mut fresh = |base: String| -> String {
-            let mut name = base.clone();
-            let mut k = 2;
-            while used.contains(&name) {
-                name = format!("{base}#{k}");
-                k += 1;
-            }
-            used.insert(name.clone());
-            name
-        };
+        let mut seen: HashMap<String, usize> = HashMap::new();
         for (i, stmt) in block.statements.iter().enumerate() {
+            let base = match &stmt.kind {
+                StmtKind::Let { pat, .. } => match single(pat) {
+                    Some(ident) => ident.to_string(),
+                    None => {
+                        let idents: Vec<String> =
+                            bound(pat).iter().map(|(i, _)| i.to_string()).collect();
+                        format!("({})", idents.join(", "))
+                    }
+                },
+                // Named after the `mut` bindings it gives back, if any.
+                StmtKind::Expr(_) => {
+                    let given: Vec<String> = reads.inouts[i]
+                        .iter()
+                        .map(|&b| self.bindings[b].ident.to_string())
+                        .collect();
+                    match given.len() {
+                        0 => format!("(statement {})", i + 1),
+                        1 => given[0].clone(),
+                        _ => format!("({})", given.join(", ")),
+                    }
+                }
+                StmtKind::Item(_) => continue,
+            };
+            let k = seen.entry(base.clone()).or_default();
+            *k += 1;
             if !names[i].is_empty()
                 || matches!(
                     self.kinds[i],
@@ -403,57 +422,42 @@ impl<'a> Analyser<'a> {
             {
                 continue;
             }
-            names[i] = match &stmt.kind {
-                StmtKind::Let { pat, .. } => fresh(match single(pat) {
-                    Some(ident) => ident.to_string(),
-                    None => {
-                        let idents: Vec<String> =
-                            bound(pat).iter().map(|(i, _)| i.to_string()).collect();
-                        format!("({})", idents.join(", "))
-                    }
-                }),
-                // Named after the `mut` bindings it gives back, if any.
-                StmtKind::Expr(_) => {
-                    let given: Vec<String> = reads.inouts[i]
-                        .iter()
-                        .map(|&b| self.bindings[b].ident.to_string())
-                        .collect();
-                    fresh(match given.len() {
-                        0 => format!("(statement {})", i + 1),
-                        1 => given[0].clone(),
-                        _ => format!("({})", given.join(", ")),
-                    })
-                }
-                StmtKind::Item(_) => String::new(),
-            };
+            let name = if *k == 1 { base } else { format!("{base}#{k}") };
+            if let Some(&span) = explicit.get(&name) {
+                self.errors.push(
+                    span,
+                    format!(
+                        "the statement name `{name}` is also the name of another statement \
+                         (binding `{}`): choose another name",
+                        name.split('#').next().unwrap_or(&name)
+                    ),
+                );
+            }
+            names[i] = name;
         }
         names
     }
 
-    /// The name a statement's annotation gives it: `name = "..."`, or the
-    /// binding of a saved or offloaded `let`.
+    /// The name a statement's annotation gives it: its `name = "..."`. (A
+    /// saved or offloaded destructuring `let` needs one.)
     fn explicit_name(&mut self, stmt: &crate::model::Statement) -> Option<(String, Span)> {
         let a = stmt.annotation.as_ref()?;
         match (&a.name, &stmt.kind) {
             (Some(lit), _) => Some((lit.value(), lit.span())),
             (None, StmtKind::Let { pat, .. })
-                if matches!(a.kind, AnnotationKind::Save | AnnotationKind::Offload) =>
+                if matches!(a.kind, AnnotationKind::Save | AnnotationKind::Offload)
+                    && single(pat).is_none() =>
             {
-                match single(pat) {
-                    Some(ident) => Some((ident.to_string(), ident.span())),
-                    None => {
-                        let attr = a.kind.attr();
-                        let bare = attr.trim_end_matches(']');
-                        self.errors.push_spanned(
-                            pat,
-                            format!(
-                                "{attr} on a destructuring pattern needs an explicit name: \
-                                 `{bare}(name = \"...\")]`"
-                            ),
-                        );
-                        None
-                    }
-                }
+                let attr = a.kind.attr();
+                let bare = attr.trim_end_matches(']');
+                self.errors.push_spanned(
+                    pat,
+                    format!(
+                        "{attr} on a destructuring pattern needs an explicit name: \
+                         `{bare}(name = \"...\")]`"
+                    ),
+                );
+                None
             }
             _ => None,
         }

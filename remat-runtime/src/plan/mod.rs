@@ -389,10 +389,11 @@ impl Plan {
         }
         unknown.sort();
         unknown.dedup();
-        // `(return)`: a block's tail, which no plan can name.
+        // Every name a plan may use, `(q, k, v)` and `(statement 3)`
+        // included; not `(return)`, a block's tail, which no plan can name.
         let mut known: Vec<String> = seen
             .iter()
-            .filter(|n| !n.starts_with('('))
+            .filter(|n| n.as_str() != "(return)")
             .cloned()
             .collect();
         known.sort();

@@ -394,6 +394,25 @@ fn a_plan_naming_no_statement_is_an_error() {
     // The tapes of a failed backward are released, and the next step with
     // correct names works.
     step(&Plan::save_only(["h"])).unwrap();
+    // The names listed are every name a plan may use, a tuple's included.
+    let pair_step = |plan: &Plan| {
+        let y = plan.scope(|| pair(x.as_tensor(), &p))?;
+        y.backward().map(|_| ())
+    };
+    pair_step(&Plan::save_only(["(a, b)"])).unwrap();
+    let e = pair_step(&Plan::save_only(["(a,b)"]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("[\"(a, b)\", \"s\"]"), "{e}");
+}
+
+remat! {
+    /// A tuple statement, named `(a, b)`.
+    fn pair(x: &Tensor, p: &P) -> Result<Tensor> {
+        let (a, b) = (x.matmul(&p.w1)?, x.exp()?);
+        let s = (a.sum_all()? + b.sum_all()?)?;
+        Ok(s)
+    }
 }
 
 remat! {
@@ -543,4 +562,46 @@ fn a_saved_statement_returning_a_parameter_as_it_is_counts_its_gradient_once() {
         assert_eq!(rel_diff(&gw, &rw), 0.0, "{dtype:?}");
         assert_eq!(rel_diff(&gx, &rx), 0.0, "{dtype:?}");
     }
+}
+
+remat! {
+    /// Two statements binding `h`, neither annotated.
+    fn two_hs(x: &Tensor, p: &P) -> Result<Tensor> {
+        let h = x.matmul(&p.w1)?;
+        let g = h.tanh()?;
+        let h = g.matmul(&p.w2)?;
+        Ok(h)
+    }
+}
+
+remat! {
+    /// The same, with the second `h` saved and `g` named.
+    fn two_hs_annotated(x: &Tensor, p: &P) -> Result<Tensor> {
+        let h = x.matmul(&p.w1)?;
+        #[recompute(name = "act")] let g = h.tanh()?;
+        #[save] let h = g.matmul(&p.w2)?;
+        Ok(h)
+    }
+}
+
+/// Annotating or naming a statement renames no other: a plan listing `h`
+/// and `h#2` points at the same statements in both blocks.
+#[test]
+fn annotating_a_statement_renames_no_other() {
+    let (x, p) = params();
+    let names = |block: &dyn Fn(&Tensor, &P) -> Result<Tensor>| {
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log = seen.clone();
+        let plan = Plan::from_fn("names", move |s| {
+            log.lock().unwrap().push(s.name.to_string());
+            s.declared.unwrap_or(Policy::Recompute)
+        });
+        let y = plan.scope(|| block(x.as_tensor(), &p)).unwrap();
+        y.sum_all().unwrap().backward().unwrap();
+        let names = seen.lock().unwrap().clone();
+        names
+    };
+    let (plain, annotated) = (names(&two_hs), names(&two_hs_annotated));
+    assert_eq!(plain, ["h", "g", "h#2"], "{plain:?}");
+    assert_eq!(annotated, ["h", "act", "h#2"], "{annotated:?}");
 }

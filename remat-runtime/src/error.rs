@@ -258,6 +258,20 @@ pub enum RematError {
         /// The lowest peak measured.
         lowest: usize,
     },
+    /// [`checkpoint_sequential`](crate::checkpoint_sequential) was asked for
+    /// no segments, or for more segments than it has blocks.
+    #[error(
+        "checkpoint_sequential `{name}`: {segments} segments for {blocks} blocks; use between 1 \
+         and the number of blocks"
+    )]
+    SegmentCount {
+        /// The name given to `checkpoint_sequential`.
+        name: String,
+        /// The segments asked for.
+        segments: usize,
+        /// The blocks given.
+        blocks: usize,
+    },
     /// A plan names statements (`Plan::save_only`, `Plan::save_and_offload_only`)
     /// that no statement run under it has: a misspelt name would otherwise
     /// leave its statement recomputed, silently. Raised by the backward of

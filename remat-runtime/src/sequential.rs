@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use candle_core::{Module, Tensor};
 
-use crate::{Region, Result};
+use crate::{Region, RematError, Result};
 
 type Block = Arc<dyn Module + Send + Sync>;
 
@@ -56,11 +56,11 @@ where
     let blocks: Vec<Block> = blocks.into_iter().map(|m| Arc::new(m) as Block).collect();
     let n = blocks.len();
     if segments == 0 || segments > n.max(1) {
-        let msg = format!(
-            "checkpoint_sequential `{name}`: {segments} segments for {n} blocks; \
-             use between 1 and the number of blocks"
-        );
-        return Err(candle_core::Error::Msg(msg).into());
+        return Err(RematError::SegmentCount {
+            name: name.to_string(),
+            segments,
+            blocks: n,
+        });
     }
     let mut h = x.clone();
     let mut start = 0;

@@ -237,6 +237,11 @@ fn checkpoint_sequential_with_a_bad_segment_count() {
         let e =
             remat_runtime::checkpoint_sequential("stack", k, x.as_tensor(), blocks()).unwrap_err();
         assert!(
+            matches!(&e, RematError::SegmentCount { name, segments, blocks: 3 }
+                if name == "stack" && *segments == k),
+            "{e:?}"
+        );
+        assert!(
             e.to_string().contains("`stack`") && e.to_string().contains("between 1 and"),
             "{e}"
         );

@@ -64,6 +64,12 @@ pub(crate) struct Call {
     variables: Vec<(usize, Tensor)>,
 }
 
+impl Drop for Call {
+    fn drop(&mut self) {
+        inspect::memory::forget_ended();
+    }
+}
+
 impl Call {
     /// The call of region `name`, whose anchor chain ties `anchored` to it.
     pub fn new(name: String, body: Body, tape: Tape, anchored: &[Tensor]) -> Self {

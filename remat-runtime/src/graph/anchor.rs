@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp3, Layout, Shape, Tensor};
 
 use super::{scalar_zero, to_candle};
 use crate::backward::Call;
@@ -14,10 +14,15 @@ struct AnchorFirst {
     top: bool,
 }
 
-/// Every further anchor: the previous anchor and one more argument.
+/// Every further anchor: the previous anchor and two more arguments (the
+/// second is the first again when one is left), so that a call adds half
+/// as many nodes to candle's graph as it anchors tensors.
 struct AnchorLink {
     call: Arc<Call>,
+    /// The position of the first of the two arguments.
     index: usize,
+    /// Whether the second argument is a real one.
+    pair: bool,
     top: bool,
 }
 
@@ -54,13 +59,15 @@ impl CustomOp1 for AnchorFirst {
     }
 }
 
-impl CustomOp2 for AnchorLink {
+impl CustomOp3 for AnchorLink {
     fn name(&self) -> &'static str {
         "remat-anchor"
     }
     fn cpu_fwd(
         &self,
         s: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
         _: &Layout,
         _: &CpuStorage,
         _: &Layout,
@@ -73,36 +80,49 @@ impl CustomOp2 for AnchorLink {
         _: &Layout,
         _: &CudaStorage,
         _: &Layout,
+        _: &CudaStorage,
+        _: &Layout,
     ) -> candle_core::Result<(CudaStorage, Shape)> {
         scalar_zero(s)
     }
     fn bwd(
         &self,
         prev: &Tensor,
-        arg: &Tensor,
+        a: &Tensor,
+        b: &Tensor,
         _: &Tensor,
         _: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let g = anchor_grad(&self.call, self.index, self.top, arg)?;
-        Ok((Some(prev.zeros_like()?), g))
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        // The top anchor runs the call's backward before any gradient is
+        // taken.
+        let ga = anchor_grad(&self.call, self.index, self.top, a)?;
+        let gb = match self.pair {
+            true => anchor_grad(&self.call, self.index + 1, false, b)?,
+            false => None,
+        };
+        Ok((Some(prev.zeros_like()?), ga, gb))
     }
 }
 
 /// Builds the anchor chain of `call` over `args` (at least one) and returns
 /// its top.
 pub(crate) fn anchor_chain(call: &Arc<Call>, args: &[Tensor]) -> Result<Tensor> {
-    let last = args.len() - 1;
     let mut top = args[0].apply_op1(AnchorFirst {
         call: call.clone(),
-        top: last == 0,
+        top: args.len() == 1,
     })?;
-    for (index, arg) in args.iter().enumerate().skip(1) {
+    let mut index = 1;
+    while index < args.len() {
+        let pair = index + 1 < args.len();
         let link = AnchorLink {
             call: call.clone(),
             index,
-            top: index == last,
+            pair,
+            top: index + 1 + usize::from(pair) == args.len(),
         };
-        top = top.apply_op2(arg, link)?;
+        let second = &args[index + usize::from(pair)];
+        top = top.apply_op3(&args[index], second, link)?;
+        index += 1 + usize::from(pair);
     }
     Ok(top)
 }

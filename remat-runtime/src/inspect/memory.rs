@@ -24,6 +24,18 @@ pub(crate) fn register(call: &Arc<Call>) {
     });
 }
 
+/// Forgets the calls on this thread's list that have ended, so that their
+/// allocations go with them (a `Weak` keeps its `Arc`'s allocation). Called
+/// when a call ends; does nothing while the list is borrowed or the thread
+/// is ending.
+pub(crate) fn forget_ended() {
+    let _ = LIVE_CALLS.try_with(|live| {
+        if let Ok(mut live) = live.try_borrow_mut() {
+            live.retain(|w| w.strong_count() > 0);
+        }
+    });
+}
+
 /// One line of a [`MemoryReport`]: what one statement of one region call
 /// holds.
 #[derive(Debug, Clone, PartialEq)]

@@ -5,7 +5,7 @@ use std::collections::HashSet;
 
 use candle_core::Tensor;
 
-use crate::graph::check_cut;
+use crate::graph::{check_cut, check_reached};
 use crate::random;
 use crate::replay::Replay;
 use crate::tape::recorder::{Recorder, Statement};
@@ -17,8 +17,10 @@ use crate::{Inputs, Outputs, Plan, Policy, RematError, Result, StatementInfo};
 // heap allocation to every call for nothing.
 #[allow(clippy::large_enum_variant)]
 pub(crate) enum Mode {
-    /// No checkpointing: statements run as plain candle code.
-    Plain,
+    /// No checkpointing: statements run as plain candle code. `first`: the
+    /// region's first plain run on this thread, which also looks for inputs
+    /// a statement's graph does not reach.
+    Plain { first: bool },
     /// The region's forward: statements run and are recorded on the tape.
     Record(Recorder),
     /// The replay at the start of the region's backward.
@@ -198,7 +200,7 @@ impl Ctx {
             });
         }
         match &mut self.mode {
-            Mode::Plain => {
+            Mode::Plain { first } => {
                 let tracked = owned.iter().take(value_inputs).any(|t| t.track_op());
                 // Its op calls count in no other statement.
                 let out = unread::watch(None, || f(&owned)).0;
@@ -209,6 +211,9 @@ impl Ctx {
                 let mut tensors = Vec::new();
                 let skeleton = out.split_into(&mut tensors);
                 check_cut(&self.region, name, tracked, &tensors)?;
+                if *first {
+                    check_reached(&self.region, name, &owned, value_inputs, &tensors)?;
+                }
                 O::join(&mut tensors.into_iter(), &skeleton)
             }
             Mode::Record(recorder) => {

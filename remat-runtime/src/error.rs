@@ -222,6 +222,36 @@ pub enum RematError {
         /// Which of its outputs.
         output: usize,
     },
+    /// A statement read a value that needs gradients for its value, and the
+    /// graph of its outputs does not reach that value (other inputs carry
+    /// gradients through it): an op without a backward cut the path from
+    /// this input (candle's `rope` on the queries and keys while the values
+    /// flow), or its values left through the host (`to_vec2`, `to_scalar`)
+    /// and came back as a constant (`Tensor::new`); its gradient would be
+    /// missing without a word.
+    #[error(
+        "region `{region}`, statement `{statement}`: input {input} (shape {shape:?}) needs gradients \
+         and is read for its value, but the statement's outputs do not depend on it through candle's graph, so \
+         its gradient would be missing; an op without a backward cut the path (candle's \
+         `candle_nn::ops::rms_norm`, `layer_norm`, `softmax_last_dim`, `sdpa`, \
+         `rotary_emb::rope`/`rope_i`/`rope_thd`, `RmsNorm`/`LayerNorm` on contiguous inputs: \
+         use `remat_runtime::candle_nn`'s drop-ins of the same names or `remat_runtime::nn`'s \
+         ops), or its values went through the host (`to_vec*`, `to_scalar`) and came back as a \
+         constant (`Tensor::new`): compute them with tensor ops instead; if the input is meant to \
+         give no gradient (read for control flow, indices or logging), read it as `.detach()`"
+    )]
+    InputCut {
+        /// The region's name.
+        region: String,
+        /// The statement that read the input.
+        statement: String,
+        /// Which of the statement's inputs (0-based, in the order the
+        /// statement declares them; `remat!` declares a statement's
+        /// bindings in the order it first mentions them).
+        input: usize,
+        /// Its shape.
+        shape: Vec<usize>,
+    },
     /// A backward reached a region whose tape was already released.
     #[error(
         "region `{region}`: the tape is gone ({reason}); to run backward more than once, wrap \

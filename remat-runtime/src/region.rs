@@ -9,7 +9,7 @@ use crate::ctx::{Ctx, Mode};
 use crate::graph::make_leaf;
 use crate::graph::{anchor_chain, Tap};
 use crate::inspect::{memory, trace};
-use crate::tape::recorder::{checks_captures, constant_outputs, Recorded, Recorder};
+use crate::tape::recorder::{constant_outputs, first_forward, first_plain_run, Recorded, Recorder};
 use crate::tape::{fingerprint, Meta, Tape, MASKED_OUTPUTS};
 use crate::{lock, plan, random, Inputs, Outputs, Plan, RematError, Result};
 
@@ -162,7 +162,8 @@ impl Region {
         // draws what a checkpointed one does.
         let seed = random::call_seed();
         if !self.enabled || plan.is_off() {
-            let mut ctx = Ctx::new(&self.name, Mode::Plain, plan.clone(), seed);
+            let first = first_plain_run(&self.name);
+            let mut ctx = Ctx::new(&self.name, Mode::Plain { first }, plan.clone(), seed);
             return plan.inherit(|| body(&mut ctx, &inputs));
         }
         let _profile = crate::inspect::profile::op("region");
@@ -172,9 +173,12 @@ impl Region {
         // The first call of the region under a budget plan measures it.
         let profile = plan.wants_profile(&self.name);
         let fingerprints = fingerprint::enabled();
-        // The first forward of a region looks for undeclared reads: the
-        // block sees leaf copies of the inputs that need gradients.
-        let captures = !self.declares_all_reads && checks_captures(&self.name);
+        // The first forward of a region runs its statements on leaves, so
+        // that their graphs show every cut; for a statement-API region, the
+        // block sees leaf copies of the inputs that need gradients, so that
+        // they show every undeclared read too.
+        let first = first_forward(&self.name);
+        let captures = first && !self.declares_all_reads;
         let visible: Vec<Tensor> = if captures {
             detached
                 .iter()
@@ -191,6 +195,7 @@ impl Region {
                 &requires_grad,
                 profile,
                 fingerprints,
+                first,
                 captures,
                 trace_label.clone(),
             )),

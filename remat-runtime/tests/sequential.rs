@@ -80,9 +80,13 @@ fn segments_hold_one_input_each_and_trade_peak_for_count() {
         .collect();
     let x = var(&[BATCH, D], 999, 1.0, DType::F32);
     let input = BATCH * D * 4;
-    // Warm candle's lazily created pools and caches.
+    // Warm candle's lazily created pools and caches, and the runtime's
+    // record of the regions each segment count names (their first forward
+    // runs on leaves).
     step(&ws, &x, None);
-    step(&ws, &x, Some(4));
+    for k in [1, 2, 4, 8, 16] {
+        step(&ws, &x, Some(k));
+    }
     let plain = step(&ws, &x, None);
     println!("plain: held {} peak {}", plain.held, plain.peak);
     let mut peaks = Vec::new();
@@ -121,7 +125,9 @@ fn segments_hold_one_input_each_and_trade_peak_for_count() {
         drop((g, y));
         ALLOC.peak() - base
     };
-    tanh_step(4);
+    for k in [1, 2, 4, 8, 16] {
+        tanh_step(k);
+    }
     let tanh_peaks: Vec<(usize, usize)> = [1, 2, 4, 8, 16]
         .iter()
         .map(|&k| (k, tanh_step(k)))

@@ -1,6 +1,8 @@
 //! Leaves: the fresh variables statements run on, and the tensors a
 //! statement may read that the region does not know.
 
+use std::collections::HashSet;
+
 use candle_core::{Tensor, Var};
 
 use crate::{RematError, Result};
@@ -80,5 +82,56 @@ pub(crate) fn check_cut(
             output,
         }),
         _ => Ok(()),
+    }
+}
+
+/// Checks that the graph of a statement's `outputs` reaches every one of
+/// its first `value_inputs` arguments that carries a gradient, when some
+/// output is a float (integer and boolean outputs carry no gradient by
+/// nature). Paths through integer values (a comparison, `argmax`) and
+/// `affine(0.0, ..)` do not count: candle's backward skips them. The forward's, the replay's and a
+/// plain run's check, wherever the arguments are tracked; after
+/// [`check_cut`].
+pub(crate) fn check_reached(
+    region: &str,
+    statement: &str,
+    args: &[Tensor],
+    value_inputs: usize,
+    outputs: &[Tensor],
+) -> Result<()> {
+    let mut tracked = args
+        .iter()
+        .take(value_inputs)
+        .enumerate()
+        .filter(|(_, t)| carries_grad(t))
+        .peekable();
+    if tracked.peek().is_none() || !outputs.iter().any(|t| t.dtype().is_float()) {
+        return Ok(());
+    }
+    let mut reached = HashSet::new();
+    for t in outputs.iter().filter(|t| carries_grad(t)) {
+        reached.extend(t.sorted_nodes().into_iter().map(Tensor::id));
+    }
+    // Outputs that reach nothing carry no gradient by nature (made from
+    // integers: `x.ge(0.0)?.to_dtype(..)`, `argmax`), or are cut whole,
+    // which `check_cut` reports.
+    if reached.is_empty() {
+        return Ok(());
+    }
+    // An input that is not reached is a cut when a gradient could have
+    // reached it: it has elements and a path to a variable of its own (not
+    // one made from integers: `x.ge(0)?.to_dtype(..)`, which candle tracks
+    // and its backward skips).
+    let cut = |t: &Tensor| {
+        !reached.contains(&t.id()) && t.elem_count() > 0 && !t.sorted_nodes().is_empty()
+    };
+    match tracked.find(|(_, t)| cut(t)) {
+        Some((input, t)) => Err(RematError::InputCut {
+            region: region.to_string(),
+            statement: statement.to_string(),
+            input,
+            shape: t.dims().to_vec(),
+        }),
+        None => Ok(()),
     }
 }

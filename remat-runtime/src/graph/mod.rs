@@ -22,7 +22,9 @@ mod seed;
 mod tap;
 
 pub(crate) use anchor::anchor_chain;
-pub(crate) use leaf::{carries_grad, check_cut, check_input, check_reads, make_leaf};
+pub(crate) use leaf::{
+    carries_grad, check_cut, check_input, check_reached, check_reads, make_leaf,
+};
 pub(crate) use seed::Seed;
 pub(crate) use tap::Tap;
 

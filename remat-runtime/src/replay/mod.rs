@@ -24,7 +24,7 @@ use std::collections::{HashMap, HashSet};
 
 use candle_core::{Tensor, TensorId};
 
-use crate::graph::{carries_grad, check_cut, check_input, check_reads, make_leaf};
+use crate::graph::{carries_grad, check_cut, check_input, check_reached, check_reads, make_leaf};
 use crate::inspect::trace::{self, Phase, TraceEvent};
 use crate::tape::fingerprint::{self, Checks, Compare, Subject};
 use crate::tape::unread;
@@ -344,10 +344,11 @@ impl Replay {
         let skip = sole_call.filter(|_| unread).map(usize::from);
         let (out, calls) = timed::replay(region, name, || unread::watch(skip, || f(&args)));
         let out = out.map_err(|e| e.in_statement(region, name))?;
-        drop(args);
         let mut tensors = Vec::new();
         let skeleton = out.split_into(&mut tensors);
         check_cut(region, name, reads_tracked, &tensors)?;
+        check_reached(region, name, &args, value_inputs, &tensors)?;
+        drop(args);
         let record = &self.records[k];
         if tensors.len() != record.outputs.len() {
             return Err(RematError::desync(

@@ -21,37 +21,54 @@ use super::bytes::{Counter, Seen};
 use super::MASKED_OUTPUTS;
 use super::{fingerprint, unread};
 use super::{Meta, Profile, Record, Saved, Source};
-use crate::graph::{carries_grad, check_cut, check_input, check_reads, make_leaf};
+use crate::graph::{carries_grad, check_cut, check_input, check_reached, check_reads, make_leaf};
 use crate::inspect::trace::{self, Phase, TraceEvent};
 use crate::{Outputs, Policy, Result};
 
-thread_local! {
-    /// The regions whose first forward on this thread looked for
-    /// undeclared reads, each with the outputs that forward found to be
-    /// constants (bit `j`: output `j`, a tensor no statement gave and that
-    /// carries no gradient).
-    static CAPTURES_CHECKED: RefCell<HashMap<String, u64>> = RefCell::new(HashMap::new());
+/// The regions this thread has run, recorded or plain.
+#[derive(Default)]
+struct FirstRuns {
+    /// Recorded: the regions whose first forward saw leaves of every value
+    /// (and looked for undeclared reads), each with the outputs that
+    /// forward found to be constants (bit `j`: output `j`, a tensor no
+    /// statement gave and that carries no gradient).
+    recorded: HashMap<String, u64>,
+    /// Plain: the regions whose first plain run looked for cut inputs.
+    plain: HashSet<String>,
 }
 
-/// Whether this forward of `region` looks for undeclared reads: the first
-/// on this thread does (a block's reads are a property of its code).
-pub(crate) fn checks_captures(region: &str) -> bool {
-    CAPTURES_CHECKED.with(|c| {
-        let mut c = c.borrow_mut();
-        if c.contains_key(region) {
+thread_local! {
+    static FIRST_RUNS: RefCell<FirstRuns> = RefCell::new(FirstRuns::default());
+}
+
+/// Whether this forward of `region` is its first on this thread, which
+/// sees leaves of every value that needs gradients: statement graphs then
+/// show every cut and every undeclared read (a property of the block's
+/// code, checked once).
+pub(crate) fn first_forward(region: &str) -> bool {
+    FIRST_RUNS.with(|c| {
+        let recorded = &mut c.borrow_mut().recorded;
+        if recorded.contains_key(region) {
             return false;
         }
-        c.insert(region.to_string(), 0);
+        recorded.insert(region.to_string(), 0);
         true
     })
+}
+
+/// Whether this plain run of `region` is its first on this thread, which
+/// looks for inputs a statement's graph does not reach (walking the graph
+/// down to the parameters: once).
+pub(crate) fn first_plain_run(region: &str) -> bool {
+    FIRST_RUNS.with(|c| c.borrow_mut().plain.insert(region.to_string()))
 }
 
 /// The outputs of `region` that its first forward (which looks at every
 /// value) found to be constants: bit `j` for output `j`. A first forward
 /// records them (`record`), later ones read them.
 pub(crate) fn constant_outputs(region: &str, record: Option<u64>) -> u64 {
-    CAPTURES_CHECKED.with(|c| {
-        let mut c = c.borrow_mut();
+    FIRST_RUNS.with(|c| {
+        let c = &mut c.borrow_mut().recorded;
         match record {
             Some(mask) => {
                 c.insert(region.to_string(), mask);
@@ -87,6 +104,9 @@ struct Ran<S> {
     /// input its backward reads ([`unread::sole_call`]); recomputed
     /// statements only.
     sole: Option<(u16, Tensor)>,
+    /// For a recomputed statement: the layouts of the values it ran on
+    /// ([`fingerprint::layouts`]).
+    layouts: u64,
 }
 
 /// What one of a statement's two paths gives: the outputs the block sees
@@ -148,6 +168,10 @@ pub(crate) struct Recorder {
     /// Fingerprints of recomputed outputs for the replay check, in order;
     /// `None` when this forward takes none.
     fingerprints: Option<Vec<Tensor>>,
+    /// A region's first forward: recomputed statements run on leaves of the
+    /// values they read that need gradients (copies, for the statement's
+    /// run only), so that their graphs show every cut.
+    first: bool,
     /// This forward looks for undeclared reads: every value the block sees
     /// that needs gradients is a leaf of its own (a copy), so a statement
     /// that reads one without declaring it shows it in its graph.
@@ -169,6 +193,7 @@ impl Recorder {
         requires_grad: &[bool],
         profile: bool,
         fingerprints: bool,
+        first: bool,
         captures: bool,
         trace: Option<String>,
     ) -> Self {
@@ -206,6 +231,7 @@ impl Recorder {
             chain: None,
             profile,
             fingerprints: fingerprints.then(Vec::new),
+            first,
             captures,
             value_leaves,
             trace,
@@ -239,14 +265,8 @@ impl Recorder {
                 skeleton,
                 seconds,
                 sole: None,
+                layouts: 0,
             })
-        };
-        // What a recomputed statement reads for its values, and how it is
-        // laid out: a replay on the same bits in the same layouts computes
-        // the same bits.
-        let layouts = match s.policy {
-            Policy::Recompute => fingerprint::layouts(inputs.iter().take(s.value_inputs).copied()),
-            Policy::Save | Policy::Offload => 0,
         };
         let (outputs, saved, ran) = match s.policy {
             Policy::Recompute => self.recompute(&s, inputs, &needs, run)?,
@@ -277,7 +297,7 @@ impl Recorder {
             inputs: inputs.iter().map(|t| Meta::of(t)).collect(),
             outputs: outputs.iter().map(Meta::of).collect(),
             outputs_need_grad,
-            layouts,
+            layouts: ran.layouts,
             sole_call: ran.sole.as_ref().map(|s| s.0),
             unread: false,
             saved,
@@ -308,10 +328,31 @@ impl Recorder {
                 self.ferried.insert(output);
             }
         }
-        let args: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
+        // A first forward runs the statement on leaves of what it reads for
+        // its values that needs gradients, as the replay does: its graph
+        // shows every cut. Later forwards run it on the values as they are.
+        let args = inputs
+            .iter()
+            .zip(needs)
+            .enumerate()
+            .map(
+                |(i, (t, &need))| match self.first && need && i < s.value_inputs {
+                    true if !t.is_variable() => make_leaf(t),
+                    _ => Ok((*t).clone()),
+                },
+            )
+            .collect::<Result<Vec<Tensor>>>()?;
         let (ran, calls) = unread::watch(None, || run(&args));
         let mut ran = ran?;
+        // What it read for its values, and how it is laid out: a replay on
+        // the same bits in the same layouts computes the same bits.
+        ran.layouts = fingerprint::layouts(args.iter().take(s.value_inputs));
         self.check_captures(s, &args, &ran.tensors)?;
+        if self.first {
+            let reads_tracked = needs.iter().take(s.value_inputs).any(|&n| n);
+            check_cut(s.region, s.name, reads_tracked, &ran.tensors)?;
+            check_reached(s.region, s.name, &args, s.value_inputs, &ran.tensors)?;
+        }
         ran.sole = unread::sole_call::<S>(&calls, &ran.tensors)
             .map(|c| (c, calls[usize::from(c)].input.clone()));
         // Its float outputs need gradients if it read for its value a value
@@ -389,6 +430,7 @@ impl Recorder {
         self.check_captures(s, &args, &ran.tensors)?;
         let reads_tracked = needs.iter().take(s.value_inputs).any(|&n| n);
         check_cut(s.region, s.name, reads_tracked, &ran.tensors)?;
+        check_reached(s.region, s.name, &args, s.value_inputs, &ran.tensors)?;
         drop(args);
         let tracked = std::mem::take(&mut ran.tensors);
         let mut outputs = Vec::with_capacity(tracked.len());

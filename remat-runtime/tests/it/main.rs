@@ -15,6 +15,7 @@ mod features;
 mod finite_differences;
 mod grad_equality;
 mod gradient_cuts;
+mod input_cuts;
 mod linear_loss;
 mod macro_blocks;
 mod memory_report;

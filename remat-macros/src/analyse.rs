@@ -7,6 +7,7 @@ use syn::{Expr, Ident};
 
 use crate::errors::Errors;
 use crate::model::{AnnotationKind, Block, StmtKind};
+use crate::scopes::outer_view;
 use crate::usage::{assigned, bound, locals, mentions, moved, read_for_value, single};
 
 /// A binding a statement reads.
@@ -195,6 +196,8 @@ impl<'a> Analyser<'a> {
                     continue;
                 }
             };
+            // What the statement binds itself shadows the block's bindings.
+            let expr = &outer_view(expr);
             for_value.push(read_for_value(expr));
             let alias = match pat {
                 Some(p) if matches!(self.kinds[i], None | Some(AnnotationKind::Plain)) => {
@@ -246,6 +249,7 @@ impl<'a> Analyser<'a> {
         let n = block.statements.len();
         let tail = match &block.tail {
             Some(t) => {
+                let t = &outer_view(t);
                 self.check_assignments(t, &assigned(t));
                 for_value.push(read_for_value(t));
                 self.resolve(t, n, false)

@@ -9,7 +9,9 @@
 //!   `attributes` reads our annotations, `checks` refuses what the replay
 //!   could not run faithfully;
 //! * `analyse`: names, static dataflow (who reads which binding), early
-//!   drops, and the semantic errors;
+//!   drops, and the semantic errors (`usage`: what a statement's syntax
+//!   does with the names it mentions; `scopes`: which of them are the
+//!   block's, after the names the statement binds itself);
 //! * `generate`: the code, a forward-and-replay body for
 //!   `remat_runtime::Region`.
 //!
@@ -25,6 +27,7 @@ mod generate;
 mod model;
 mod parse;
 mod receiver;
+mod scopes;
 mod usage;
 
 use proc_macro2::TokenStream;

@@ -60,7 +60,7 @@ pub(crate) fn mentions(expr: &Expr) -> Vec<(String, Span)> {
 }
 
 /// Inline arguments of a format string: `{x}`, `{x:?}`, `{x:>8}`.
-fn format_args(s: &str) -> Vec<String> {
+pub(crate) fn format_args(s: &str) -> Vec<String> {
     let mut out = Vec::new();
     let mut rest = s;
     while let Some(open) = rest.find('{') {

@@ -28,5 +28,6 @@ mod plans;
 mod properties;
 mod random;
 mod replay_check;
+mod scoping;
 mod trace;
 mod unread_outputs;

@@ -1,0 +1,174 @@
+//! Names a statement binds itself (in `if let`, `match` arms, `for`,
+//! closures, nested blocks, `let`-`else`) shadow the block's bindings of
+//! the same names, as in Rust: blocks that do so compile inside `remat!`
+//! as they do outside, and give plain candle's values and gradients under
+//! every plan.
+
+use candle_core::{DType, Result, Tensor, Var};
+use remat_runtime::{backward, remat, Plan};
+
+use crate::common::{rel_diff, tensor, var};
+
+fn plans() -> Vec<Plan> {
+    vec![
+        Plan::recompute_all(),
+        Plan::declared(),
+        Plan::save_all(),
+        Plan::off(),
+    ]
+}
+
+/// A decoder layer with an optional cross-attention, as encoder-decoder
+/// models in candle-transformers hold it (`Option<(attention, norm)>`).
+#[derive(Clone)]
+struct DecoderLayer {
+    self_w: Var,
+    cross: Option<(Var, Var)>,
+    out: Var,
+}
+
+impl DecoderLayer {
+    fn new(c: usize, cross: bool, dtype: DType) -> Self {
+        DecoderLayer {
+            self_w: var(&[c, c], 1, 0.4, dtype),
+            cross: cross.then(|| (var(&[c, c], 2, 0.4, dtype), var(&[c], 3, 1.0, dtype))),
+            out: var(&[c, c], 4, 0.4, dtype),
+        }
+    }
+
+    fn vars(&self) -> Vec<Var> {
+        let mut v = vec![self.self_w.clone(), self.out.clone()];
+        if let Some((a, n)) = &self.cross {
+            v.extend([a.clone(), n.clone()]);
+        }
+        v
+    }
+
+    remat! {
+        fn forward(&self, xs: &Tensor, enc: &Tensor) -> Result<Tensor> {
+            let attn = xs.matmul(self.self_w.as_tensor())?.tanh()?;
+            let mut x = (xs + &attn)?;
+            if let Some((attn, ln)) = &self.cross {
+                x = (&x + enc.matmul(attn.as_tensor())?.broadcast_mul(ln.as_tensor())?)?;
+            }
+            let y = (x.matmul(self.out.as_tensor())? + attn)?;
+            Ok(y)
+        }
+    }
+
+    fn plain(&self, xs: &Tensor, enc: &Tensor) -> Result<Tensor> {
+        let attn = xs.matmul(self.self_w.as_tensor())?.tanh()?;
+        let mut x = (xs + &attn)?;
+        if let Some((attn, ln)) = &self.cross {
+            x = (&x
+                + enc
+                    .matmul(attn.as_tensor())?
+                    .broadcast_mul(ln.as_tensor())?)?;
+        }
+        x.matmul(self.out.as_tensor())? + attn
+    }
+}
+
+remat! {
+    /// Every construct that binds names, each shadowing a block binding.
+    fn shadowing(x: &Tensor, w: &Tensor, pick: Option<usize>) -> Result<Tensor> {
+        let h = x.matmul(w)?;
+        let g = match pick {
+            Some(h) => (&h_scaled(x, h)? + 0.0)?,
+            None => x.clone(),
+        };
+        let s = [1.0f64, 2.0].iter().map(|h| h * 2.0).sum::<f64>();
+        let k = {
+            let h = g.exp()?;
+            (h * s)?
+        };
+        let mut acc = h.zeros_like()?;
+        for h in [0.5f64, 1.5] {
+            acc = (&acc + (&k.sum_keepdim(1)? * h)?.broadcast_as(acc.shape())?)?;
+        }
+        let tail = if let Some(p) = pick.map(|h| h as f64) { (&h + p)? } else { h.clone() };
+        let shown = { let h = 3usize; format!("{h} {}", h + 1) };
+        Ok(((acc + tail)? * shown.len() as f64)?)
+    }
+}
+
+fn h_scaled(x: &Tensor, h: usize) -> Result<Tensor> {
+    x * (h as f64 + 1.0)
+}
+
+fn plain_shadowing(x: &Tensor, w: &Tensor, pick: Option<usize>) -> Result<Tensor> {
+    let h = x.matmul(w)?;
+    let g = match pick {
+        Some(h) => (&h_scaled(x, h)? + 0.0)?,
+        None => x.clone(),
+    };
+    let s = [1.0f64, 2.0].iter().map(|h| h * 2.0).sum::<f64>();
+    let k = (g.exp()? * s)?;
+    let mut acc = h.zeros_like()?;
+    for f in [0.5f64, 1.5] {
+        acc = (&acc + (&k.sum_keepdim(1)? * f)?.broadcast_as(acc.shape())?)?;
+    }
+    let tail = match pick.map(|p| p as f64) {
+        Some(p) => (&h + p)?,
+        None => h.clone(),
+    };
+    (acc + tail)? * "3 4".len() as f64
+}
+
+#[test]
+fn a_cross_attention_bound_in_if_let_shadows_the_blocks_attn() {
+    for dtype in [DType::F32, DType::F64] {
+        let tol = if dtype == DType::F32 { 1e-6 } else { 1e-12 };
+        for cross in [true, false] {
+            let layer = DecoderLayer::new(4, cross, dtype);
+            let xs = var(&[3, 4], 5, 1.0, dtype);
+            let enc = tensor(&[3, 4], 6, 1.0, dtype);
+            let reference = layer
+                .plain(xs.as_tensor(), &enc)
+                .unwrap()
+                .sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            for plan in plans() {
+                let y = plan.scope(|| layer.forward(xs.as_tensor(), &enc)).unwrap();
+                let g = backward(&y.sqr().unwrap().sum_all().unwrap()).unwrap();
+                for v in layer.vars().iter().chain([&xs]) {
+                    let d = rel_diff(g.get(v).unwrap(), reference.get(v).unwrap());
+                    assert!(d < tol, "{dtype:?} cross {cross} {plan}: {d}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn match_arms_closures_loops_nested_blocks_and_macros_shadow_too() {
+    for dtype in [DType::F32, DType::F64] {
+        let tol = if dtype == DType::F32 { 1e-5 } else { 1e-12 };
+        for pick in [Some(2), None] {
+            let x = var(&[3, 4], 7, 0.5, dtype);
+            let w = var(&[4, 4], 8, 0.5, dtype);
+            let reference = plain_shadowing(x.as_tensor(), w.as_tensor(), pick)
+                .unwrap()
+                .sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            for plan in plans() {
+                let y = plan
+                    .scope(|| shadowing(x.as_tensor(), w.as_tensor(), pick))
+                    .unwrap();
+                let g = backward(&y.sqr().unwrap().sum_all().unwrap()).unwrap();
+                for v in [&x, &w] {
+                    let d = rel_diff(g.get(v).unwrap(), reference.get(v).unwrap());
+                    assert!(d < tol, "{dtype:?} {pick:?} {plan}: {d}");
+                }
+            }
+        }
+    }
+}

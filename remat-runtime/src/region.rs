@@ -1,17 +1,16 @@
 //! Running a block as a checkpointed region.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use candle_core::Tensor;
 
-use crate::backward::{Body, Call, TapeState};
+use crate::backward::{Body, Call};
 use crate::ctx::{Ctx, Mode};
-use crate::graph::make_leaf;
-use crate::graph::{anchor_chain, Tap};
+use crate::graph::{attach, make_leaf};
 use crate::inspect::{memory, trace};
 use crate::tape::recorder::{constant_outputs, first_forward, first_plain_run, Recorded, Recorder};
 use crate::tape::{fingerprint, Meta, Tape, MASKED_OUTPUTS};
-use crate::{lock, plan, random, Inputs, Outputs, Plan, RematError, Result};
+use crate::{plan, random, Inputs, Outputs, Plan, RematError, Result};
 
 /// A checkpointed region: a block of statements whose activations are
 /// recomputed (or kept, statement by statement) for the backward.
@@ -167,6 +166,104 @@ impl Region {
             return plan.inherit(|| body(&mut ctx, &inputs));
         }
         let _profile = crate::inspect::profile::op("region");
+        let forward = self.forward(&inputs, &plan, seed, &body)?;
+        let Forward {
+            outputs,
+            skeleton,
+            known,
+            recorded:
+                Recorded {
+                    records,
+                    mut params,
+                    inputs_read,
+                    param_statements,
+                    fingerprints: output_fingerprints,
+                },
+            detached,
+            requires_grad,
+            trace_label,
+            profile,
+            captures,
+        } = forward;
+        let kept_inputs: Vec<Option<Tensor>> = detached
+            .iter()
+            .zip(&inputs_read)
+            .map(|(t, read)| read.as_ref().map(|_| t.clone()))
+            .collect();
+        // A `Var` returned as it is keeps its gradient path: it is anchored
+        // like every parameter, and the sweep hands it its output's gradient.
+        // (A statement's output is not one, though the first forward's block
+        // sees it as a leaf copy.)
+        for (t, &given) in outputs.iter().zip(&known) {
+            if !given && t.is_variable() && !params.iter().any(|p| p.id() == t.id()) {
+                params.push(t.clone());
+            }
+        }
+        let anchored: Vec<Tensor> = inputs
+            .iter()
+            .zip(&requires_grad)
+            .filter(|(_, &r)| r)
+            .map(|(t, _)| t.clone())
+            .chain(params.iter().cloned())
+            .collect();
+        if anchored.is_empty() {
+            // Inert: nothing needs gradients, the outputs are plain values.
+            return O::join(&mut outputs.into_iter(), &skeleton);
+        }
+        let constant = self.constants(&outputs, &known, captures)?;
+        if profile {
+            // It saved every open statement: plan the region from what that
+            // cost.
+            plan.plan_region(&self.name, plan::items(&records, &params, &detached));
+        }
+        let body: Body = Arc::new(move |ctx: &mut Ctx, ins: &[Tensor]| {
+            let mut tensors = Vec::new();
+            body(ctx, ins)?.split_into(&mut tensors);
+            Ok(tensors)
+        });
+        let fingerprints = match output_fingerprints {
+            Some(outputs) => Some(fingerprint::Forward::new(
+                &params,
+                &inputs,
+                &detached,
+                inputs_read,
+                param_statements,
+                outputs,
+            )?),
+            None => None,
+        };
+        let tape = Tape {
+            input_metas: detached.iter().map(Meta::of).collect(),
+            inputs: kept_inputs,
+            requires_grad,
+            records,
+            params,
+            fingerprints,
+            outputs: outputs.iter().map(Meta::of).collect(),
+            plan,
+            seed,
+            trace_label,
+        };
+        let call = Arc::new(Call::new(self.name.clone(), body, tape, &anchored));
+        memory::register(&call);
+        let attached = attach(&call, &anchored, outputs, &constant)?;
+        O::join(&mut attached.into_iter(), &skeleton)
+    }
+
+    /// The forward of a checkpointed call: runs the block on detached
+    /// inputs (leaf copies of those that need gradients on a statement-API
+    /// region's first forward), recording its statements.
+    fn forward<O, F>(
+        &self,
+        inputs: &[Tensor],
+        plan: &Plan,
+        seed: u64,
+        body: &F,
+    ) -> Result<Forward<O>>
+    where
+        O: Outputs,
+        F: Fn(&mut Ctx, &[Tensor]) -> Result<O>,
+    {
         let detached: Vec<Tensor> = inputs.iter().map(|t| t.detach()).collect();
         let trace_label = trace::begin_call(&self.name);
         let requires_grad: Vec<bool> = inputs.iter().map(|t| t.track_op()).collect();
@@ -211,46 +308,31 @@ impl Region {
             unreachable!("the context was built in record mode")
         };
         let known: Vec<bool> = outputs.iter().map(|t| recorder.knows(t)).collect();
-        let Recorded {
-            records,
-            mut params,
-            inputs_read,
-            param_statements,
-            fingerprints: output_fingerprints,
-        } = recorder.finish(&visible);
-        drop(visible);
-        let kept_inputs: Vec<Option<Tensor>> = detached
-            .iter()
-            .zip(&inputs_read)
-            .map(|(t, read)| read.as_ref().map(|_| t.clone()))
-            .collect();
-        // A `Var` returned as it is keeps its gradient path: it is anchored
-        // like every parameter, and the sweep hands it its output's gradient.
-        // (A statement's output is not one, though the first forward's block
-        // sees it as a leaf copy.)
-        for (t, &given) in outputs.iter().zip(&known) {
-            if !given && t.is_variable() && !params.iter().any(|p| p.id() == t.id()) {
-                params.push(t.clone());
-            }
-        }
-        let anchored: Vec<Tensor> = inputs
-            .iter()
-            .zip(&requires_grad)
-            .filter(|(_, &r)| r)
-            .map(|(t, _)| t.clone())
-            .chain(params.iter().cloned())
-            .collect();
-        if anchored.is_empty() {
-            // Inert: nothing needs gradients, the outputs are plain values.
-            return O::join(&mut outputs.into_iter(), &skeleton);
-        }
-        // An output that no statement gave is a constant when it carries no
-        // gradient (`Tensor::zeros(..)`: nothing to lose). The first forward
-        // of a statement-API region sees leaves for every value that needs
-        // gradients, so an op on one outside any statement is tracked there
-        // and refused; later forwards accept untracked outputs where that
-        // one found constants. Generated regions give every output from a
-        // statement.
+        let recorded = recorder.finish(&visible);
+        Ok(Forward {
+            outputs,
+            skeleton,
+            known,
+            recorded,
+            detached,
+            requires_grad,
+            trace_label,
+            profile,
+            captures,
+        })
+    }
+
+    /// Which of the outputs are constants, or the error of the first output
+    /// that is none of a statement output, a `Var` or a constant.
+    ///
+    /// An output that no statement gave is a constant when it carries no
+    /// gradient (`Tensor::zeros(..)`: nothing to lose). The first forward of
+    /// a statement-API region sees leaves for every value that needs
+    /// gradients, so an op on one outside any statement is tracked there and
+    /// refused; later forwards accept untracked outputs where that one found
+    /// constants (`captures`: this is that forward). Generated regions give
+    /// every output from a statement.
+    fn constants(&self, outputs: &[Tensor], known: &[bool], captures: bool) -> Result<Vec<bool>> {
         let untracked = |j: usize| !known[j] && !outputs[j].is_variable() && !outputs[j].track_op();
         let mask = (0..outputs.len().min(MASKED_OUTPUTS))
             .filter(|&j| untracked(j))
@@ -263,91 +345,34 @@ impl Region {
         let constant: Vec<bool> = (0..outputs.len())
             .map(|j| untracked(j) && j < MASKED_OUTPUTS && accepted & (1 << j) != 0)
             .collect();
-        if let Some(index) =
-            (0..outputs.len()).find(|&j| !known[j] && !outputs[j].is_variable() && !constant[j])
-        {
-            return Err(RematError::OutputOutsideStatement {
+        match (0..outputs.len()).find(|&j| !known[j] && !outputs[j].is_variable() && !constant[j]) {
+            Some(index) => Err(RematError::OutputOutsideStatement {
                 region: self.name.clone(),
                 index,
-            });
+            }),
+            None => Ok(constant),
         }
-        if profile {
-            // It saved every open statement: plan the region from what that
-            // cost.
-            plan.plan_region(&self.name, plan::items(&records, &params, &detached));
-        }
-        let body: Body = Arc::new(move |ctx: &mut Ctx, ins: &[Tensor]| {
-            let mut tensors = Vec::new();
-            body(ctx, ins)?.split_into(&mut tensors);
-            Ok(tensors)
-        });
-        // Parameters first, then the inputs the replay reads, then the
-        // recomputed outputs: one tensor.
-        let fingerprints = match output_fingerprints {
-            Some(outputs) => {
-                let read: Vec<(u32, u32)> = inputs_read
-                    .into_iter()
-                    .enumerate()
-                    .filter_map(|(i, r)| Some((i as u32, r?)))
-                    // An input that is also a parameter (a `Var` passed in)
-                    // is fingerprinted once, as the parameter.
-                    .filter(|&(i, _)| !params.iter().any(|p| p.id() == inputs[i as usize].id()))
-                    .collect();
-                let mut all = params
-                    .iter()
-                    .chain(read.iter().map(|&(i, _)| &detached[i as usize]))
-                    .map(fingerprint::of)
-                    .collect::<Result<Vec<Tensor>>>()?;
-                all.extend(outputs);
-                let mut statements = param_statements;
-                // A parameter returned as a region output was used by no
-                // statement.
-                statements.resize(params.len(), u32::MAX);
-                Some(fingerprint::Forward {
-                    sums: fingerprint::join(&all)?,
-                    params: statements,
-                    inputs: read,
-                })
-            }
-            None => None,
-        };
-        let tape = Tape {
-            input_metas: detached.iter().map(Meta::of).collect(),
-            inputs: kept_inputs,
-            requires_grad,
-            records,
-            params,
-            fingerprints,
-            outputs: outputs.iter().map(Meta::of).collect(),
-            plan,
-            seed,
-            trace_label,
-        };
-        let call = Arc::new(Call::new(self.name.clone(), body, tape, &anchored));
-        memory::register(&call);
-        let top = anchor_chain(&call, &anchored)?;
-        let attached = outputs
-            .into_iter()
-            .enumerate()
-            .map(|(index, t)| {
-                if constant[index] {
-                    return Ok(t);
-                }
-                let tap = Tap {
-                    call: call.clone(),
-                    index,
-                    value: Mutex::new(Some(t)),
-                };
-                Ok(top.apply_op1(tap)?)
-            })
-            .collect::<Result<Vec<Tensor>>>()?;
-        // The taps have copied the outputs: what offloaded statements hold
-        // can move to the host.
-        if let TapeState::Live { tape, .. } = &mut *lock(&call.tape) {
-            tape.swap_out(&call.name)?;
-        }
-        O::join(&mut attached.into_iter(), &skeleton)
     }
+}
+
+/// What a checkpointed call's forward gives the rest of the call.
+struct Forward<O: Outputs> {
+    /// The block's outputs, as the block returned them, and the plain rest
+    /// of its value.
+    outputs: Vec<Tensor>,
+    skeleton: O::Skeleton,
+    /// Per output: a statement gave it.
+    known: Vec<bool>,
+    recorded: Recorded,
+    /// The region inputs, detached.
+    detached: Vec<Tensor>,
+    /// Per region input: it needs gradients.
+    requires_grad: Vec<bool>,
+    trace_label: Option<String>,
+    /// This call measures the region for a budget plan.
+    profile: bool,
+    /// This forward looked for undeclared reads.
+    captures: bool,
 }
 
 /// Runs `body` as a checkpointed region named `name`: shorthand for

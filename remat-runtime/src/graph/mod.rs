@@ -7,7 +7,8 @@
 //!   of its argument.
 //! * taps (`tap`): one per region output, each an op on the top anchor whose
 //!   forward copies the output the block computed and whose backward hands
-//!   the output's gradient to the region call.
+//!   the output's gradient to the region call; `attach` ties a call's
+//!   outputs to candle's graph through both.
 //! * seeds (`seed`): start a candle backward from a tensor with a given
 //!   upstream gradient, without building `(out * g).sum()`.
 //! * leaves (`leaf`): the fresh variables statements run on, and which
@@ -26,7 +27,7 @@ pub(crate) use leaf::{
     carries_grad, check_cut, check_input, check_reached, check_reads, make_leaf,
 };
 pub(crate) use seed::Seed;
-pub(crate) use tap::Tap;
+pub(crate) use tap::attach;
 
 use std::cell::RefCell;
 

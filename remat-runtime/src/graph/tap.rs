@@ -5,7 +5,39 @@ use std::sync::{Arc, Mutex};
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, Layout, Shape, Storage, Tensor};
 
 use super::{copy_compact, wrong_device};
-use crate::backward::Call;
+use crate::backward::{Call, TapeState};
+
+/// Attaches a region call's `outputs` to candle's graph: one tap per
+/// output on the top of the anchor chain over `anchored` (constants stay as
+/// they are); then moves what the call's offloaded statements hold to the
+/// host, now that the taps have copied the outputs.
+pub(crate) fn attach(
+    call: &Arc<Call>,
+    anchored: &[Tensor],
+    outputs: Vec<Tensor>,
+    constant: &[bool],
+) -> crate::Result<Vec<Tensor>> {
+    let top = super::anchor_chain(call, anchored)?;
+    let attached = outputs
+        .into_iter()
+        .enumerate()
+        .map(|(index, t)| {
+            if constant[index] {
+                return Ok(t);
+            }
+            let tap = Tap {
+                call: call.clone(),
+                index,
+                value: Mutex::new(Some(t)),
+            };
+            Ok(top.apply_op1(tap)?)
+        })
+        .collect::<crate::Result<Vec<Tensor>>>()?;
+    if let TapeState::Live { tape, .. } = &mut *crate::lock(&call.tape) {
+        tape.swap_out(&call.name)?;
+    }
+    Ok(attached)
+}
 
 /// A region output: copies the value the block computed in its forward,
 /// hands the output's gradient to the region call in its backward.

@@ -108,6 +108,46 @@ pub(crate) struct Forward {
     pub inputs: Vec<(u32, u32)>,
 }
 
+impl Forward {
+    /// The fingerprints of a region call whose forward used `params` and
+    /// took `outputs` (its recomputed outputs'): the parameters' and the
+    /// read inputs' are taken now, at the end of the forward. `inputs_read`:
+    /// per region input, the first record that reads it in the backward;
+    /// `param_statements`: per parameter, the first record that used it.
+    pub fn new(
+        params: &[Tensor],
+        inputs: &[Tensor],
+        detached: &[Tensor],
+        inputs_read: Vec<Option<u32>>,
+        mut param_statements: Vec<u32>,
+        outputs: Vec<Tensor>,
+    ) -> Result<Self> {
+        let read: Vec<(u32, u32)> = inputs_read
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, r)| Some((i as u32, r?)))
+            // An input that is also a parameter (a `Var` passed in) is
+            // fingerprinted once, as the parameter.
+            .filter(|&(i, _)| !params.iter().any(|p| p.id() == inputs[i as usize].id()))
+            .collect();
+        // Parameters first, then the inputs the replay reads, then the
+        // recomputed outputs: one tensor.
+        let mut all = params
+            .iter()
+            .chain(read.iter().map(|&(i, _)| &detached[i as usize]))
+            .map(of)
+            .collect::<Result<Vec<Tensor>>>()?;
+        all.extend(outputs);
+        // A parameter returned as a region output was used by no statement.
+        param_statements.resize(params.len(), u32::MAX);
+        Ok(Forward {
+            sums: join(&all)?,
+            params: param_statements,
+            inputs: read,
+        })
+    }
+}
+
 /// The stand-in fingerprint of a value the replay does not compare.
 pub(crate) fn none() -> Result<Tensor> {
     let words = super::checksum::WORDS;

@@ -11,6 +11,7 @@
 
 use proc_macro2::{Span, TokenStream, TokenTree};
 use quote::ToTokens;
+use syn::punctuated::Punctuated;
 use syn::visit::Visit;
 use syn::{Expr, Ident, Pat};
 
@@ -386,11 +387,21 @@ pub(crate) fn read_for_value(expr: &Expr) -> Vec<String> {
             syn::visit::visit_expr_path(self, p);
         }
         fn visit_macro(&mut self, m: &'ast syn::Macro) {
-            for (name, _) in mentions(&Expr::Macro(syn::ExprMacro {
-                attrs: Vec::new(),
-                mac: m.clone(),
-            })) {
-                self.0.push(name);
+            // Arguments that parse as expressions (`assert_eq!(h.dims(),
+            // r.dims())`, `println!("{}", x.dim(0)?)`) are read as
+            // expressions; a format string's inline arguments are host
+            // reads. Other tokens: every identifier counts.
+            let args = Punctuated::<Expr, syn::Token![,]>::parse_terminated;
+            match syn::parse::Parser::parse2(args, m.tokens.clone()) {
+                Ok(args) => args.iter().for_each(|a| self.visit_expr(a)),
+                Err(_) => {
+                    for (name, _) in mentions(&Expr::Macro(syn::ExprMacro {
+                        attrs: Vec::new(),
+                        mac: m.clone(),
+                    })) {
+                        self.0.push(name);
+                    }
+                }
             }
         }
     }
@@ -410,5 +421,29 @@ fn detached_whole(expr: &Expr) -> bool {
         Expr::Group(g) => detached_whole(&g.expr),
         Expr::Try(t) => detached_whole(&t.expr),
         _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn for_value(src: &str) -> Vec<String> {
+        let mut names = read_for_value(&syn::parse_str(src).unwrap());
+        names.sort();
+        names.dedup();
+        names
+    }
+
+    #[test]
+    fn macro_arguments_read_for_their_shapes_are_not_value_reads() {
+        assert_eq!(
+            for_value("{ debug_assert_eq!(h.dims(), r.dims()); h.exp()? }"),
+            ["h"]
+        );
+        assert_eq!(for_value("{ println!(\"{}\", x.dim(0)?); y }"), ["y"]);
+        assert_eq!(for_value("{ println!(\"{x:?}\"); y }"), ["y"]);
+        // Tokens that are not expressions: every identifier counts.
+        assert_eq!(for_value("m!(a => b)"), ["a", "b"]);
     }
 }

@@ -246,8 +246,9 @@ pub enum RematError {
         /// The statement that read the input.
         statement: String,
         /// Which of the statement's inputs (0-based, in the order the
-        /// statement declares them; `remat!` declares a statement's
-        /// bindings in the order it first mentions them).
+        /// statement declares them; `remat!` declares the bindings a
+        /// statement reads for their values first, in the order it first
+        /// mentions them).
         input: usize,
         /// Its shape.
         shape: Vec<usize>,

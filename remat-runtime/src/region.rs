@@ -274,7 +274,7 @@ impl Region {
         // that their graphs show every cut; for a statement-API region, the
         // block sees leaf copies of the inputs that need gradients, so that
         // they show every undeclared read too.
-        let first = first_forward(&self.name);
+        let first = first_forward(&self.name, self.declares_all_reads);
         let captures = first && !self.declares_all_reads;
         let visible: Vec<Tensor> = if captures {
             detached

@@ -84,9 +84,15 @@ fn segments_hold_one_input_each_and_trade_peak_for_count() {
     // record of the regions each segment count names (their first forward
     // runs on leaves).
     step(&ws, &x, None);
-    for k in [1, 2, 4, 8, 16] {
-        step(&ws, &x, Some(k));
-    }
+    // The process's first checkpointed call makes the runtime's lazily
+    // created state: under another name, so that each count's first forward
+    // below is its regions' first.
+    let warm = checkpoint_sequential("warm", 2, x.as_tensor(), blocks(&ws)).unwrap();
+    drop(warm.sum_all().unwrap().backward().unwrap());
+    let firsts: Vec<usize> = [1, 2, 4, 8, 16]
+        .iter()
+        .map(|&k| step(&ws, &x, Some(k)).held)
+        .collect();
     let plain = step(&ws, &x, None);
     println!("plain: held {} peak {}", plain.held, plain.peak);
     let mut peaks = Vec::new();
@@ -98,6 +104,15 @@ fn segments_hold_one_input_each_and_trade_peak_for_count() {
         );
         // The tapes hold the segments' inputs, nothing else.
         assert_eq!(m.tape, k * input, "{k} segments");
+        // So does the first forward of each segment's region (which runs
+        // its statements on leaf copies, for that run only): beyond a later
+        // forward, only the runtime's note of the regions' names.
+        let first = firsts[k.trailing_zeros() as usize];
+        assert!(
+            first <= m.held + 2048,
+            "{k} segments: the first forward held {first}, a later one {}",
+            m.held
+        );
         // The final output and bookkeeping (records, closures, anchors) on
         // top: under 1 KiB per statement and 4 KiB per segment.
         let bound = m.tape + input + N * 1024 + k * 4096;

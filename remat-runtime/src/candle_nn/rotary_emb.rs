@@ -6,8 +6,10 @@
 //!
 //! `cos` and `sin` are `(seq, head_dim / 2)`, or `(batch, seq, head_dim /
 //! 2)` per sequence, with at least as many positions as `xs` (the first
-//! ones are used), as in candle. They get no gradient (candle-transformers
-//! computes them from `rope_theta`).
+//! ones are used), as in candle. Tables that need gradients (learned or
+//! scaled frequencies) get theirs: the rotation then runs as candle's
+//! composed ops; tables that need none (candle-transformers computes them
+//! from `rope_theta`) take the fused kernel.
 //!
 //! ```
 //! use candle_core::{DType, Device, Tensor, Var};

@@ -33,6 +33,9 @@ struct FirstRuns {
     /// forward found to be constants (bit `j`: output `j`, a tensor no
     /// statement gave and that carries no gradient).
     recorded: HashMap<String, u64>,
+    /// Recorded, of regions that declare every read (generated code): their
+    /// first forward saw leaves for its recomputed statements.
+    generated: HashSet<String>,
     /// Plain: the regions whose first plain run looked for cut inputs.
     plain: HashSet<String>,
 }
@@ -42,16 +45,20 @@ thread_local! {
 }
 
 /// Whether this forward of `region` is its first on this thread, which
-/// sees leaves of every value that needs gradients: statement graphs then
-/// show every cut and every undeclared read (a property of the block's
-/// code, checked once).
-pub(crate) fn first_forward(region: &str) -> bool {
+/// runs statements on leaves of every value that needs gradients: their
+/// graphs then show every cut and, unless the region declares every read
+/// (`generated`), every undeclared read (a property of the block's code,
+/// checked once).
+pub(crate) fn first_forward(region: &str, generated: bool) -> bool {
     FIRST_RUNS.with(|c| {
-        let recorded = &mut c.borrow_mut().recorded;
-        if recorded.contains_key(region) {
+        let mut c = c.borrow_mut();
+        if generated {
+            return c.generated.insert(region.to_string());
+        }
+        if c.recorded.contains_key(region) {
             return false;
         }
-        recorded.insert(region.to_string(), 0);
+        c.recorded.insert(region.to_string(), 0);
         true
     })
 }
@@ -329,19 +336,28 @@ impl Recorder {
             }
         }
         // A first forward runs the statement on leaves of what it reads for
-        // its values that needs gradients, as the replay does: its graph
-        // shows every cut. Later forwards run it on the values as they are.
-        let args = inputs
-            .iter()
-            .zip(needs)
-            .enumerate()
-            .map(
-                |(i, (t, &need))| match self.first && need && i < s.value_inputs {
-                    true if !t.is_variable() => make_leaf(t),
-                    _ => Ok((*t).clone()),
-                },
-            )
-            .collect::<Result<Vec<Tensor>>>()?;
+        // its values that needs gradients, as the replay does (one per
+        // value): its graph shows every cut. Later forwards run it on the
+        // values as they are. The leaves are not parameters.
+        let mut leaves: HashMap<TensorId, Tensor> = HashMap::new();
+        let mut args = Vec::with_capacity(inputs.len());
+        for (i, (t, &need)) in inputs.iter().zip(needs).enumerate() {
+            if !(self.first && need && i < s.value_inputs) || t.is_variable() {
+                args.push((*t).clone());
+                continue;
+            }
+            let leaf = match leaves.get(&t.id()) {
+                Some(leaf) => leaf.clone(),
+                None => {
+                    let leaf = make_leaf(t)?;
+                    self.leaf_ids.insert(leaf.id());
+                    leaves.insert(t.id(), leaf.clone());
+                    leaf
+                }
+            };
+            args.push(leaf);
+        }
+        drop(leaves);
         let (ran, calls) = unread::watch(None, || run(&args));
         let mut ran = ran?;
         // What it read for its values, and how it is laid out: a replay on

@@ -438,3 +438,39 @@ fn a_value_read_only_through_a_comparison_beside_one_that_flows_is_read_detached
         assert!(grads.get(&g).is_none(), "{plan}");
     }
 }
+
+remat! {
+    /// `r` is read, in a macro, only for its shape.
+    fn checked_shapes(h: &Tensor, r: &Tensor) -> Result<Tensor> {
+        let y = {
+            debug_assert_eq!(h.dims(), r.dims());
+            h.exp()?
+        };
+        Ok(y)
+    }
+}
+
+#[test]
+fn shapes_read_in_a_macro_and_an_input_declared_twice_are_not_cuts() {
+    let h = var(&[3, 4], 51, 1.0, DType::F64);
+    let r = var(&[3, 4], 52, 1.0, DType::F64);
+    let expected = h.as_tensor().exp().unwrap();
+    for plan in plans_saving(&["y"]) {
+        let y = plan
+            .scope(|| checked_shapes(h.as_tensor(), r.as_tensor()))
+            .unwrap_or_else(|e| panic!("{plan}: {e}"));
+        let g = backward(&y.sum_all().unwrap()).unwrap();
+        assert!(rel_diff(g.get(&h).unwrap(), &expected) < 1e-12, "{plan}");
+        assert!(g.get(&r).is_none(), "{plan}");
+    }
+    // The statement API: one value declared twice, read once, in the
+    // region's first forward (one leaf for both).
+    let x = var(&[5], 53, 1.0, DType::F64);
+    let y = remat_runtime::Region::new("twice")
+        .run(&[x.as_tensor()], |ctx, ins| {
+            ctx.recompute("s", &[&ins[0], &ins[0]], |t| t[0].exp()?.sum_all())
+        })
+        .unwrap();
+    let g = backward(&y).unwrap();
+    assert!(rel_diff(g.get(&x).unwrap(), &x.as_tensor().exp().unwrap()) < 1e-12);
+}

@@ -332,6 +332,13 @@ pub fn split_heads(qkv: &Tensor, n_head: usize) -> candle_core::Result<(Tensor, 
     Ok((split(0)?, split(1)?, split(2)?))
 }
 
+/// Grouped-query attention's `repeat_kv`, as candle-transformers writes
+/// it: `(b, h, s, d)` to `(b, h * n, s, d)`, each head `n` times in a row.
+pub fn repeat_kv(x: &Tensor, n: usize) -> candle_core::Result<Tensor> {
+    let (b, h, s, d) = x.dims4()?;
+    Tensor::cat(&vec![x; n], 2)?.reshape((b, h * n, s, d))
+}
+
 pub fn causal_mask(t: usize, dtype: DType) -> Tensor {
     let v: Vec<f32> = (0..t * t)
         .map(|i| {

@@ -30,11 +30,6 @@ const FD: f64 = 1e-7;
 
 /// `(B, Hkv * n, S, D)`, each head `n` times in a row (candle-transformers'
 /// `repeat_kv`).
-fn repeat_kv(x: &Tensor, n: usize) -> Result<Tensor> {
-    let (b, h, s, d) = x.dims4()?;
-    Tensor::cat(&vec![x; n], 2)?.reshape((b, h * n, s, d))
-}
-
 /// 0 where query `i` may see key `j` (`j <= i + s - t`), `-inf` elsewhere.
 fn causal(t: usize, s: usize, dtype: DType) -> Tensor {
     let v: Vec<f64> = (0..t * s)

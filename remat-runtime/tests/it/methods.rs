@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Module, ModuleT, Result, Tensor, Var, D};
 use candle_nn::{Linear, VarBuilder, VarMap};
 use remat_runtime::{backward, nn, remat, Plan};
 
-use crate::common::{causal_mask, max_abs, weighted_loss as loss};
+use crate::common::{causal_mask, max_abs, repeat_kv, weighted_loss as loss};
 
 fn plans() -> [Plan; 3] {
     [Plan::off(), Plan::recompute_all(), Plan::save_all()]
@@ -130,13 +130,6 @@ impl DecoderLayer {
             .forward(&(candle_nn::ops::silu(&gate)? * up)?)?;
         x + mlp
     }
-}
-
-fn repeat_kv(x: &Tensor, n: usize) -> Result<Tensor> {
-    let (b, h, t, d) = x.dims4()?;
-    x.unsqueeze(2)?
-        .expand((b, h, n, t, d))?
-        .reshape((b, h * n, t, d))
 }
 
 /// A BERT-style encoder layer (post-norm) as a `Module`.

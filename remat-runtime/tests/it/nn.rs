@@ -689,11 +689,6 @@ fn attention_causal_over_more_keys_than_queries() {
 
 /// candle-transformers' `repeat_kv`: `(B, Hkv, S, D)` to `(B, Hkv * n, S, D)`
 /// by a `cat` of the heads, independently of the op's own repeat.
-fn repeat_kv(x: &Tensor, n: usize) -> Result<Tensor> {
-    let (b, h, s, d) = x.dims4()?;
-    Tensor::cat(&vec![x; n], 2)?.reshape((b, h * n, s, d))
-}
-
 #[test]
 fn attention_grouped_query() {
     // 4 query heads over 2 and over 1 key/value heads; T = 70 spans two

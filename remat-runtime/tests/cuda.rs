@@ -867,3 +867,49 @@ fn attention_kernels_match_the_cpu_in_f64() {
     // The default again.
     cuda_kernels(true);
 }
+
+#[test]
+fn a_replay_reads_views_in_the_forwards_layout() {
+    // Opt-in on CUDA until this test has passed on a GPU.
+    std::env::set_var("REMAT_REPLAY_VIEWS", "1");
+    let dev = cuda();
+    // Large values whose signs alternate along the tokens: sums over them
+    // cancel to about 1e-5 of their magnitudes.
+    let values: Vec<f64> = lcg(2 * 64 * 8, 11, 1e-2)
+        .iter()
+        .enumerate()
+        .map(|(i, n)| if (i / 8) % 2 == 0 { 1e3 + n } else { n - 1e3 })
+        .collect();
+    let x = Tensor::from_vec(values, (2, 64, 8), &Device::Cpu).unwrap();
+    let x = Var::from_tensor(&x.to_dtype(DType::F32).unwrap().to_device(&dev).unwrap()).unwrap();
+    let w = to(&var(&[8, 8], 12, 0.3, DType::F32), &dev);
+    let run = |save: bool, enabled: bool| {
+        let w = w.as_tensor().clone();
+        let y = Region::new("drift")
+            .enabled(enabled)
+            .run(&[x.as_tensor()], move |ctx, ins| {
+                let by_channel =
+                    ctx.recompute("by_channel", &[&ins[0]], |t| t[0].transpose(1, 2))?;
+                let gate = if save {
+                    ctx.save("gate", &[&ins[0]], |t| t[0].broadcast_matmul(&w)?.tanh())?
+                } else {
+                    ctx.recompute("gate", &[&ins[0]], |t| t[0].broadcast_matmul(&w)?.tanh())?
+                };
+                let drift = ctx.recompute("drift", &[&by_channel], |t| t[0].sum_keepdim(2))?;
+                ctx.recompute("y", &[&gate, &drift], |t| {
+                    t[0].broadcast_mul(&t[1].transpose(1, 2)?)
+                })
+            })
+            .unwrap();
+        let g = y.sum_all().unwrap().backward().unwrap();
+        (g.get(&x).unwrap().clone(), g.get(&w).unwrap().clone())
+    };
+    let plain = run(false, false);
+    for _ in 0..2 {
+        let all_recomputed = run(false, true);
+        assert_eq!(rel_diff(&all_recomputed.0, &plain.0), 0.0);
+        assert_eq!(rel_diff(&all_recomputed.1, &plain.1), 0.0);
+        let saving = run(true, true);
+        assert!(max_abs(&saving.0).is_finite() && max_abs(&saving.1).is_finite());
+    }
+}

@@ -996,9 +996,13 @@ fn exact_peak_of_small_blocks_under_every_plan() {
     );
     // At this size a layer's leaf copies and bookkeeping outweigh its
     // activations: full recompute peaks above plain. The selective plan
-    // peaks below both: its recomputed statements continue the saved
-    // graphs they read (no leaf copies of the saved outputs).
-    assert!(plain < full && saved < plain, "{plain} {full} {saved}");
+    // peaks below full recompute: its recomputed statements continue the
+    // saved graph of `v`. It reads the saved `q` and `k` (transposed views)
+    // through leaves viewed as the forward read them, so the attention's
+    // backward makes its contiguous copies of them as plain candle's does:
+    // about plain's peak (within 2.5% here).
+    assert!(plain < full && saved < full, "{plain} {full} {saved}");
+    assert!(saved as f64 <= 1.025 * plain as f64, "{plain} {saved}");
     insta::assert_snapshot!(
         "qwen_layer_peaks",
         format!(

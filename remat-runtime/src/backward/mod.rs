@@ -21,7 +21,7 @@ pub use retain::{backward, retain_tape};
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::Tensor;
+use candle_core::{Layout, Tensor};
 
 use crate::ctx::{Ctx, Mode};
 use crate::graph::make_leaf;
@@ -201,6 +201,11 @@ impl Call {
         // need gradients are leaves (one copy each, which every unit reading
         // them shares), so that a statement reading one without declaring
         // it shows in its graph.
+        // The layouts the forward's block read them in, where not contiguous.
+        let layouts: Vec<Option<Layout>> = inputs
+            .iter()
+            .map(|t| t.as_ref().and_then(replay::strided))
+            .collect();
         let inputs = inputs
             .into_iter()
             .zip(&input_metas)
@@ -216,6 +221,7 @@ impl Call {
             Mode::Replay(Replay::new(
                 records,
                 &inputs,
+                &layouts,
                 &requires_grad,
                 &params,
                 fingerprints,

@@ -74,7 +74,11 @@ pub(crate) fn sweep(
         // them (zero-copy) so the unit's memory is freed with the unit.
         for (source, leaf) in &unit.leaves {
             if let Some(g) = store.get(leaf) {
-                accumulate(&mut grads, *source, g.detach())?;
+                let g = match unit.relayouts.iter().find(|(id, _)| *id == leaf.id()) {
+                    Some((_, r)) => r.grad(g)?,
+                    None => g.detach(),
+                };
+                accumulate(&mut grads, *source, g)?;
             }
         }
         for (slot, p) in param_grads.iter_mut().zip(params) {

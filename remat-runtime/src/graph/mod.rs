@@ -13,12 +13,16 @@
 //!   upstream gradient, without building `(out * g).sum()`.
 //! * leaves (`leaf`): the fresh variables statements run on, and which
 //!   tracked tensors a statement may read.
+//! * relayouts (`relayout`): a leaf read through a view with the strides
+//!   the forward read its value in, so that a replay adds in the forward's
+//!   order.
 //! * this file: storage helpers of the ops, and the typed error an op's
 //!   backward raises, kept for `remat_runtime::backward` ([`to_candle`],
 //!   [`take_error`]).
 
 mod anchor;
 mod leaf;
+mod relayout;
 mod seed;
 mod tap;
 
@@ -26,6 +30,7 @@ pub(crate) use anchor::anchor_chain;
 pub(crate) use leaf::{
     carries_grad, check_cut, check_input, check_reached, check_reads, make_leaf,
 };
+pub(crate) use relayout::{as_read_in, Relayout};
 pub(crate) use seed::Seed;
 pub(crate) use tap::attach;
 

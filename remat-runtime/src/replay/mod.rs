@@ -22,9 +22,12 @@ pub(crate) use unit::Unit;
 
 use std::collections::{HashMap, HashSet};
 
-use candle_core::{Tensor, TensorId};
+use candle_core::{Layout, Tensor, TensorId};
 
-use crate::graph::{carries_grad, check_cut, check_input, check_reached, check_reads, make_leaf};
+use crate::graph::{
+    as_read_in, carries_grad, check_cut, check_input, check_reached, check_reads, make_leaf,
+    Relayout,
+};
 use crate::inspect::trace::{self, Phase, TraceEvent};
 use crate::tape::fingerprint::{self, Checks, Compare, Subject};
 use crate::tape::unread;
@@ -54,6 +57,9 @@ struct Value {
     /// Its bits are the forward's: a region input, a ferried output, or the
     /// output of a recomputed statement whose replay was bitwise.
     bitwise: bool,
+    /// The layout the forward read it in, if not contiguous: statements
+    /// read its leaf through a view with these strides ([`as_read_in`]).
+    layout: Option<Layout>,
 }
 
 /// The block's second run, at the start of the region's backward.
@@ -70,6 +76,12 @@ pub(crate) struct Replay {
     open: Option<usize>,
     /// Leaves of the open segment, by the value they stand for.
     open_leaves: HashMap<TensorId, Tensor>,
+    /// What statements read in place of a leaf, by the leaf: a view with
+    /// the forward's strides, or the leaf itself.
+    reads: HashMap<TensorId, Tensor>,
+    /// The leaves in memory order, by the leaf: how to read each and turn
+    /// its gradient into the value's.
+    relayouts: HashMap<TensorId, Relayout>,
     /// Values some unit holds a leaf of, or that are region outputs.
     needed: HashSet<TensorId>,
     /// The call's label in the current trace, when one is recorded.
@@ -94,6 +106,11 @@ fn describe(declared: Option<Policy>) -> String {
     }
 }
 
+/// The layout of `t` if it is not contiguous: what a replay must keep.
+pub(crate) fn strided(t: &Tensor) -> Option<Layout> {
+    (!t.is_contiguous()).then(|| t.layout().clone())
+}
+
 /// A stand-in for a saved output that was not ferried: a broadcast scalar with
 /// the right shape, dtype and device and one element of memory. Statements
 /// that declare it as an input get [`RematError::PlaceholderRead`]; code that
@@ -108,6 +125,7 @@ impl Replay {
     pub fn new(
         records: Vec<Record>,
         inputs: &[Tensor],
+        layouts: &[Option<Layout>],
         requires_grad: &[bool],
         params: &[Tensor],
         fingerprints: Option<fingerprint::Forward>,
@@ -116,8 +134,9 @@ impl Replay {
         let order = inputs.iter().map(|t| t.id()).collect();
         let values = inputs
             .iter()
+            .zip(layouts)
             .zip(requires_grad)
-            .map(|(t, &r)| {
+            .map(|((t, layout), &r)| {
                 let v = Value {
                     unit: None,
                     requires_grad: r,
@@ -126,6 +145,7 @@ impl Replay {
                     share: false,
                     target: None,
                     bitwise: true,
+                    layout: layout.clone(),
                 };
                 (t.id(), v)
             })
@@ -172,6 +192,8 @@ impl Replay {
             units: Vec::new(),
             open: None,
             open_leaves: HashMap::new(),
+            reads: HashMap::new(),
+            relayouts: HashMap::new(),
             needed: HashSet::new(),
             trace,
             params: params.iter().map(|p| p.id()).collect(),
@@ -302,6 +324,7 @@ impl Replay {
                 // reaches its unit (one copy, shared by the units reading it).
                 Some(v) if v.requires_grad && v.unit != Some(u) && i < value_inputs => {
                     let (tensor, shared, share) = (v.tensor.clone(), v.leaf.clone(), v.share);
+                    let layout = v.layout.clone();
                     let leaf = match self.open_leaves.get(&t.id()) {
                         Some(leaf) => leaf.clone(),
                         None => {
@@ -310,7 +333,7 @@ impl Replay {
                             let leaf = match (tensor.is_variable(), shared) {
                                 (true, _) => tensor,
                                 (false, Some(leaf)) => leaf,
-                                (false, None) => make_leaf(&tensor)?,
+                                (false, None) => self.leaf_of(&tensor, layout.as_ref())?,
                             };
                             if share {
                                 if let Some(v) = self.values.get_mut(&t.id()) {
@@ -319,11 +342,14 @@ impl Replay {
                             }
                             self.open_leaves.insert(t.id(), leaf.clone());
                             self.units[u].add_leaf(t.id(), leaf.clone());
+                            if let Some(r) = self.relayouts.get(&leaf.id()) {
+                                self.units[u].relayouts.push((leaf.id(), r.clone()));
+                            }
                             self.needed.insert(t.id());
                             leaf
                         }
                     };
-                    args.push(leaf);
+                    args.push(self.read_of(&leaf, layout.as_ref())?);
                 }
                 // A value that carries no gradient (an integer one made
                 // from tracked values: a comparison) is read detached, as
@@ -439,11 +465,41 @@ impl Replay {
                     share: false,
                     target: Some(t.clone()),
                     bitwise,
+                    layout: strided(t),
                 };
                 self.values.insert(t.id(), value);
             }
         }
         O::join(&mut tensors.into_iter(), &skeleton)
+    }
+
+    /// A leaf standing for `t`, a value the forward read laid out as
+    /// `layout` where that is not contiguous: in memory order, so that it
+    /// reads as the forward's view at no cost.
+    fn leaf_of(&mut self, t: &Tensor, layout: Option<&Layout>) -> Result<Tensor> {
+        match layout.and_then(|l| Relayout::of(l, t.device())) {
+            Some(r) => {
+                let leaf = r.leaf(t)?;
+                self.reads.insert(leaf.id(), r.read(&leaf)?);
+                self.relayouts.insert(leaf.id(), r);
+                Ok(leaf)
+            }
+            None => make_leaf(t),
+        }
+    }
+
+    /// What statements read in place of `leaf`: a view of it with the
+    /// forward's strides (made once per leaf), or the leaf.
+    fn read_of(&mut self, leaf: &Tensor, layout: Option<&Layout>) -> Result<Tensor> {
+        if let Some(read) = self.reads.get(&leaf.id()) {
+            return Ok(read.clone());
+        }
+        let read = match layout {
+            Some(layout) => as_read_in(leaf, layout)?,
+            None => leaf.clone(),
+        };
+        self.reads.insert(leaf.id(), read.clone());
+        Ok(read)
     }
 
     /// The variables the outputs of a recomputed statement depend on must be
@@ -515,17 +571,35 @@ impl Replay {
         // continue this statement's graph, in its unit: no leaf copy of the
         // output (it would sit beside the graph's own until the sweep).
         let mut continued = false;
+        let mut relaid = Vec::new();
         for (j, meta) in record.outputs.iter().enumerate() {
             let target = saved.outs.get(j).cloned();
             let requires_grad = target.as_ref().is_some_and(carries_grad);
             // A parameter returned as it is stays a leaf copy: the sweep
             // gives a parameter's gradient to the parameter, not to a unit.
-            let value = match (saved.ferried.get(j).cloned().flatten(), &target) {
+            let ferried = saved.ferried.get(j).cloned().flatten();
+            // A leaf in memory order, which later units share.
+            let mut shared_leaf = None;
+            // The layout the forward's block read: the ferried output's.
+            let layout = ferried.as_ref().map(strided);
+            let value = match (ferried, &target) {
                 (Some(_), Some(tracked)) if requires_grad && !tracked.is_variable() => {
                     continued = true;
                     tracked.clone()
                 }
-                (Some(ferried), _) if requires_grad => make_leaf(&ferried)?,
+                (Some(ferried), _) if requires_grad => {
+                    match Relayout::of(ferried.layout(), ferried.device()) {
+                        // In memory order; the block reads it through the view.
+                        Some(r) => {
+                            let leaf = r.leaf(&ferried)?;
+                            let read = r.read(&leaf)?;
+                            relaid.push((leaf.id(), r, read.clone()));
+                            shared_leaf = Some(leaf);
+                            read
+                        }
+                        None => make_leaf(&ferried)?,
+                    }
+                }
                 (Some(ferried), _) => ferried,
                 (None, _) => {
                     let p = placeholder(meta)?;
@@ -541,12 +615,17 @@ impl Replay {
                     requires_grad,
                     share: requires_grad && !value.is_variable(),
                     tensor: value.clone(),
-                    leaf: None,
+                    leaf: shared_leaf,
                     target,
                     bitwise: true,
+                    layout: layout.unwrap_or_else(|| strided(&value)),
                 },
             );
             outputs.push(value);
+        }
+        for (leaf, r, read) in relaid {
+            self.reads.insert(leaf, read);
+            self.relayouts.insert(leaf, r);
         }
         let skeleton = saved
             .skeleton

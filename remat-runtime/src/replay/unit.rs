@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use candle_core::{Tensor, TensorId};
 
+use crate::graph::Relayout;
 use crate::offload::Offloaded;
 
 /// One step of the backward sweep: a maximal run of recomputed statements
@@ -19,6 +20,9 @@ pub(crate) struct Unit {
     pub targets: Vec<(TensorId, Tensor)>,
     /// Offloaded residuals to bring back before the unit's backward.
     pub restore: Vec<Arc<Offloaded>>,
+    /// Leaves in memory order, by the leaf: their gradients are turned
+    /// into their values' ([`Relayout::grad`]).
+    pub relayouts: Vec<(TensorId, Relayout)>,
 }
 
 impl Unit {
@@ -29,6 +33,7 @@ impl Unit {
             leaves: Vec::new(),
             targets: Vec::new(),
             restore,
+            relayouts: Vec::new(),
         }
     }
 

@@ -21,7 +21,9 @@ use super::bytes::{Counter, Seen};
 use super::MASKED_OUTPUTS;
 use super::{fingerprint, unread};
 use super::{Meta, Profile, Record, Saved, Source};
-use crate::graph::{carries_grad, check_cut, check_input, check_reached, check_reads, make_leaf};
+use crate::graph::{
+    as_read_in, carries_grad, check_cut, check_input, check_reached, check_reads, make_leaf,
+};
 use crate::inspect::trace::{self, Phase, TraceEvent};
 use crate::{Outputs, Policy, Result};
 
@@ -346,16 +348,18 @@ impl Recorder {
                 args.push((*t).clone());
                 continue;
             }
-            let leaf = match leaves.get(&t.id()) {
-                Some(leaf) => leaf.clone(),
+            // Read through a view with the strides of `t`, as a replay reads it.
+            let read = match leaves.get(&t.id()) {
+                Some(read) => read.clone(),
                 None => {
                     let leaf = make_leaf(t)?;
                     self.leaf_ids.insert(leaf.id());
-                    leaves.insert(t.id(), leaf.clone());
-                    leaf
+                    let read = as_read_in(&leaf, t.layout())?;
+                    leaves.insert(t.id(), read.clone());
+                    read
                 }
             };
-            args.push(leaf);
+            args.push(read);
         }
         drop(leaves);
         let (ran, calls) = unread::watch(None, || run(&args));

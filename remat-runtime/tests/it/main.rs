@@ -6,6 +6,7 @@
 mod common;
 
 mod attention_masks;
+mod cancelling_replays;
 mod corpus;
 mod dispatch;
 mod dropin;

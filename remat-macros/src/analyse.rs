@@ -8,7 +8,9 @@ use syn::{Expr, Ident};
 use crate::errors::Errors;
 use crate::model::{AnnotationKind, Block, StmtKind};
 use crate::scopes::outer_view;
-use crate::usage::{assigned, bound, locals, mentions, moved, read_for_value, single};
+use crate::usage::{
+    assigned, bound, into_tensors, locals, mentions, moved, read_for_value, single,
+};
 
 /// A binding a statement reads.
 #[derive(Debug, Clone)]
@@ -57,6 +59,11 @@ pub(crate) struct StatementAnalysis {
     /// Those of `changes` read again later: given back as outputs after its
     /// value.
     pub inouts: Vec<Ident>,
+    /// Plain values it turns into a tensor (`Tensor::new(&w, ..)`), each
+    /// with the statements it was computed from (through reads for their
+    /// values): if one of those read values that need gradients, the
+    /// gradient stops at the host ([`host_sources`](Analyser::host_sources)).
+    pub host_data: Vec<(Ident, Vec<String>)>,
 }
 
 /// What the analysis found for a block: per statement, and for the tail.
@@ -139,6 +146,8 @@ struct Reads {
     inouts: Vec<Vec<usize>>,
     /// Per statement, then the tail: the names it reads for their values.
     for_value: Vec<Vec<String>>,
+    /// Per statement: the names it turns into tensors ([`into_tensors`]).
+    into_tensors: Vec<Vec<String>>,
     tail: Vec<(usize, Span)>,
 }
 
@@ -184,6 +193,7 @@ impl<'a> Analyser<'a> {
         let mut statements = Vec::new();
         let mut inouts = Vec::new();
         let mut for_value = Vec::new();
+        let mut into = Vec::new();
         for (i, stmt) in block.statements.iter().enumerate() {
             let forward_only = self.kinds[i] == Some(AnnotationKind::ForwardOnly);
             let (expr, pat) = match &stmt.kind {
@@ -193,12 +203,14 @@ impl<'a> Analyser<'a> {
                     statements.push(Vec::new());
                     inouts.push(Vec::new());
                     for_value.push(Vec::new());
+                    into.push(Vec::new());
                     continue;
                 }
             };
             // What the statement binds itself shadows the block's bindings.
             let expr = &outer_view(expr);
             for_value.push(read_for_value(expr));
+            into.push(into_tensors(expr));
             let alias = match pat {
                 Some(p) if matches!(self.kinds[i], None | Some(AnnotationKind::Plain)) => {
                     single(p).and(self.alias(expr))
@@ -260,6 +272,7 @@ impl<'a> Analyser<'a> {
             statements,
             inouts,
             for_value,
+            into_tensors: into,
             tail,
         }
     }
@@ -467,6 +480,45 @@ impl<'a> Analyser<'a> {
         }
     }
 
+    /// The plain values statement `i` turns into tensors, each with the
+    /// names of the statements it was computed from ([`host_sources`]).
+    fn made_tensors(&self, reads: &Reads, names: &[String], i: usize) -> Vec<(Ident, Vec<String>)> {
+        reads.statements[i]
+            .iter()
+            .filter(|&&(b, _)| reads.into_tensors[i].contains(&self.bindings[b].ident.to_string()))
+            .filter_map(|&(b, span)| {
+                let sources = self.host_sources(reads, names, b);
+                let ident = Ident::new(&self.bindings[b].ident.to_string(), span);
+                (!sources.is_empty()).then_some((ident, sources))
+            })
+            .collect()
+    }
+
+    /// The statements binding `b` was computed from: its producer and,
+    /// through the bindings each reads for their values, theirs (not
+    /// through reads of a shape: `x.dim(1)? as f32` is no value of `x`).
+    fn host_sources(&self, reads: &Reads, names: &[String], b: usize) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut seen = Vec::new();
+        let mut todo: Vec<usize> = self.bindings[b].producer.into_iter().collect();
+        while let Some(p) = todo.pop() {
+            if seen.contains(&p) {
+                continue;
+            }
+            seen.push(p);
+            if !names[p].is_empty() {
+                out.push(names[p].clone());
+            }
+            for &(r, _) in &reads.statements[p] {
+                let binding = &self.bindings[r];
+                if reads.for_value[p].contains(&binding.ident.to_string()) {
+                    todo.extend(binding.producer);
+                }
+            }
+        }
+        out
+    }
+
     /// The analysis: reads, names, and the owned bindings each statement
     /// releases (dropped after their last reader; the tail's are dropped with
     /// the block anyway). Which saved outputs are ferried to the replay is
@@ -511,6 +563,9 @@ impl<'a> Analyser<'a> {
             .tail
             .as_ref()
             .and_then(|t| passthrough(t, &tail_reads, &self.bindings));
+        let mut made: Vec<_> = (0..n)
+            .map(|i| self.made_tensors(&reads, &names, i))
+            .collect();
         let statements = (0..n)
             .map(|i| StatementAnalysis {
                 name: std::mem::take(&mut names[i]),
@@ -527,6 +582,7 @@ impl<'a> Analyser<'a> {
                     .collect(),
                 reads: to_reads(&reads.statements[i], reads.for_value.get(i)),
                 releases: std::mem::take(&mut releases[i]),
+                host_data: std::mem::take(&mut made[i]),
             })
             .collect();
         Analysis {

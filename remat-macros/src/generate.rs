@@ -160,6 +160,21 @@ fn declared(statement: &StatementAnalysis) -> TokenStream {
     }
 }
 
+/// Before a statement that turns plain values into tensors
+/// (`Tensor::new(&w, ..)`): for each, `ctx.host_data(name, "w", &w,
+/// sources)?;`, which refuses floats computed on the host from values that
+/// need gradients.
+fn host_data(name: &str, values: &[(Ident, Vec<String>)]) -> TokenStream {
+    let ctx = own("ctx");
+    values
+        .iter()
+        .map(|(ident, sources)| {
+            let value = ident.to_string();
+            quote! { #ctx.host_data(#name, #value, &#ident, &[#(#sources),*])?; }
+        })
+        .collect()
+}
+
 /// One statement: `rt::StatementValue::run(ctx, name, policy, reads,
 /// |reads| code)`, spanned at the user's code (so that a value no
 /// statement can give is reported there); the checks of what it reads
@@ -323,6 +338,7 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
                     Some(AnnotationKind::Save | AnnotationKind::Offload) => saved_check(pat, span),
                     _ => quote!(),
                 };
+                body.extend(host_data(name, &sa.host_data));
                 // `let mut h = ...`: the binding is changed by later
                 // statements, each on its own copy.
                 let allow_mut = crate::usage::binds_mut(pat).then(|| quote!(#[allow(unused_mut)]));
@@ -381,6 +397,7 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
                     params,
                     quote! {{ #(#attrs)* #e; #given }},
                 );
+                body.extend(host_data(name, &sa.host_data));
                 body.extend(checks);
                 body.extend(match inouts.len() {
                     0 => quote! { #call?; #release },

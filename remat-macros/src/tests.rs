@@ -175,3 +175,21 @@ fn method_with_self() {
         }
     }));
 }
+
+/// Floats read to the host and made a tensor again: the statement that
+/// makes the tensor checks first that they carry no gradient that would
+/// stop there (`ctx.host_data`, with the statements they came from); the
+/// indices (`top`) are checked too, and pass as integers at run time.
+#[test]
+fn host_data_made_a_tensor() {
+    insta::assert_snapshot!(pretty(quote! {
+        fn moe(x: &Tensor, router: &Tensor, expert: &Tensor) -> Result<Tensor> {
+            let probs = softmax(&x.matmul(router)?, D::Minus1)?;
+            let routing = probs.to_vec2::<f32>()?;
+            let (top, weights) = route(&routing, 2);
+            let w = Tensor::new(weights.as_slice(), x.device())?;
+            let picked = x.index_select(&Tensor::new(top.as_slice(), x.device())?, 0)?;
+            Ok(picked.matmul(expert)?.broadcast_mul(&w)?)
+        }
+    }));
+}

@@ -15,6 +15,44 @@ use syn::punctuated::Punctuated;
 use syn::visit::Visit;
 use syn::{Expr, Ident, Pat};
 
+/// candle's constructors of a tensor from host data: `Tensor::new(&data,
+/// ..)`, `Tensor::from_vec(..)`, ...
+const FROM_HOST: &[&str] = &["new", "from_vec", "from_slice", "from_iter", "full"];
+
+/// The names `expr` mentions inside the arguments of a call of one of
+/// candle's constructors of a tensor from host data ([`FROM_HOST`] on a
+/// path ending in `Tensor::`): the plain values it turns into a tensor.
+pub(crate) fn into_tensors(expr: &Expr) -> Vec<String> {
+    struct Collect(Vec<String>);
+    impl<'ast> Visit<'ast> for Collect {
+        fn visit_expr_call(&mut self, call: &'ast syn::ExprCall) {
+            if let Expr::Path(f) = &*call.func {
+                let segments: Vec<String> = f
+                    .path
+                    .segments
+                    .iter()
+                    .map(|s| s.ident.to_string())
+                    .collect();
+                let constructor = matches!(segments.as_slice(),
+                    [.., ty, ctor] if ty == "Tensor" && FROM_HOST.contains(&ctor.as_str()));
+                if constructor {
+                    for arg in &call.args {
+                        for (name, _) in mentions(arg) {
+                            if !self.0.contains(&name) {
+                                self.0.push(name);
+                            }
+                        }
+                    }
+                }
+            }
+            syn::visit::visit_expr_call(self, call);
+        }
+    }
+    let mut c = Collect(Vec::new());
+    c.visit_expr(expr);
+    c.0
+}
+
 /// Identifiers an expression mentions, in order, with the span of their first
 /// use: paths of one segment, identifiers inside macro invocations, and
 /// inline arguments of format strings (`"{x}"`).

@@ -68,6 +68,11 @@ pub struct Ctx {
     /// The statement names used so far (the replay checks names against
     /// the tape instead).
     names: HashSet<String>,
+    /// In a plain run, the statements (hashes of their names) that read
+    /// values needing gradients for their values: a plain value computed
+    /// from them carries no gradient ([`Ctx::check_host_data`]; the forward asks
+    /// its records).
+    tracked_reads: HashSet<u64>,
 }
 
 impl Ctx {
@@ -78,6 +83,7 @@ impl Ctx {
             plan,
             seed,
             names: HashSet::new(),
+            tracked_reads: HashSet::new(),
         }
     }
 
@@ -202,6 +208,9 @@ impl Ctx {
         match &mut self.mode {
             Mode::Plain { first } => {
                 let tracked = owned.iter().take(value_inputs).any(|t| t.track_op());
+                if tracked {
+                    self.tracked_reads.insert(name_hash(name));
+                }
                 // Its op calls count in no other statement.
                 let out = unread::watch(None, || f(&owned)).0;
                 let out = out.map_err(|e| e.in_statement(&self.region, name))?;
@@ -235,6 +244,37 @@ impl Ctx {
             Mode::Replay(replay) => {
                 replay.statement(&self.region, name, declared, inputs, value_inputs, f)
             }
+        }
+    }
+
+    /// Refuses statement `statement` turning the plain value `value` into a
+    /// tensor when `value` holds floats (`floats`) and was computed from a
+    /// statement among `sources` that read values needing gradients for
+    /// their values: those floats left candle's graph through the host
+    /// (`to_vec2`, `to_scalar`), and the tensor made of them is a constant
+    /// that no gradient flows back through ([`RematError::HostCut`]).
+    /// Checked in the forward and in a plain run; the replay runs what the
+    /// forward checked.
+    pub(crate) fn check_host_data(
+        &self,
+        statement: &str,
+        value: &str,
+        floats: bool,
+        sources: &[&str],
+    ) -> Result<()> {
+        let read = |source: &str| match &self.mode {
+            Mode::Plain { .. } => self.tracked_reads.contains(&name_hash(source)),
+            Mode::Record(recorder) => recorder.read_tracked(source),
+            Mode::Replay(_) => false,
+        };
+        match sources.iter().find(|s| floats && read(s)) {
+            Some(source) => Err(RematError::HostCut {
+                region: self.region.clone(),
+                statement: statement.to_string(),
+                value: value.to_string(),
+                from: source.to_string(),
+            }),
+            None => Ok(()),
         }
     }
 
@@ -334,4 +374,12 @@ impl Ctx {
     ) -> Result<O> {
         self.statement(name, Policy::Recompute, inputs, f)
     }
+}
+
+/// A hash of a statement's name.
+fn name_hash(name: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    name.hash(&mut h);
+    h.finish()
 }

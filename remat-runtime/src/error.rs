@@ -253,6 +253,32 @@ pub enum RematError {
         /// Its shape.
         shape: Vec<usize>,
     },
+    /// A statement turned into a tensor (`Tensor::new(&w, ..)`) floats that
+    /// an earlier statement computed on the host from values that need
+    /// gradients (`to_vec2`, `to_scalar`): the tensor is a constant, so the
+    /// gradient stops there without a word (a mixture of experts' routing
+    /// weights read to the host, normalised and multiplied back in: its
+    /// router gets none). Read the tensors detached in the source statement
+    /// (`.detach()`) where that is meant.
+    #[error(
+        "region `{region}`, statement `{statement}`: turns `{value}` into a tensor, but `{value}` \
+         holds floats computed on the host from statement `{from}`, which read values that \
+         need gradients: the new tensor is a constant, so their gradient would stop there; \
+         compute `{value}` with tensor ops to keep it (top-k routing: `arg_sort_last_dim`, \
+         `gather`, `softmax`), or read the tensors in `{from}` as `.detach()` if no gradient \
+         is meant to flow"
+    )]
+    HostCut {
+        /// The region's name.
+        region: String,
+        /// The statement that made the tensor.
+        statement: String,
+        /// The plain value it made it from.
+        value: String,
+        /// The statement that read values needing gradients, which `value`
+        /// was computed from.
+        from: String,
+    },
     /// A backward reached a region whose tape was already released.
     #[error(
         "region `{region}`: the tape is gone ({reason}); to run backward more than once, wrap \

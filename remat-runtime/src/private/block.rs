@@ -87,6 +87,21 @@ impl<E> Block<'_, E> {
         self.ctx.is_replay()
     }
 
+    /// Checks that statement `statement`, which turns the plain value
+    /// `value` (`data`) into a tensor, does not turn floats computed from
+    /// values that need gradients into one: `sources` are the statements
+    /// `value` was computed from. See `Ctx::check_host_data`.
+    pub fn host_data<T: ?Sized>(
+        &mut self,
+        statement: &str,
+        value: &str,
+        data: &T,
+        sources: &[&str],
+    ) -> Result<()> {
+        self.ctx
+            .check_host_data(statement, value, holds_floats(data), sources)
+    }
+
     /// Runs a statement: see [`crate::rules::StatementValue`].
     pub(crate) fn statement<A: Args, O: Outputs>(
         &mut self,
@@ -111,6 +126,15 @@ impl<E> Block<'_, E> {
             },
         )
     }
+}
+
+/// Whether a value of `data`'s type can hold floating-point numbers (its
+/// type names `f32`, `f64`, `f16` or `bf16`: `Vec<Vec<f32>>`, `(usize,
+/// f32)`; not `Vec<u32>`).
+fn holds_floats<T: ?Sized>(_: &T) -> bool {
+    std::any::type_name::<T>()
+        .split(|c: char| !c.is_alphanumeric() && c != '_')
+        .any(|word| matches!(word, "f32" | "f64" | "f16" | "bf16"))
 }
 
 /// The name of a method's region: `Type::method`, the type without its

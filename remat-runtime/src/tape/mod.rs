@@ -133,9 +133,12 @@ pub(crate) struct Record {
     /// input is fingerprinted after the statement's outputs.
     pub sole_call: Option<u16>,
     /// Nothing in the replay reads that value: the replay leaves it
-    /// uncomputed ([`unread`]). (Both fit beside the two policies: the
+    /// uncomputed ([`unread`]). (These fit beside the two policies: the
     /// record stays 112 bytes.)
     pub unread: bool,
+    /// It read a value that needs gradients for its value: a plain value
+    /// computed from it carries no gradient (`Ctx::check_host_data`).
+    pub reads_tracked: bool,
     /// `Some` exactly for `Save` and `Offload` statements (boxed: most
     /// records of a recomputing tape have none, and every byte of a record
     /// is held for as long as the tape).

@@ -248,6 +248,14 @@ impl Recorder {
         }
     }
 
+    /// Whether the statement named `name` read a value that needs
+    /// gradients for its value.
+    pub fn read_tracked(&self, name: &str) -> bool {
+        self.records
+            .iter()
+            .any(|r| r.name == name && r.reads_tracked)
+    }
+
     /// Records one statement: checks its inputs, runs it on the path its
     /// policy gives, and writes its record.
     pub fn statement<O: Outputs>(
@@ -261,6 +269,7 @@ impl Recorder {
             .enumerate()
             .map(|(i, t)| self.needs_grad(s.region, s.name, i, t))
             .collect::<Result<Vec<bool>>>()?;
+        let reads_tracked = needs.iter().take(s.value_inputs).any(|&n| n);
         let sources = self.sources(inputs, &needs);
         let timed = self.profile;
         let run = |args: &[Tensor]| -> Result<Ran<O::Skeleton>> {
@@ -309,6 +318,7 @@ impl Recorder {
             layouts: ran.layouts,
             sole_call: ran.sole.as_ref().map(|s| s.0),
             unread: false,
+            reads_tracked,
             saved,
             profile: self.profile.then(|| {
                 Box::new(Profile {

@@ -1,0 +1,212 @@
+//! Floats that leave through the host and come back as constants: a
+//! mixture of experts in candle-transformers' style reads its routing
+//! weights with `to_vec2`, picks and normalises them on the host, and
+//! multiplies the experts' outputs by `Tensor::new(&weights, ..)`. The
+//! router then gets no gradient, in plain candle too; inside `remat!` the
+//! statement that turns those floats into a tensor is `HostCut`, under
+//! every plan. Integer indices from the host, host reads for control flow
+//! or logging, and floats made from shapes are no cut.
+
+use candle_core::{DType, Result, Tensor, Var, D};
+use remat_runtime::{backward, remat, Plan};
+
+use crate::common::{rel_diff, var, weighted_loss};
+
+/// Each token's `k` largest routing weights, normalised, by expert: the
+/// tokens each expert takes and their weights (candle-transformers'
+/// Mixtral, on the host).
+fn route(routing: &[Vec<f32>], experts: usize, k: usize) -> (Vec<Vec<u32>>, Vec<Vec<f32>>) {
+    let mut tokens = vec![Vec::new(); experts];
+    let mut weights = vec![Vec::new(); experts];
+    for (token, row) in routing.iter().enumerate() {
+        let mut order: Vec<usize> = (0..row.len()).collect();
+        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+        let total: f32 = order[..k].iter().map(|&e| row[e]).sum();
+        for &e in &order[..k] {
+            tokens[e].push(token as u32);
+            weights[e].push(row[e] / total);
+        }
+    }
+    (tokens, weights)
+}
+
+#[derive(Clone)]
+struct SparseMoe {
+    router: Var,
+    experts: Vec<Var>,
+    top_k: usize,
+}
+
+impl SparseMoe {
+    fn new(c: usize, experts: usize, dtype: DType) -> Self {
+        SparseMoe {
+            router: var(&[c, experts], 1, 0.5, dtype),
+            experts: (0..experts)
+                .map(|e| var(&[c, c], 10 + e as u64, 0.3, dtype))
+                .collect(),
+            top_k: 2,
+        }
+    }
+
+    remat! {
+        fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+            let (b, t, c) = xs.dims3()?;
+            let flat = xs.reshape((b * t, c))?;
+            let logits = flat.matmul(self.router.as_tensor())?;
+            let probs = candle_nn::ops::softmax(&logits, D::Minus1)?;
+            let routing = probs.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+            let (tokens, weights) = route(&routing, self.experts.len(), self.top_k);
+            let mut ys = flat.zeros_like()?;
+            for (e, expert) in self.experts.iter().enumerate() {
+                if tokens[e].is_empty() {
+                    continue;
+                }
+                let index = Tensor::new(tokens[e].as_slice(), xs.device())?;
+                let w = Tensor::new(weights[e].as_slice(), xs.device())?
+                    .to_dtype(xs.dtype())?
+                    .reshape(((), 1))?;
+                let h = flat.index_select(&index, 0)?.matmul(expert.as_tensor())?.tanh()?;
+                ys = ys.index_add(&index, &h.broadcast_mul(&w)?, 0)?;
+            }
+            let y = ys.reshape((b, t, c))?;
+            Ok(y)
+        }
+    }
+
+    remat! {
+        /// The same, the routing weights read detached: no gradient to the
+        /// router is meant.
+        fn forward_detached(&self, xs: &Tensor) -> Result<Tensor> {
+            let (b, t, c) = xs.dims3()?;
+            let flat = xs.reshape((b * t, c))?;
+            let logits = flat.matmul(self.router.as_tensor())?;
+            let probs = candle_nn::ops::softmax(&logits, D::Minus1)?;
+            let routing = probs.detach().to_dtype(DType::F32)?.to_vec2::<f32>()?;
+            let (tokens, weights) = route(&routing, self.experts.len(), self.top_k);
+            let mut ys = flat.zeros_like()?;
+            for (e, expert) in self.experts.iter().enumerate() {
+                if tokens[e].is_empty() {
+                    continue;
+                }
+                let index = Tensor::new(tokens[e].as_slice(), xs.device())?;
+                let w = Tensor::from_vec(weights[e].clone(), (tokens[e].len(), 1), xs.device())?
+                    .to_dtype(xs.dtype())?;
+                let h = flat.index_select(&index, 0)?.matmul(expert.as_tensor())?.tanh()?;
+                ys = ys.index_add(&index, &h.broadcast_mul(&w)?, 0)?;
+            }
+            let y = ys.reshape((b, t, c))?;
+            Ok(y)
+        }
+    }
+}
+
+fn plans() -> [Plan; 4] {
+    [
+        Plan::declared(),
+        Plan::save_all(),
+        Plan::recompute_all(),
+        Plan::off(),
+    ]
+}
+
+#[test]
+fn routing_weights_through_the_host_are_a_cut_under_every_plan() {
+    for dtype in [DType::F32, DType::F64] {
+        let moe = SparseMoe::new(8, 4, dtype);
+        let x = var(&[2, 5, 8], 2, 1.0, dtype);
+        for plan in plans() {
+            let e = plan.scope(|| moe.forward(x.as_tensor())).unwrap_err();
+            // The statement is the loop, named after the `ys` it gives back.
+            let text = e.to_string();
+            assert!(
+                text.contains(
+                    "region `SparseMoe::forward`, statement `ys#2`: turns `weights` into a tensor"
+                ) && text.contains("from statement `routing`")
+                    && text.contains(".detach()"),
+                "{plan} {dtype:?}: {text}"
+            );
+        }
+    }
+}
+
+#[test]
+fn routing_weights_read_detached_are_meant() {
+    for dtype in [DType::F32, DType::F64] {
+        let moe = SparseMoe::new(8, 4, dtype);
+        let x = var(&[2, 5, 8], 3, 1.0, dtype);
+        let reference = Plan::off()
+            .scope(|| moe.forward_detached(x.as_tensor()))
+            .unwrap();
+        let g_ref = backward(&weighted_loss(&reference)).unwrap();
+        for plan in plans() {
+            let y = plan.scope(|| moe.forward_detached(x.as_tensor())).unwrap();
+            let g = backward(&weighted_loss(&y)).unwrap();
+            for v in moe.experts.iter().chain([&x]) {
+                let r = rel_diff(g.get(v).unwrap(), g_ref.get(v).unwrap());
+                assert!(r < 1e-6, "{plan} {dtype:?}: {r:e}");
+            }
+            assert!(g.get(&moe.router).is_none(), "{plan}");
+        }
+    }
+}
+
+#[derive(Clone)]
+struct GatheredMoe {
+    router: Var,
+    experts: Vec<Var>,
+}
+
+impl GatheredMoe {
+    remat! {
+        /// The host picks only which experts: indices (integers), and a
+        /// scalar for control flow and logging. The weights stay tensors.
+        fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+            let logits = xs.matmul(self.router.as_tensor())?;
+            let probs = candle_nn::ops::softmax(&logits, D::Minus1)?;
+            let routing = probs.to_vec2::<f32>()?;
+            let (tokens, _) = route(&routing, self.experts.len(), 1);
+            let confident = probs.max_keepdim(D::Minus1)?.mean_all()?.to_scalar::<f32>()?;
+            if confident > 2.0 {
+                println!("routing confidence {confident}");
+            }
+            let width = xs.dim(D::Minus1)? as f32;
+            let mut ys = xs.zeros_like()?;
+            for (e, expert) in self.experts.iter().enumerate() {
+                if tokens[e].is_empty() {
+                    continue;
+                }
+                let index = Tensor::new(tokens[e].as_slice(), xs.device())?;
+                let p = probs.index_select(&index, 0)?.narrow(1, e, 1)?;
+                let h = xs.index_select(&index, 0)?.matmul(expert.as_tensor())?;
+                ys = ys.index_add(&index, &h.broadcast_mul(&p)?, 0)?;
+            }
+            let scale = Tensor::full(width.sqrt(), (), xs.device())?;
+            let y = ys.broadcast_div(&scale)?;
+            Ok(y)
+        }
+    }
+}
+
+#[test]
+fn indices_control_flow_and_shapes_from_the_host_are_no_cut() {
+    let moe = GatheredMoe {
+        router: var(&[6, 3], 4, 0.5, DType::F32),
+        experts: (0..3)
+            .map(|e| var(&[6, 6], 20 + e, 0.3, DType::F32))
+            .collect(),
+    };
+    let x = var(&[7, 6], 5, 1.0, DType::F32);
+    let reference = Plan::off().scope(|| moe.forward(x.as_tensor())).unwrap();
+    let g_ref = backward(&weighted_loss(&reference)).unwrap();
+    assert!(g_ref.get(&moe.router).is_some());
+    for plan in plans() {
+        let y = plan
+            .scope(|| moe.forward(x.as_tensor()))
+            .unwrap_or_else(|e| panic!("{plan}: {e}"));
+        let g = backward(&weighted_loss(&y)).unwrap_or_else(|e| panic!("{plan}: {e}"));
+        for v in moe.experts.iter().chain([&moe.router, &x]) {
+            let r = rel_diff(g.get(v).unwrap(), g_ref.get(v).unwrap());
+            assert!(r < 1e-6, "{plan}: {r:e}");
+        }
+    }
+}

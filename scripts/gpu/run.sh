@@ -150,7 +150,9 @@ step() {
 for group in "${groups[@]}"; do
   case $group in
     tests)
-      step cuda-tests 540 "${with_libs[@]}" "$bin/bin/cuda-tests" "${tests[@]}" ;;
+      step cuda-tests 540 "${with_libs[@]}" "$bin/bin/cuda-tests" "${tests[@]}"
+      step cuda-views 120 env REMAT_REPLAY_VIEWS=1 "${with_libs[@]}" "$bin/bin/cuda-tests" \
+        --ignored a_replay_reads_views_in_the_forwards_layout ;;
     bench)
       step bench 540 "${with_libs[@]}" "$bin/bin/bench" --device "$device" "${shape[@]}" "${steps[@]}" \
         --policies "$policies" --out "$OUT/bench" ;;
@@ -164,6 +166,8 @@ for group in "${groups[@]}"; do
         "${steps[@]}" --out "$OUT/torch" ;;
     verdict)
       step cuda-tests 240 "${with_libs[@]}" "$bin/bin/cuda-tests" "${tests[@]}"
+      step cuda-views 120 env REMAT_REPLAY_VIEWS=1 "${with_libs[@]}" "$bin/bin/cuda-tests" \
+        --ignored a_replay_reads_views_in_the_forwards_layout
       step bench 240 "${with_libs[@]}" "$bin/bin/bench" --device "$device" "${shape[@]}" \
         "${verdict_steps[@]}" --policies none,full,selective,budget=0.5 \
         --unchecked full,selective,budget=0.5 --checksum kernels --out "$OUT/bench"

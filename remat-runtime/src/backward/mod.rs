@@ -21,10 +21,10 @@ pub use retain::{backward, retain_tape};
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::{Layout, Tensor};
+use candle_core::Tensor;
 
 use crate::ctx::{Ctx, Mode};
-use crate::graph::make_leaf;
+use crate::graph::{make_leaf, Relayout};
 use crate::replay::{self, Replay};
 use crate::tape::{Meta, Tape};
 use crate::{inspect, lock, RematError, Result};
@@ -197,23 +197,33 @@ impl Call {
         }
         // Inputs no statement's backward reads (no recomputed statement
         // reads them, and no saved one holds them as they are) were
-        // released after the forward: the block sees placeholders for them. The others that
-        // need gradients are leaves (one copy each, which every unit reading
-        // them shares), so that a statement reading one without declaring
-        // it shows in its graph.
-        // The layouts the forward's block read them in, where not contiguous.
-        let layouts: Vec<Option<Layout>> = inputs
-            .iter()
-            .map(|t| t.as_ref().and_then(replay::strided))
-            .collect();
+        // released after the forward: the block sees placeholders for them.
+        // The others that need gradients are leaves (one copy each, which
+        // every unit reading them shares), so that a statement reading one
+        // without declaring it shows in its graph; a strided one's leaf is
+        // in memory order, and the block sees it through the input's view.
+        let mut relaid = Vec::with_capacity(inputs.len());
         let inputs = inputs
             .into_iter()
             .zip(&input_metas)
             .zip(&requires_grad)
-            .map(|((t, meta), &grad)| match t {
-                Some(t) if grad => make_leaf(&t),
-                Some(t) => Ok(t),
-                None => replay::placeholder(meta),
+            .map(|((t, meta), &grad)| {
+                relaid.push(None);
+                match t {
+                    Some(t) if grad => match Relayout::of(t.layout(), t.device()) {
+                        Some(r) => {
+                            let leaf = r.leaf(&t)?;
+                            let seen = r.read(&leaf)?;
+                            if let Some(slot) = relaid.last_mut() {
+                                *slot = Some((leaf, r));
+                            }
+                            Ok(seen)
+                        }
+                        None => make_leaf(&t),
+                    },
+                    Some(t) => Ok(t),
+                    None => replay::placeholder(meta),
+                }
             })
             .collect::<Result<Vec<Tensor>>>()?;
         let mut ctx = Ctx::new(
@@ -221,7 +231,7 @@ impl Call {
             Mode::Replay(Replay::new(
                 records,
                 &inputs,
-                &layouts,
+                relaid,
                 &requires_grad,
                 &params,
                 fingerprints,

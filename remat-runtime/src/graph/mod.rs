@@ -30,7 +30,7 @@ pub(crate) use anchor::anchor_chain;
 pub(crate) use leaf::{
     carries_grad, check_cut, check_input, check_reached, check_reads, make_leaf,
 };
-pub(crate) use relayout::{as_read_in, Relayout};
+pub(crate) use relayout::Relayout;
 pub(crate) use seed::Seed;
 pub(crate) use tap::attach;
 

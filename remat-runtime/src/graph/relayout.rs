@@ -160,23 +160,11 @@ impl Relayout {
     }
 }
 
-/// `leaf` (a contiguous copy of a value laid out as `layout`) seen through
-/// a view with `layout`'s strides, tracked through `leaf`; `leaf` itself
-/// where [`Relayout::of`] gives none. It costs a copy of the value (in
-/// memory order, padded): for leaves made before the layout is known (a
-/// region input's, a saved output's).
-pub(crate) fn as_read_in(leaf: &Tensor, layout: &Layout) -> Result<Tensor> {
-    match Relayout::of(layout, leaf.device()) {
-        Some(r) if leaf.dims() == layout.dims() => r.read(&r.pack(leaf)?),
-        _ => Ok(leaf.clone()),
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use candle_core::{DType, Device, Tensor, Var};
+    use candle_core::{DType, Device, Tensor};
 
-    use super::{as_read_in, Relayout};
+    use super::Relayout;
 
     /// Views a block may read, each from a contiguous base of 2 x 3 x 4 x 6.
     /// With the dims each broadcasts (whose gradient the leaf gets summed,
@@ -221,56 +209,6 @@ mod tests {
                 vec![2],
             ),
         ]
-    }
-
-    #[test]
-    fn a_leaf_reads_with_the_views_strides_and_values() {
-        for dtype in [DType::F64, DType::F32, DType::BF16] {
-            let n = 2 * 3 * 4 * 6;
-            let base = Tensor::arange(0f64, n as f64, &Device::Cpu)
-                .unwrap()
-                .reshape((2, 3, 4, 6))
-                .unwrap()
-                .to_dtype(dtype)
-                .unwrap();
-            for (name, v, broadcast) in views(&base) {
-                let leaf = Var::from_tensor(&v).unwrap();
-                let read = as_read_in(leaf.as_tensor(), v.layout()).unwrap();
-                assert_eq!(read.dims(), v.dims(), "{name}");
-                assert_eq!(read.stride(), v.stride(), "{name}");
-                let (a, b) = (v.flatten_all().unwrap(), read.flatten_all().unwrap());
-                let (a, b) = (
-                    a.to_dtype(DType::F64).unwrap(),
-                    b.to_dtype(DType::F64).unwrap(),
-                );
-                assert_eq!(
-                    a.to_vec1::<f64>().unwrap(),
-                    b.to_vec1::<f64>().unwrap(),
-                    "{name}"
-                );
-                // The gradient reaches the leaf, element for element.
-                // Small integers: every sum below is exact in bf16.
-                let w: Vec<f64> = (0..v.elem_count()).map(|i| (i % 4 + 1) as f64).collect();
-                let w = Tensor::from_vec(w, v.dims(), &Device::Cpu)
-                    .unwrap()
-                    .to_dtype(dtype)
-                    .unwrap();
-                let loss = (read * &w).unwrap().sum_all().unwrap();
-                let g = loss.backward().unwrap();
-                let g = g.get(leaf.as_tensor()).unwrap();
-                let summed = |t: &Tensor| {
-                    let t = t.to_dtype(DType::F64).unwrap();
-                    let t = broadcast.iter().fold(t, |t, &d| t.sum_keepdim(d).unwrap());
-                    t.flatten_all().unwrap()
-                };
-                let (expected, got) = (summed(&w), summed(g));
-                assert_eq!(
-                    got.to_vec1::<f64>().unwrap(),
-                    expected.to_vec1::<f64>().unwrap(),
-                    "{name}"
-                );
-            }
-        }
     }
 
     #[test]
@@ -320,10 +258,16 @@ mod tests {
     }
 
     #[test]
-    fn a_contiguous_layout_reads_the_leaf_itself() {
+    fn a_contiguous_value_needs_no_relayout() {
         let base = Tensor::zeros((4, 6), DType::F32, &Device::Cpu).unwrap();
-        let leaf = Var::from_tensor(&base.narrow(0, 1, 2).unwrap()).unwrap();
-        let read = as_read_in(leaf.as_tensor(), base.narrow(0, 1, 2).unwrap().layout()).unwrap();
-        assert_eq!(read.id(), leaf.as_tensor().id());
+        for v in [
+            base.clone(),
+            base.narrow(0, 1, 2).unwrap(),
+            base.narrow(1, 0, 0).unwrap(),
+        ] {
+            assert!(Relayout::of(v.layout(), v.device()).is_none());
+        }
+        let t = base.t().unwrap();
+        assert!(Relayout::of(t.layout(), t.device()).is_some());
     }
 }

@@ -25,8 +25,7 @@ use std::collections::{HashMap, HashSet};
 use candle_core::{Layout, Tensor, TensorId};
 
 use crate::graph::{
-    as_read_in, carries_grad, check_cut, check_input, check_reached, check_reads, make_leaf,
-    Relayout,
+    carries_grad, check_cut, check_input, check_reached, check_reads, make_leaf, Relayout,
 };
 use crate::inspect::trace::{self, Phase, TraceEvent};
 use crate::tape::fingerprint::{self, Checks, Compare, Subject};
@@ -125,27 +124,36 @@ impl Replay {
     pub fn new(
         records: Vec<Record>,
         inputs: &[Tensor],
-        layouts: &[Option<Layout>],
+        relaid: Vec<Option<(Tensor, Relayout)>>,
         requires_grad: &[bool],
         params: &[Tensor],
         fingerprints: Option<fingerprint::Forward>,
         trace: Option<String>,
     ) -> Result<Self> {
         let order = inputs.iter().map(|t| t.id()).collect();
+        let mut reads = HashMap::new();
+        let mut relayouts = HashMap::new();
         let values = inputs
             .iter()
-            .zip(layouts)
+            .zip(relaid)
             .zip(requires_grad)
-            .map(|((t, layout), &r)| {
+            .map(|((t, relaid), &r)| {
+                // A strided input's leaf is in memory order: `t` is the
+                // view of it the block sees, which units share.
+                let leaf = relaid.map(|(leaf, relayout)| {
+                    reads.insert(leaf.id(), t.clone());
+                    relayouts.insert(leaf.id(), relayout);
+                    leaf
+                });
                 let v = Value {
                     unit: None,
                     requires_grad: r,
                     tensor: t.clone(),
-                    leaf: None,
-                    share: false,
+                    share: leaf.is_some(),
+                    leaf,
                     target: None,
                     bitwise: true,
-                    layout: layout.clone(),
+                    layout: strided(t),
                 };
                 (t.id(), v)
             })
@@ -192,8 +200,8 @@ impl Replay {
             units: Vec::new(),
             open: None,
             open_leaves: HashMap::new(),
-            reads: HashMap::new(),
-            relayouts: HashMap::new(),
+            reads,
+            relayouts,
             needed: HashSet::new(),
             trace,
             params: params.iter().map(|p| p.id()).collect(),
@@ -324,7 +332,10 @@ impl Replay {
                 // reaches its unit (one copy, shared by the units reading it).
                 Some(v) if v.requires_grad && v.unit != Some(u) && i < value_inputs => {
                     let (tensor, shared, share) = (v.tensor.clone(), v.leaf.clone(), v.share);
-                    let layout = v.layout.clone();
+                    // Read as the forward read it: strided, or a contiguous
+                    // copy (a first forward's leaf).
+                    let strided = i >= 64 || self.records[k].strided_reads & (1 << i) != 0;
+                    let layout = v.layout.clone().filter(|_| strided);
                     let leaf = match self.open_leaves.get(&t.id()) {
                         Some(leaf) => leaf.clone(),
                         None => {
@@ -349,7 +360,7 @@ impl Replay {
                             leaf
                         }
                     };
-                    args.push(self.read_of(&leaf, layout.as_ref())?);
+                    args.push(self.read_of(&leaf, strided)?);
                 }
                 // A value that carries no gradient (an integer one made
                 // from tracked values: a comparison) is read detached, as
@@ -488,18 +499,16 @@ impl Replay {
         }
     }
 
-    /// What statements read in place of `leaf`: a view of it with the
-    /// forward's strides (made once per leaf), or the leaf.
-    fn read_of(&mut self, leaf: &Tensor, layout: Option<&Layout>) -> Result<Tensor> {
-        if let Some(read) = self.reads.get(&leaf.id()) {
-            return Ok(read.clone());
+    /// What a statement reads in place of `leaf`: for a leaf in memory
+    /// order, the view of it with the forward's strides (made once), or a
+    /// contiguous copy of that view where the forward read one (a region's
+    /// first forward); any other leaf as it is.
+    fn read_of(&self, leaf: &Tensor, strided: bool) -> Result<Tensor> {
+        match self.reads.get(&leaf.id()) {
+            Some(read) if strided => Ok(read.clone()),
+            Some(read) => Ok(read.contiguous()?),
+            None => Ok(leaf.clone()),
         }
-        let read = match layout {
-            Some(layout) => as_read_in(leaf, layout)?,
-            None => leaf.clone(),
-        };
-        self.reads.insert(leaf.id(), read.clone());
-        Ok(read)
     }
 
     /// The variables the outputs of a recomputed statement depend on must be
@@ -571,35 +580,19 @@ impl Replay {
         // continue this statement's graph, in its unit: no leaf copy of the
         // output (it would sit beside the graph's own until the sweep).
         let mut continued = false;
-        let mut relaid = Vec::new();
         for (j, meta) in record.outputs.iter().enumerate() {
             let target = saved.outs.get(j).cloned();
             let requires_grad = target.as_ref().is_some_and(carries_grad);
             // A parameter returned as it is stays a leaf copy: the sweep
             // gives a parameter's gradient to the parameter, not to a unit.
             let ferried = saved.ferried.get(j).cloned().flatten();
-            // A leaf in memory order, which later units share.
-            let mut shared_leaf = None;
             // The layout the forward's block read: the ferried output's.
-            let layout = ferried.as_ref().map(strided);
             let value = match (ferried, &target) {
                 (Some(_), Some(tracked)) if requires_grad && !tracked.is_variable() => {
                     continued = true;
                     tracked.clone()
                 }
-                (Some(ferried), _) if requires_grad => {
-                    match Relayout::of(ferried.layout(), ferried.device()) {
-                        // In memory order; the block reads it through the view.
-                        Some(r) => {
-                            let leaf = r.leaf(&ferried)?;
-                            let read = r.read(&leaf)?;
-                            relaid.push((leaf.id(), r, read.clone()));
-                            shared_leaf = Some(leaf);
-                            read
-                        }
-                        None => make_leaf(&ferried)?,
-                    }
-                }
+                (Some(ferried), _) if requires_grad => make_leaf(&ferried)?,
                 (Some(ferried), _) => ferried,
                 (None, _) => {
                     let p = placeholder(meta)?;
@@ -615,17 +608,13 @@ impl Replay {
                     requires_grad,
                     share: requires_grad && !value.is_variable(),
                     tensor: value.clone(),
-                    leaf: shared_leaf,
+                    leaf: None,
                     target,
                     bitwise: true,
-                    layout: layout.unwrap_or_else(|| strided(&value)),
+                    layout: strided(&value),
                 },
             );
             outputs.push(value);
-        }
-        for (leaf, r, read) in relaid {
-            self.reads.insert(leaf, read);
-            self.relayouts.insert(leaf, r);
         }
         let skeleton = saved
             .skeleton

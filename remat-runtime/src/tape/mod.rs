@@ -128,13 +128,16 @@ pub(crate) struct Record {
     /// the forward ([`fingerprint::layouts`]); a replay on the same bits in
     /// the same layouts computes the same bits (on the CPU).
     pub layouts: u64,
+    /// For a recomputed statement: bit `i`, it read value input `i` (of the
+    /// first 64) as a strided view, which the replay reads the same way
+    /// (the region's first forward may read leaf copies instead).
+    pub strided_reads: u64,
     /// For a recomputed statement whose whole value is the tensor of one
     /// of its `nn` op calls: that call ([`unread::sole_call`]); its op's
     /// input is fingerprinted after the statement's outputs.
     pub sole_call: Option<u16>,
     /// Nothing in the replay reads that value: the replay leaves it
-    /// uncomputed ([`unread`]). (These fit beside the two policies: the
-    /// record stays 112 bytes.)
+    /// uncomputed ([`unread`]).
     pub unread: bool,
     /// It read a value that needs gradients for its value: a plain value
     /// computed from it carries no gradient (`Ctx::check_host_data`).

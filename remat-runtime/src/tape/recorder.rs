@@ -22,7 +22,7 @@ use super::MASKED_OUTPUTS;
 use super::{fingerprint, unread};
 use super::{Meta, Profile, Record, Saved, Source};
 use crate::graph::{
-    as_read_in, carries_grad, check_cut, check_input, check_reached, check_reads, make_leaf,
+    carries_grad, check_cut, check_input, check_reached, check_reads, make_leaf, Relayout,
 };
 use crate::inspect::trace::{self, Phase, TraceEvent};
 use crate::{Outputs, Policy, Result};
@@ -116,6 +116,9 @@ struct Ran<S> {
     /// For a recomputed statement: the layouts of the values it ran on
     /// ([`fingerprint::layouts`]).
     layouts: u64,
+    /// For a recomputed statement: bit `i`, it read value input `i` as a
+    /// strided view (not contiguous).
+    strided_reads: u64,
 }
 
 /// What one of a statement's two paths gives: the outputs the block sees
@@ -284,6 +287,7 @@ impl Recorder {
                 seconds,
                 sole: None,
                 layouts: 0,
+                strided_reads: 0,
             })
         };
         let (outputs, saved, ran) = match s.policy {
@@ -316,6 +320,7 @@ impl Recorder {
             outputs: outputs.iter().map(Meta::of).collect(),
             outputs_need_grad,
             layouts: ran.layouts,
+            strided_reads: ran.strided_reads,
             sole_call: ran.sole.as_ref().map(|s| s.0),
             unread: false,
             reads_tracked,
@@ -362,9 +367,18 @@ impl Recorder {
             let read = match leaves.get(&t.id()) {
                 Some(read) => read.clone(),
                 None => {
-                    let leaf = make_leaf(t)?;
+                    let (leaf, read) = match Relayout::of(t.layout(), t.device()) {
+                        Some(r) => {
+                            let leaf = r.leaf(t)?;
+                            let read = r.read(&leaf)?;
+                            (leaf, read)
+                        }
+                        None => {
+                            let leaf = make_leaf(t)?;
+                            (leaf.clone(), leaf)
+                        }
+                    };
                     self.leaf_ids.insert(leaf.id());
-                    let read = as_read_in(&leaf, t.layout())?;
                     leaves.insert(t.id(), read.clone());
                     read
                 }
@@ -377,6 +391,7 @@ impl Recorder {
         // What it read for its values, and how it is laid out: a replay on
         // the same bits in the same layouts computes the same bits.
         ran.layouts = fingerprint::layouts(args.iter().take(s.value_inputs));
+        ran.strided_reads = strided_reads(args.iter().take(s.value_inputs));
         self.check_captures(s, &args, &ran.tensors)?;
         if self.first {
             let reads_tracked = needs.iter().take(s.value_inputs).any(|&n| n);
@@ -658,4 +673,12 @@ impl Recorder {
             fingerprints: self.fingerprints,
         }
     }
+}
+
+/// Bit `i`: value `i` of `args` is a strided view (the first 64).
+fn strided_reads<'a>(args: impl Iterator<Item = &'a Tensor>) -> u64 {
+    args.take(64)
+        .enumerate()
+        .filter(|(_, t)| !t.is_contiguous())
+        .fold(0, |mask, (i, _)| mask | 1 << i)
 }

@@ -222,3 +222,43 @@ fn a_view_as_the_blocks_input_and_a_saved_view() {
         });
     }
 }
+
+#[test]
+fn a_statement_api_region_from_its_first_call() {
+    // Its first forward hands the block contiguous copies of what needs
+    // gradients (to see undeclared reads); later ones the values as they
+    // are: each replay reads as its own forward read.
+    for dtype in DTYPES {
+        let x = cancelling(&[64, 48], 10, dtype);
+        let w = var(&[64, 64], 11, 0.3, dtype);
+        let run = |plan: &Plan| {
+            let wt = w.as_tensor().clone();
+            let y = plan
+                .scope(|| {
+                    remat_runtime::Region::new("drift").run(
+                        &[&x.as_tensor().t().unwrap()],
+                        move |ctx, ins| {
+                            let drift =
+                                ctx.recompute("drift", &[&ins[0]], |t| t[0].sum_keepdim(1))?;
+                            let _ = ctx.save("cut", &[&ins[0]], |t| t[0].sqr())?;
+                            let h = ctx.recompute("h", &[&ins[0], &drift], |t| {
+                                t[0].matmul(&wt)?.broadcast_mul(&t[1])
+                            })?;
+                            ctx.recompute("y", &[&h], |t| t[0].sum_keepdim(1))
+                        },
+                    )
+                })
+                .unwrap_or_else(|e| panic!("{plan} {dtype:?}: {e}"));
+            let g = backward(&weighted_loss(&y.to_dtype(DType::F32).unwrap()))
+                .unwrap_or_else(|e| panic!("{plan} {dtype:?}: {e}"));
+            (g.get(&x).unwrap().clone(), g.get(&w).unwrap().clone())
+        };
+        let plain = run(&Plan::off());
+        for call in 0..3 {
+            let full = run(&Plan::recompute_all());
+            assert_eq!(rel_diff(&full.0, &plain.0), 0.0, "{dtype:?} call {call}");
+            assert_eq!(rel_diff(&full.1, &plain.1), 0.0, "{dtype:?} call {call}");
+            run(&Plan::declared());
+        }
+    }
+}

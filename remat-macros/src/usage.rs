@@ -37,8 +37,9 @@ pub(crate) fn into_tensors(expr: &Expr) -> Vec<String> {
                     [.., ty, ctor] if ty == "Tensor" && FROM_HOST.contains(&ctor.as_str()));
                 if constructor {
                     for arg in &call.args {
+                        let meant: Vec<String> = constants(arg);
                         for (name, _) in mentions(arg) {
-                            if !self.0.contains(&name) {
+                            if !self.0.contains(&name) && !meant.contains(&name) {
                                 self.0.push(name);
                             }
                         }
@@ -47,6 +48,32 @@ pub(crate) fn into_tensors(expr: &Expr) -> Vec<String> {
             }
             syn::visit::visit_expr_call(self, call);
         }
+    }
+    /// The names mentioned inside `constant(..)` calls (the user says
+    /// they carry no gradient: `remat_runtime::rules::constant`).
+    fn constants(expr: &Expr) -> Vec<String> {
+        struct Meant(Vec<String>);
+        impl<'ast> Visit<'ast> for Meant {
+            fn visit_expr_call(&mut self, call: &'ast syn::ExprCall) {
+                let named = |f: &syn::ExprPath| {
+                    f.path
+                        .segments
+                        .last()
+                        .is_some_and(|s| s.ident == "constant")
+                };
+                match &*call.func {
+                    Expr::Path(f) if named(f) => {
+                        for arg in &call.args {
+                            self.0.extend(mentions(arg).into_iter().map(|(n, _)| n));
+                        }
+                    }
+                    _ => syn::visit::visit_expr_call(self, call),
+                }
+            }
+        }
+        let mut m = Meant(Vec::new());
+        m.visit_expr(expr);
+        m.0
     }
     let mut c = Collect(Vec::new());
     c.visit_expr(expr);

@@ -68,11 +68,11 @@ pub struct Ctx {
     /// The statement names used so far (the replay checks names against
     /// the tape instead).
     names: HashSet<String>,
-    /// In a plain run, the statements (hashes of their names) that read
-    /// values needing gradients for their values: a plain value computed
-    /// from them carries no gradient ([`Ctx::check_host_data`]; the forward asks
-    /// its records).
-    tracked_reads: HashSet<u64>,
+    /// In a plain run, the host reads (hashes of their names): statements
+    /// that read values needing gradients for their values and whose value
+    /// holds no tensor. A plain value computed from one carries no gradient
+    /// ([`Ctx::check_host_data`]; the forward asks its records).
+    host_reads: HashSet<u64>,
 }
 
 impl Ctx {
@@ -83,7 +83,7 @@ impl Ctx {
             plan,
             seed,
             names: HashSet::new(),
-            tracked_reads: HashSet::new(),
+            host_reads: HashSet::new(),
         }
     }
 
@@ -208,9 +208,6 @@ impl Ctx {
         match &mut self.mode {
             Mode::Plain { first } => {
                 let tracked = owned.iter().take(value_inputs).any(|t| t.track_op());
-                if tracked {
-                    self.tracked_reads.insert(name_hash(name));
-                }
                 // Its op calls count in no other statement.
                 let out = unread::watch(None, || f(&owned)).0;
                 let out = out.map_err(|e| e.in_statement(&self.region, name))?;
@@ -219,6 +216,9 @@ impl Ctx {
                 }
                 let mut tensors = Vec::new();
                 let skeleton = out.split_into(&mut tensors);
+                if tensors.is_empty() {
+                    self.host_reads.insert(name_hash(name));
+                }
                 check_cut(&self.region, name, tracked, &tensors)?;
                 if *first {
                     check_reached(&self.region, name, &owned, value_inputs, &tensors)?;
@@ -250,7 +250,8 @@ impl Ctx {
     /// Refuses statement `statement` turning the plain value `value` into a
     /// tensor when `value` holds floats (`floats`) and was computed from a
     /// statement among `sources` that read values needing gradients for
-    /// their values: those floats left candle's graph through the host
+    /// their values and gave no tensor (a host read): those floats left
+    /// candle's graph through the host
     /// (`to_vec2`, `to_scalar`), and the tensor made of them is a constant
     /// that no gradient flows back through ([`RematError::HostCut`]).
     /// Checked in the forward and in a plain run; the replay runs what the
@@ -263,8 +264,8 @@ impl Ctx {
         sources: &[&str],
     ) -> Result<()> {
         let read = |source: &str| match &self.mode {
-            Mode::Plain { .. } => self.tracked_reads.contains(&name_hash(source)),
-            Mode::Record(recorder) => recorder.read_tracked(source),
+            Mode::Plain { .. } => self.host_reads.contains(&name_hash(source)),
+            Mode::Record(recorder) => recorder.host_read(source),
             Mode::Replay(_) => false,
         };
         match sources.iter().find(|s| floats && read(s)) {

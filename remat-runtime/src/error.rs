@@ -259,14 +259,16 @@ pub enum RematError {
     /// gradient stops there without a word (a mixture of experts' routing
     /// weights read to the host, normalised and multiplied back in: its
     /// router gets none). Read the tensors detached in the source statement
-    /// (`.detach()`) where that is meant.
+    /// (`probs.detach().to_vec2()`), or wrap the data in
+    /// [`rules::constant`](crate::rules::constant), where that is meant.
     #[error(
         "region `{region}`, statement `{statement}`: turns `{value}` into a tensor, but `{value}` \
          holds floats computed on the host from statement `{from}`, which read values that \
          need gradients: the new tensor is a constant, so their gradient would stop there; \
          compute `{value}` with tensor ops to keep it (top-k routing: `arg_sort_last_dim`, \
-         `gather`, `softmax`), or read the tensors in `{from}` as `.detach()` if no gradient \
-         is meant to flow"
+         `gather`, `softmax`); if no gradient is meant to flow, read the tensor in `{from}` \
+         detached (`probs.detach().to_vec2()`), or wrap the data in \
+         `remat_runtime::rules::constant(..)` where it is made a tensor"
     )]
     HostCut {
         /// The region's name.

@@ -81,3 +81,19 @@ impl<T: Outputs> StatementValue for T {
         block.statement(name, declared, args, f)
     }
 }
+
+/// Says that host data a `remat!` statement turns into a tensor is meant to
+/// carry no gradient: `Tensor::new(constant(&load).as_slice(), dev)?`. The
+/// block's check of floats that left the graph through the host
+/// ([`RematError::HostCut`]) skips values read inside it (counts, sizes or
+/// a schedule computed from routing decisions, not from the weights'
+/// values). Returns `value` as it is.
+///
+/// ```
+/// use remat_runtime::rules::constant;
+/// let load = vec![2.0f32, 1.0];
+/// assert_eq!(constant(&load), &load);
+/// ```
+pub fn constant<T>(value: T) -> T {
+    value
+}

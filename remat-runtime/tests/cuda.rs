@@ -888,16 +888,16 @@ fn a_replay_reads_views_in_the_forwards_layout() {
     let x = Var::from_tensor(&x.to_dtype(DType::F32).unwrap().to_device(&dev).unwrap()).unwrap();
     let w = to(&var(&[8, 8], 12, 0.3, DType::F32), &dev);
     let run = |save: bool, enabled: bool| {
-        let w = w.as_tensor().clone();
+        let wt = w.as_tensor().clone();
         let y = Region::new("drift")
             .enabled(enabled)
             .run(&[x.as_tensor()], move |ctx, ins| {
                 let by_channel =
                     ctx.recompute("by_channel", &[&ins[0]], |t| t[0].transpose(1, 2))?;
                 let gate = if save {
-                    ctx.save("gate", &[&ins[0]], |t| t[0].broadcast_matmul(&w)?.tanh())?
+                    ctx.save("gate", &[&ins[0]], |t| t[0].broadcast_matmul(&wt)?.tanh())?
                 } else {
-                    ctx.recompute("gate", &[&ins[0]], |t| t[0].broadcast_matmul(&w)?.tanh())?
+                    ctx.recompute("gate", &[&ins[0]], |t| t[0].broadcast_matmul(&wt)?.tanh())?
                 };
                 let drift = ctx.recompute("drift", &[&by_channel], |t| t[0].sum_keepdim(2))?;
                 ctx.recompute("y", &[&gate, &drift], |t| {

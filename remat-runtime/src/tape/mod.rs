@@ -139,9 +139,10 @@ pub(crate) struct Record {
     /// Nothing in the replay reads that value: the replay leaves it
     /// uncomputed ([`unread`]).
     pub unread: bool,
-    /// It read a value that needs gradients for its value: a plain value
-    /// computed from it carries no gradient (`Ctx::check_host_data`).
-    pub reads_tracked: bool,
+    /// A host read: it read a value that needs gradients for its value,
+    /// and its value holds no tensor; a plain value computed from it
+    /// carries no gradient (`Ctx::check_host_data`).
+    pub host_read: bool,
     /// `Some` exactly for `Save` and `Offload` statements (boxed: most
     /// records of a recomputing tape have none, and every byte of a record
     /// is held for as long as the tape).

@@ -251,12 +251,12 @@ impl Recorder {
         }
     }
 
-    /// Whether the statement named `name` read a value that needs
-    /// gradients for its value.
-    pub fn read_tracked(&self, name: &str) -> bool {
-        self.records
-            .iter()
-            .any(|r| r.name == name && r.reads_tracked)
+    /// Whether the statement named `name` is a host read: it read a value
+    /// that needs gradients for its value, and its value holds no tensor.
+    /// (A scan of the records: asked only before a statement that makes a
+    /// tensor of host data.)
+    pub fn host_read(&self, name: &str) -> bool {
+        self.records.iter().any(|r| r.name == name && r.host_read)
     }
 
     /// Records one statement: checks its inputs, runs it on the path its
@@ -323,7 +323,7 @@ impl Recorder {
             strided_reads: ran.strided_reads,
             sole_call: ran.sole.as_ref().map(|s| s.0),
             unread: false,
-            reads_tracked,
+            host_read: reads_tracked && outputs.is_empty(),
             saved,
             profile: self.profile.then(|| {
                 Box::new(Profile {

@@ -8,6 +8,7 @@
 //! or logging, and floats made from shapes are no cut.
 
 use candle_core::{DType, Result, Tensor, Var, D};
+use remat_runtime::rules::constant;
 use remat_runtime::{backward, remat, Plan};
 
 use crate::common::{rel_diff, var, weighted_loss};
@@ -199,6 +200,67 @@ fn indices_control_flow_and_shapes_from_the_host_are_no_cut() {
     let reference = Plan::off().scope(|| moe.forward(x.as_tensor())).unwrap();
     let g_ref = backward(&weighted_loss(&reference)).unwrap();
     assert!(g_ref.get(&moe.router).is_some());
+    for plan in plans() {
+        let y = plan
+            .scope(|| moe.forward(x.as_tensor()))
+            .unwrap_or_else(|e| panic!("{plan}: {e}"));
+        let g = backward(&weighted_loss(&y)).unwrap_or_else(|e| panic!("{plan}: {e}"));
+        for v in moe.experts.iter().chain([&moe.router, &x]) {
+            let r = rel_diff(g.get(v).unwrap(), g_ref.get(v).unwrap());
+            assert!(r < 1e-6, "{plan}: {r:e}");
+        }
+    }
+}
+
+#[derive(Clone)]
+struct BalancedMoe {
+    router: Var,
+    experts: Vec<Var>,
+}
+
+impl BalancedMoe {
+    remat! {
+        /// Routing weights kept as tensors; each expert's load (a count,
+        /// computed on the host from the routing decisions) and a host
+        /// accumulator the loop gives back beside its tensors, made
+        /// tensors through `constant`: no cut, plain candle's gradients.
+        fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+            let logits = xs.matmul(self.router.as_tensor())?;
+            let probs = candle_nn::ops::softmax(&logits, D::Minus1)?;
+            let routing = probs.to_vec2::<f32>()?;
+            let (tokens, _) = route(&routing, self.experts.len(), 1);
+            let load: Vec<f32> = tokens.iter().map(|t| t.len() as f32).collect();
+            let mut ys = xs.zeros_like()?;
+            let mut seen: Vec<f32> = Vec::new();
+            for (e, expert) in self.experts.iter().enumerate() {
+                if tokens[e].is_empty() {
+                    continue;
+                }
+                let index = Tensor::new(tokens[e].as_slice(), xs.device())?;
+                let p = probs.index_select(&index, 0)?.narrow(1, e, 1)?;
+                let h = xs.index_select(&index, 0)?.matmul(expert.as_tensor())?;
+                seen.push(p.sum_all()?.to_scalar::<f32>()?);
+                ys = ys.index_add(&index, &h.broadcast_mul(&p)?, 0)?;
+            }
+            let balance = Tensor::new(constant(load.as_slice()), xs.device())?;
+            let weights = Tensor::new(constant(seen.as_slice()), xs.device())?;
+            let y = (ys * (balance.sum_all()? + weights.sum_all()?)?.to_scalar::<f32>()? as f64)?;
+            Ok(y)
+        }
+    }
+}
+
+#[test]
+fn counts_made_constants_and_host_accumulators_beside_tensors_are_no_cut() {
+    let moe = BalancedMoe {
+        router: var(&[6, 3], 6, 0.5, DType::F32),
+        experts: (0..3)
+            .map(|e| var(&[6, 6], 30 + e, 0.3, DType::F32))
+            .collect(),
+    };
+    let x = var(&[7, 6], 7, 1.0, DType::F32);
+    let reference = Plan::off().scope(|| moe.forward(x.as_tensor())).unwrap();
+    let g_ref = backward(&weighted_loss(&reference)).unwrap();
     for plan in plans() {
         let y = plan
             .scope(|| moe.forward(x.as_tensor()))

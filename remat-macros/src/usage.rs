@@ -428,7 +428,8 @@ const WITHOUT_GRADIENT: &[&str] = &[
 
 /// The identifiers `expr` mentions for their values, where a gradient can
 /// flow: every mention but the receiver of a method in
-/// [`WITHOUT_GRADIENT`] (`x.shape()`, `x.dims4()?`, `x.detach()`). Nothing,
+/// [`WITHOUT_GRADIENT`] (`x.shape()`, `x.dims4()?`, `x.detach()`) and what
+/// a `.detach()` is called on (`x.to_dtype(..)?.detach()`). Nothing,
 /// when the statement's whole value is detached (`... .detach()` last): the
 /// cut is stated.
 pub(crate) fn read_for_value(expr: &Expr) -> Vec<String> {
@@ -437,7 +438,11 @@ pub(crate) fn read_for_value(expr: &Expr) -> Vec<String> {
         fn visit_expr_method_call(&mut self, m: &'ast syn::ExprMethodCall) {
             let receiver_is_name = matches!(&*m.receiver, Expr::Path(p)
                 if p.qself.is_none() && p.path.segments.len() == 1);
-            if receiver_is_name && WITHOUT_GRADIENT.contains(&m.method.to_string().as_str()) {
+            // `.detach()` ends every path beneath it: `p.to_dtype(..)?.detach()`.
+            let detach = m.method == "detach";
+            if detach
+                || receiver_is_name && WITHOUT_GRADIENT.contains(&m.method.to_string().as_str())
+            {
                 for arg in &m.args {
                     self.visit_expr(arg);
                 }
@@ -510,5 +515,13 @@ mod tests {
         assert_eq!(for_value("{ println!(\"{x:?}\"); y }"), ["y"]);
         // Tokens that are not expressions: every identifier counts.
         assert_eq!(for_value("m!(a => b)"), ["a", "b"]);
+    }
+
+    #[test]
+    fn a_detach_ends_every_path_beneath_it() {
+        let src = "p.to_dtype(DType::F32)?.detach().to_vec2::<f32>()?";
+        assert!(for_value(src).is_empty());
+        assert_eq!(for_value("(a.exp()?.detach() * b)?"), ["b"]);
+        assert_eq!(for_value("(a.exp()?.detach() * a)?"), ["a"]);
     }
 }

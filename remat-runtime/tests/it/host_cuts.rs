@@ -82,7 +82,7 @@ impl SparseMoe {
             let flat = xs.reshape((b * t, c))?;
             let logits = flat.matmul(self.router.as_tensor())?;
             let probs = candle_nn::ops::softmax(&logits, D::Minus1)?;
-            let routing = probs.detach().to_dtype(DType::F32)?.to_vec2::<f32>()?;
+            let routing = probs.to_dtype(DType::F32)?.detach().to_vec2::<f32>()?;
             let (tokens, weights) = route(&routing, self.experts.len(), self.top_k);
             let mut ys = flat.zeros_like()?;
             for (e, expert) in self.experts.iter().enumerate() {

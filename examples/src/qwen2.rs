@@ -223,6 +223,25 @@ impl MLP {
     }
 }
 
+impl MLP {
+    /// `xs + mlp(norm(xs))` as one [`nn::swiglu_mlp`] node, which keeps
+    /// the gate's and the up projection's outputs for its backward only.
+    pub fn forward_fused(&self, xs: &Tensor, norm: &RmsNorm) -> Result<Tensor> {
+        let norm = nn::PreNorm::Rms {
+            gain: norm.weight(),
+            eps: norm.eps(),
+        };
+        nn::swiglu_mlp(
+            xs,
+            Some(norm),
+            self.gate_proj.weight(),
+            self.up_proj.weight(),
+            self.down_proj.weight(),
+            Some(xs),
+        )
+    }
+}
+
 /// Grouped-query self-attention.
 #[derive(Debug, Clone)]
 pub struct Attention {
@@ -314,6 +333,33 @@ impl Attention {
     }
 }
 
+impl Attention {
+    /// [`attend`](Self::attend) with the softmax attention as one
+    /// [`nn::attention`] node: the same heads, rotations and mask, the
+    /// key/value heads read by their groups of query heads (no
+    /// `repeat_kv`), and no `(B, H, T, T)` scores or probabilities kept
+    /// for the backward.
+    pub fn attend_fused(
+        &self,
+        query_states: &Tensor,
+        key_states: &Tensor,
+        value_states: &Tensor,
+        attention_mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let (b_sz, q_len, _) = query_states.dims3()?;
+        let heads =
+            |x: &Tensor, n: usize| x.reshape((b_sz, q_len, n, self.head_dim))?.transpose(1, 2);
+        let (q, k) = self.rotary_emb.apply_rotary_emb_qkv(
+            &heads(query_states, self.num_heads)?,
+            &heads(key_states, self.num_kv_heads)?,
+        )?;
+        let v = heads(value_states, self.num_kv_heads)?;
+        nn::attention(&q, &k, &v, false, attention_mask)?
+            .transpose(1, 2)?
+            .reshape((b_sz, q_len, self.hidden_size))
+    }
+}
+
 /// One decoder layer's parameters.
 #[derive(Debug, Clone)]
 pub struct DecoderLayer {
@@ -371,6 +417,28 @@ impl DecoderLayer {
     }
 }
 
+impl DecoderLayer {
+    remat! {
+        /// [`forward`](Self::forward) with remat's fused ops where
+        /// candle-transformers composes candle's: the attention as one
+        /// [`nn::attention`] node, `o_proj` and its residual add as
+        /// [`nn::linear_add`], and the MLP with its norm and residual as
+        /// [`nn::swiglu_mlp`]. The same function of the same parameters;
+        /// its statements are `h`, `q`, `k`, `v`, `attn`, `xs` and `out`
+        /// (region `DecoderLayer::forward_fused`).
+        pub fn forward_fused(&self, xs: &Tensor, attention_mask: Option<&Tensor>) -> Result<Tensor> {
+            let h = self.input_layernorm.forward(xs)?;
+            let q = self.self_attn.q_proj.forward(&h)?;
+            let k = self.self_attn.k_proj.forward(&h)?;
+            let v = self.self_attn.v_proj.forward(&h)?;
+            let attn = self.self_attn.attend_fused(&q, &k, &v, attention_mask)?;
+            let xs = nn::linear_add(&attn, self.self_attn.o_proj.weight(), None, xs)?;
+            let out = self.mlp.forward_fused(&xs, &self.post_attention_layernorm)?;
+            Ok(out)
+        }
+    }
+}
+
 remat! {
     /// The output head and the mean cross-entropy of `targets` (in f32
     /// whatever the model's dtype): the `(B * T, vocab)` logits, the
@@ -408,6 +476,11 @@ pub fn fused_head_loss(
 /// scores and the MLP's activation are recomputed.
 pub const SELECTIVE: &[&str] = &["q", "k", "v", "o", "gate", "up", "down"];
 
+/// What `selective` saves in [`DecoderLayer::forward_fused`]: the
+/// projections' outputs and the attention sublayer's (`o_proj` and the
+/// residual add); the fused MLP keeps its own products for its backward.
+pub const SELECTIVE_FUSED: &[&str] = &["q", "k", "v", "xs"];
+
 /// The plan of `policy` for this model: `selective` and `offload` name
 /// [`SELECTIVE`].
 pub fn plan(policy: Checkpointing) -> Plan {
@@ -420,6 +493,18 @@ pub fn plan(policy: Checkpointing) -> Plan {
     }
 }
 
+/// [`plan`] for layers that run [`DecoderLayer::forward_fused`]
+/// (`fused_ops`): `selective` and `offload` name [`SELECTIVE_FUSED`].
+pub fn plan_for(policy: Checkpointing, fused_ops: bool) -> Plan {
+    match policy {
+        Checkpointing::Selective if fused_ops => Plan::save_only(SELECTIVE_FUSED.iter().copied()),
+        Checkpointing::Offload if fused_ops => {
+            Plan::save_and_offload_only(Vec::<&str>::new(), SELECTIVE_FUSED.iter().copied())
+        }
+        other => plan(other),
+    }
+}
+
 /// The decoder: embeddings, layers, final norm.
 #[derive(Debug, Clone)]
 pub struct Model {
@@ -429,6 +514,10 @@ pub struct Model {
     pub layers: Vec<DecoderLayer>,
     /// `model.norm`.
     pub norm: RmsNorm,
+    /// Whether each layer runs [`DecoderLayer::forward`] (`false`, the
+    /// default: candle-transformers' composed ops) or
+    /// [`DecoderLayer::forward_fused`] (remat's fused ops).
+    pub fused_ops: bool,
     device: Device,
     dtype: DType,
 }
@@ -452,6 +541,7 @@ impl Model {
             embed_tokens,
             layers,
             norm,
+            fused_ops: false,
             device: vb.device().clone(),
             dtype: vb.dtype(),
         })
@@ -477,6 +567,12 @@ impl Model {
         let (_b_size, seq_len) = input_ids.dims2()?;
         let attention_mask = self.causal_mask(seq_len)?;
         let mut xs = self.embed_tokens.forward(input_ids)?;
+        if self.fused_ops {
+            for layer in self.layers.iter() {
+                xs = layer.forward_fused(&xs, Some(&attention_mask))?
+            }
+            return Ok(xs);
+        }
         for layer in self.layers.iter() {
             xs = layer.forward(&xs, Some(&attention_mask))?
         }

@@ -442,6 +442,87 @@ fn a_decoder_layer_computes_what_candle_s_composed_ops_compute() {
     }
 }
 
+/// `forward_fused` (remat's fused attention, `linear_add` and
+/// `swiglu_mlp`) is the same function of the same parameters as `forward`
+/// (candle-transformers' composed ops): the output and every gradient, the
+/// layer input's and each parameter's, under each plan.
+#[test]
+fn the_fused_layer_computes_the_composed_layer_and_its_gradients() {
+    let dir = TempDir::new("fused-layer");
+    write_checkpoint(&dir.0, true, 11);
+    let loaded = qwen2::load(&dir.0, DType::F32, &Device::Cpu).unwrap();
+    for (i, (name, var)) in named_vars(&loaded.varmap).unwrap().into_iter().enumerate() {
+        if name.ends_with("bias") || name.ends_with("norm.weight") {
+            let noise = Tensor::from_vec(
+                Rng::new(100 + i as u64).normal(var.elem_count(), 0.3),
+                var.shape(),
+                &Device::Cpu,
+            )
+            .unwrap();
+            let base = if name.ends_with("bias") { 0.0 } else { 1.0 };
+            var.set(&(noise + base).unwrap()).unwrap();
+        }
+    }
+    let named: Vec<_> = named_vars(&loaded.varmap)
+        .unwrap()
+        .into_iter()
+        .filter(|(n, _)| n.contains("layers.1."))
+        .collect();
+    assert_eq!(named.len(), 12, "{named:?}");
+    let x = candle_core::Var::from_vec(
+        Rng::new(2).normal(2 * 16 * 32, 1.0),
+        (2, 16, 32),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let r = Tensor::from_vec(
+        Rng::new(3).normal(2 * 16 * 32, 1.0),
+        (2, 16, 32),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let mask = examples::gpt::causal_mask(16, &Device::Cpu).unwrap();
+    let layer = &loaded.model.base_model.layers[1];
+    let run = |plan: Plan, fused: bool| {
+        let y = plan
+            .scope(|| {
+                if fused {
+                    layer.forward_fused(&x, Some(&mask))
+                } else {
+                    layer.forward(&x, Some(&mask))
+                }
+            })
+            .unwrap();
+        let grads = (&y * &r).unwrap().sum_all().unwrap().backward().unwrap();
+        let mut g = vec![grads.get(&x).unwrap().clone()];
+        g.extend(named.iter().map(|(n, v)| {
+            grads
+                .get(v)
+                .unwrap_or_else(|| panic!("{n}: no gradient"))
+                .clone()
+        }));
+        (y, g)
+    };
+    let (y0, g0) = run(Plan::off(), false);
+    for plan in [
+        Plan::off(),
+        qwen2::plan_for(Checkpointing::Full, true),
+        qwen2::plan_for(Checkpointing::Selective, true),
+        Plan::save_all(),
+    ] {
+        let (y, g) = run(plan.clone(), true);
+        // Fused ops against composed ones: 1e-5 relative, as each op in
+        // remat-runtime/tests/it/nn.rs (other summation orders in f32).
+        let ry = rel(&y, &y0);
+        assert!(ry <= 1e-5, "{plan}: output {ry}");
+        for (i, (a, b)) in g.iter().zip(&g0).enumerate() {
+            let name = if i == 0 { "x" } else { named[i - 1].0.as_str() };
+            let rg = rel(a, b);
+            assert!(rg <= 1e-5, "{plan}, {name}: {rg}");
+        }
+    }
+}
+
 #[test]
 fn selective_saves_the_outputs_of_the_matrix_products() {
     let dir = TempDir::new("selective");
@@ -471,20 +552,6 @@ fn every_policy_gives_plain_candle_gradients() {
     let corpus = corpus(&dir.0);
     let (x, y) = Corpus::batch(&corpus.train, 4, 16, &mut Rng::new(4), &Device::Cpu).unwrap();
     for dtype in [DType::F32, DType::BF16] {
-        let loaded = qwen2::load(&dir.0, dtype, &Device::Cpu).unwrap();
-        let named = named_vars(&loaded.varmap).unwrap();
-        let run = |plan: Plan| {
-            let loss = plan.scope(|| loaded.model.loss(&x, &y)).unwrap();
-            let grads = loss.backward().unwrap();
-            remat_runtime::check_gradients(&grads, named.iter().map(|(n, v)| (n.as_str(), v)))
-                .unwrap();
-            let g: Vec<Tensor> = named
-                .iter()
-                .map(|(_, v)| grads.get(v).unwrap().clone())
-                .collect();
-            (loss.to_scalar::<f32>().unwrap(), g)
-        };
-        let (loss0, g0) = run(Plan::off());
         // Sums of gradient contributions are reordered across units: 1e-6
         // relative in f32, as in remat-runtime's gradient tests; in bf16 (8
         // bits of mantissa) one unit in the last place, 2^-8.
@@ -493,20 +560,41 @@ fn every_policy_gives_plain_candle_gradients() {
         } else {
             2f64.powi(-8)
         };
-        for policy in [
-            Checkpointing::Full,
-            Checkpointing::Selective,
-            Checkpointing::SaveAll,
-            Checkpointing::Budget(0.5),
-        ] {
-            let (loss, g) = run(qwen2::plan(policy));
-            assert_eq!(
-                loss, loss0,
-                "{dtype:?} {policy}: the forward is the same computation"
-            );
-            for ((n, _), (a, b)) in named.iter().zip(g.iter().zip(&g0)) {
-                let r = rel(a, b);
-                assert!(r <= tolerance, "{dtype:?} {policy}, {n}: {r}");
+        for fused_ops in [false, true] {
+            let mut loaded = qwen2::load(&dir.0, dtype, &Device::Cpu).unwrap();
+            loaded.model.base_model.fused_ops = fused_ops;
+            let vars = named_vars(&loaded.varmap).unwrap();
+            let run = |plan: Plan| {
+                let loss = plan.scope(|| loaded.model.loss(&x, &y)).unwrap();
+                let grads = loss.backward().unwrap();
+                remat_runtime::check_gradients(&grads, vars.iter().map(|(n, v)| (n.as_str(), v)))
+                    .unwrap();
+                let g: Vec<Tensor> = vars
+                    .iter()
+                    .map(|(_, v)| grads.get(v).unwrap().clone())
+                    .collect();
+                (loss.to_scalar::<f32>().unwrap(), g)
+            };
+            // Each kind of layer against itself as plain candle.
+            let (loss0, g0) = run(Plan::off());
+            for policy in [
+                Checkpointing::Full,
+                Checkpointing::Selective,
+                Checkpointing::SaveAll,
+                Checkpointing::Budget(0.5),
+            ] {
+                let (loss, g) = run(qwen2::plan_for(policy, fused_ops));
+                assert_eq!(
+                    loss, loss0,
+                    "{dtype:?} {policy} fused {fused_ops}: the forward is the same computation"
+                );
+                for ((n, _), (a, b)) in vars.iter().zip(g.iter().zip(&g0)) {
+                    let r = rel(a, b);
+                    assert!(
+                        r <= tolerance,
+                        "{dtype:?} {policy} fused {fused_ops}, {n}: {r}"
+                    );
+                }
             }
         }
     }

@@ -69,6 +69,11 @@ usage: cargo run --release -p examples --bin qwen2 -- [flags]
                   soon as its gradient is complete (OptimizerInBackward: a
                   lower peak; needs --clip 0) [after]
   --dtype f32|bf16                        [f32]
+  --ops composed|fused  the decoder layers as candle-transformers writes them
+                  (`forward`: scores and probabilities (B, H, T, T), the MLP's
+                  products kept) or with remat's fused ops (`forward_fused`:
+                  `nn::attention`, `nn::linear_add`, `nn::swiglu_mlp`)
+                  [composed]
   --head fused|composed  the final norm, lm_head and loss as one chunked node
                   (`nn::linear_cross_entropy`: no (tokens, vocabulary) logits)
                   or candle's composed ops [fused]
@@ -98,6 +103,8 @@ struct Args {
     compare: Vec<Checkpointing>,
     /// `--head fused` (the default) or `composed`.
     fused_head: bool,
+    /// `--ops fused` (or `composed`, the default).
+    fused_ops: bool,
     /// `--peaks`: the policies to measure one step of, each with both heads.
     peaks: Vec<Checkpointing>,
     dtype: DType,
@@ -208,6 +215,11 @@ fn args() -> Result<Args, String> {
         "composed" => false,
         other => return Err(format!("--head {other}: expected fused or composed")),
     };
+    let fused_ops = match flags.get("ops", "composed".to_string())?.as_str() {
+        "fused" => true,
+        "composed" => false,
+        other => return Err(format!("--ops {other}: expected composed or fused")),
+    };
     let dtype = match flags.get("dtype", "f32".to_string())?.as_str() {
         "f32" => DType::F32,
         "bf16" => DType::BF16,
@@ -219,6 +231,7 @@ fn args() -> Result<Args, String> {
         tiny,
         compare,
         fused_head,
+        fused_ops,
         peaks,
         dtype,
         device: flags.get("device", "cpu".to_string())?,
@@ -271,8 +284,10 @@ impl Run {
         dev: &Device,
         opts: &Options,
         in_backward: bool,
+        fused_ops: bool,
     ) -> Result<Self, Box<dyn std::error::Error>> {
-        let loaded = qwen2::load(dir, dtype, dev)?;
+        let mut loaded = qwen2::load(dir, dtype, dev)?;
+        loaded.model.base_model.fused_ops = fused_ops;
         // In name order: the order of the gradient norm's sum, so that runs
         // repeat bit for bit.
         let named = named_vars(&loaded.varmap)?;
@@ -289,7 +304,7 @@ impl Run {
         };
         Ok(Run {
             policy,
-            plan: qwen2::plan(policy),
+            plan: qwen2::plan_for(policy, fused_ops),
             loaded,
             named,
             update,
@@ -408,7 +423,17 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     };
     let mut runs = policies
         .iter()
-        .map(|&p| Run::new(p, dir, args.dtype, &dev, opts, args.in_backward))
+        .map(|&p| {
+            Run::new(
+                p,
+                dir,
+                args.dtype,
+                &dev,
+                opts,
+                args.in_backward,
+                args.fused_ops,
+            )
+        })
         .collect::<Result<Vec<_>, _>>()?;
     for r in runs.iter_mut() {
         r.loaded.model.fused_head = args.fused_head;
@@ -518,6 +543,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
 fn peaks(args: &Args, text: &str, dev: &Device) -> Result<(), Box<dyn std::error::Error>> {
     let opts = &args.opts;
     let mut loaded = qwen2::load(&args.checkpoint, args.dtype, dev)?;
+    loaded.model.base_model.fused_ops = args.fused_ops;
     let tokens = qwen2::encode(&qwen2::read_tokenizer(&args.checkpoint)?, text)?;
     let corpus = qwen2::split(&tokens);
     let (x, y) = Corpus::batch(
@@ -536,7 +562,7 @@ fn peaks(args: &Args, text: &str, dev: &Device) -> Result<(), Box<dyn std::error
         .sum();
     println!(
         "Qwen2 {} layers, hidden {}, {} heads ({} key/value), MLP {}, vocabulary {}, {}; {params} \
-         parameters, {:?}; batch {} x {} tokens; one forward + backward each (no optimizer), \
+         parameters, {:?}; layers with {} ops; batch {} x {} tokens; one forward + backward each (no optimizer), \
          exact host bytes over what was live before (parameters excluded, their gradients \
          included); logits (B, T, V) in f32 would be {:.1} MiB\n",
         c.num_hidden_layers,
@@ -551,6 +577,7 @@ fn peaks(args: &Args, text: &str, dev: &Device) -> Result<(), Box<dyn std::error
             "untied head"
         },
         args.dtype,
+        if args.fused_ops { "fused" } else { "composed" },
         opts.batch,
         opts.seq,
         (opts.batch * opts.seq * c.vocab_size * 4) as f64 / MIB,
@@ -558,7 +585,7 @@ fn peaks(args: &Args, text: &str, dev: &Device) -> Result<(), Box<dyn std::error
     println!("| policy | head | held after the forward (MiB) | peak of forward + backward (MiB) | largest allocation (MiB) | time (s) | loss |");
     println!("|---|---|---:|---:|---:|---:|---:|");
     for &policy in &args.peaks {
-        let plan = qwen2::plan(policy);
+        let plan = qwen2::plan_for(policy, args.fused_ops);
         for fused in [false, true] {
             loaded.model.fused_head = fused;
             let model = &loaded.model;
@@ -593,7 +620,7 @@ fn print_first_step(r: &Run, bar: &ProgressBar) {
             .report
             .entries
             .iter()
-            .filter(|e| e.region == "DecoderLayer::forward" && e.call == 0)
+            .filter(|e| e.region.starts_with("DecoderLayer::forward") && e.call == 0)
             .cloned()
             .collect(),
     };

@@ -9,6 +9,7 @@ use candle_core::{CustomOp3, DType, Result, Tensor, D};
 use super::attach::{forward_computed, Computed};
 use super::bundle::{bundle_all, Slot};
 use super::prenorm::{norm_forward, PreNorm};
+use super::product_sum::ProductSum;
 
 /// What [`linear_cross_entropy`] computes besides the projection: the norm
 /// before it, the head's bias, the ignored label, label smoothing and the
@@ -34,7 +35,9 @@ pub struct LinearCrossEntropy<'a> {
     pub label_smoothing: f64,
     /// The most bytes the blocks of one chunk of logits may take at once
     /// (about five `(rows, V)` blocks in the statistics' dtype). `None`:
-    /// the size of the hidden states or 64 MiB, whichever is larger.
+    /// the size of the head weight's gradient in the statistics' dtype (the
+    /// op holds it anyway), of the hidden states or 64 MiB, whichever is
+    /// largest.
     pub chunk_bytes: Option<usize>,
 }
 
@@ -144,9 +147,16 @@ pub fn linear_cross_entropy(
         DType::F64 => DType::F64,
         _ => DType::F32,
     };
-    let bound = o
-        .chunk_bytes
-        .unwrap_or_else(|| (n * c * x.dtype().size_in_bytes()).max(64 << 20));
+    // By default as much as the weight's gradient, which the node holds
+    // anyway (so the chunks never set the op's peak: its backward's is
+    // three of those, candle's sum included), or the hidden states, or 64
+    // MiB: each chunk streams the weight three times, so fewer chunks is
+    // faster.
+    let bound = o.chunk_bytes.unwrap_or_else(|| {
+        (n * c * x.dtype().size_in_bytes())
+            .max(v * c * work.size_in_bytes())
+            .max(64 << 20)
+    });
     let rows = (bound / (BLOCKS * v.max(1) * work.size_in_bytes())).clamp(1, n.max(1));
     let sums = chunks(x, w, &labels, o, work, rows)?;
 
@@ -270,7 +280,7 @@ fn chunks(
     };
     let eps = o.label_smoothing;
     let mut loss = Tensor::zeros((), work, dev)?;
-    let mut dw = Tensor::zeros((v, c), work, dev)?;
+    let mut dw = ProductSum::zeros(v, c, work, dev)?;
     let mut db = Tensor::zeros(v, work, dev)?;
     let mut dnorm: Option<Vec<Tensor>> = None;
     let mut dx = Vec::with_capacity(n.div_ceil(rows.max(1)));
@@ -306,8 +316,8 @@ fn chunks(
             .where_cond(&token, &token.zeros_like()?)?;
         loss = (loss + token.sum_all()?)?;
         // d loss / d z = softmax - (1 - eps) onehot - eps / V, for counted
-        // tokens (entries at most 1: safe in f16); the mean's 1 / count is
-        // applied in the statistics' dtype, after the products.
+        // tokens, times the mean's 1 / count (in the statistics' dtype, so
+        // that the products below give the gradients already scaled).
         let dz = e.broadcast_div(&sum)?;
         drop(e);
         let dz = if eps > 0.0 {
@@ -317,17 +327,14 @@ fn chunks(
         };
         let minus = Tensor::full(-(1.0 - eps), (len, 1), dev)?.to_dtype(work)?;
         dz.scatter_add_set(&index, &minus, 1)?;
-        let dz = dz.broadcast_mul(&counted)?;
+        let dz = dz.broadcast_mul(&(counted * scale)?)?;
         db = (db + dz.sum(0)?)?;
-        let h_work = h.to_dtype(work)?;
-        dw = (dw + dz.t()?.matmul(&h_work)?)?;
-        drop(h_work);
+        dw.add(&dz, &h.to_dtype(work)?)?;
         let dh = match &w_work {
             Some(w) => dz.matmul(w)?,
             None => dz.to_dtype(x.dtype())?.matmul(&w)?.to_dtype(work)?,
         };
         drop(dz);
-        let dh = (dh * scale)?;
         let (dxc, dparams) = match &normed {
             Some(normed) => normed.backward_work(&xc, &dh)?,
             None => (dh, Vec::new()),
@@ -360,8 +367,8 @@ fn chunks(
     Ok(Sums {
         loss: (loss * scale)?,
         dx,
-        dw: (dw * scale)?,
-        db: (db * scale)?,
+        dw: dw.into_tensor()?,
+        db,
         dnorm,
     })
 }
@@ -397,10 +404,15 @@ impl CustomOp3 for LinearLoss {
             )
         })?;
         // Scaled in the statistics' dtype (a loss scale of 2^16 overflows
-        // f16), then rounded once.
+        // f16), then rounded once. On the CPU, the usual `loss.backward()`
+        // (a gradient of exactly 1) skips the product: a tied head's weight
+        // gradient is the size of the embedding.
         let g = g.detach();
-        let scaled =
-            |t: Tensor, dtype: DType| t.broadcast_mul(&g.to_dtype(t.dtype())?)?.to_dtype(dtype);
+        let one = g.device().is_cpu() && g.to_dtype(DType::F64)?.to_scalar::<f64>()? == 1.0;
+        let scaled = |t: Tensor, dtype: DType| match one {
+            true => t.to_dtype(dtype),
+            false => t.broadcast_mul(&g.to_dtype(t.dtype())?)?.to_dtype(dtype),
+        };
         let dx = x
             .track_op()
             .then(|| scaled(dx, self.dtypes[0]))

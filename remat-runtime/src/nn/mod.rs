@@ -53,6 +53,7 @@ mod mlp;
 mod norm;
 mod norm_linear;
 mod prenorm;
+mod product_sum;
 mod qkv_attention;
 mod rope;
 mod softmax;

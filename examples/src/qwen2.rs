@@ -226,7 +226,15 @@ impl MLP {
 impl MLP {
     /// `xs + mlp(norm(xs))` as one [`nn::swiglu_mlp`] node, which keeps
     /// the gate's and the up projection's outputs for its backward only.
+    /// SwiGLU only: another `hidden_act` is an error.
     pub fn forward_fused(&self, xs: &Tensor, norm: &RmsNorm) -> Result<Tensor> {
+        if !matches!(self.act_fn, Activation::Silu) {
+            candle_core::bail!(
+                "qwen2: the fused MLP is SwiGLU (hidden_act \"silu\"), this model's is {:?}: \
+                 run the layers with --ops composed",
+                self.act_fn
+            );
+        }
         let norm = nn::PreNorm::Rms {
             gain: norm.weight(),
             eps: norm.eps(),

@@ -72,9 +72,15 @@ fn values(t: &Tensor) -> Vec<f32> {
         .unwrap()
 }
 
-/// Largest |a - b| / largest |b|.
+/// Largest |a - b| / largest |b|; the shapes must be equal and every
+/// value finite.
 fn rel(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.dims(), b.dims());
     let (a, b) = (values(a), values(b));
+    assert!(
+        a.iter().chain(&b).all(|x| x.is_finite()),
+        "a value is not finite"
+    );
     let d = a
         .iter()
         .zip(&b)

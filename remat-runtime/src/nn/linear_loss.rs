@@ -35,9 +35,10 @@ pub struct LinearCrossEntropy<'a> {
     pub label_smoothing: f64,
     /// The most bytes the blocks of one chunk of logits may take at once
     /// (about five `(rows, V)` blocks in the statistics' dtype). `None`:
-    /// the size of the head weight's gradient in the statistics' dtype (the
-    /// op holds it anyway), of the hidden states or 64 MiB, whichever is
-    /// largest.
+    /// the size of the hidden states or 64 MiB, whichever is larger, and on
+    /// the CPU at least the size of the head weight's gradient in the
+    /// statistics' dtype (which the op holds anyway; fewer chunks read the
+    /// weight from memory fewer times).
     pub chunk_bytes: Option<usize>,
 }
 
@@ -147,15 +148,17 @@ pub fn linear_cross_entropy(
         DType::F64 => DType::F64,
         _ => DType::F32,
     };
-    // By default as much as the weight's gradient, which the node holds
-    // anyway (so the chunks never set the op's peak: its backward's is
-    // three of those, candle's sum included), or the hidden states, or 64
-    // MiB: each chunk streams the weight three times, so fewer chunks is
-    // faster.
+    // By default the hidden states' size or 64 MiB; on the CPU at least
+    // the weight's gradient, which the node holds anyway (its backward
+    // holds three of those: the gradient, candle's zeros and their sum), as
+    // each chunk streams the weight from memory three times: fewer chunks
+    // are faster there.
     let bound = o.chunk_bytes.unwrap_or_else(|| {
-        (n * c * x.dtype().size_in_bytes())
-            .max(v * c * work.size_in_bytes())
-            .max(64 << 20)
+        let floor = match x.device().is_cpu() {
+            true => v * c * work.size_in_bytes(),
+            false => 0,
+        };
+        (n * c * x.dtype().size_in_bytes()).max(floor).max(64 << 20)
     });
     let rows = (bound / (BLOCKS * v.max(1) * work.size_in_bytes())).clamp(1, n.max(1));
     let sums = chunks(x, w, &labels, o, work, rows)?;
@@ -316,8 +319,10 @@ fn chunks(
             .where_cond(&token, &token.zeros_like()?)?;
         loss = (loss + token.sum_all()?)?;
         // d loss / d z = softmax - (1 - eps) onehot - eps / V, for counted
-        // tokens, times the mean's 1 / count (in the statistics' dtype, so
-        // that the products below give the gradients already scaled).
+        // tokens (entries at most 1: safe in f16, where the product with a
+        // 16-bit weight runs); the mean's 1 / count is applied in the
+        // statistics' dtype, after the products (in the weight's gradient,
+        // by the product itself).
         let dz = e.broadcast_div(&sum)?;
         drop(e);
         let dz = if eps > 0.0 {
@@ -327,14 +332,15 @@ fn chunks(
         };
         let minus = Tensor::full(-(1.0 - eps), (len, 1), dev)?.to_dtype(work)?;
         dz.scatter_add_set(&index, &minus, 1)?;
-        let dz = dz.broadcast_mul(&(counted * scale)?)?;
+        let dz = dz.broadcast_mul(&counted)?;
         db = (db + dz.sum(0)?)?;
-        dw.add(&dz, &h.to_dtype(work)?)?;
+        dw.add(&dz, &h.to_dtype(work)?, scale)?;
         let dh = match &w_work {
             Some(w) => dz.matmul(w)?,
             None => dz.to_dtype(x.dtype())?.matmul(&w)?.to_dtype(work)?,
         };
         drop(dz);
+        let dh = (dh * scale)?;
         let (dxc, dparams) = match &normed {
             Some(normed) => normed.backward_work(&xc, &dh)?,
             None => (dh, Vec::new()),
@@ -368,7 +374,7 @@ fn chunks(
         loss: (loss * scale)?,
         dx,
         dw: dw.into_tensor()?,
-        db,
+        db: (db * scale)?,
         dnorm,
     })
 }

@@ -1,10 +1,10 @@
 //! A matrix gradient summed over chunks of rows, in place where the device
-//! allows it: `sum += aᵀ b`.
+//! allows it: `sum += factor aᵀ b`.
 
 use candle_core::{DType, Device, Result, Storage, Tensor};
 use gemm::Parallelism;
 
-/// `Σ aᵀ b` over chunks of rows (`a` `(rows, m)`, `b` `(rows, n)`): a
+/// `Σ factor aᵀ b` over chunks of rows (`a` `(rows, m)`, `b` `(rows, n)`): a
 /// weight's gradient summed over chunks of tokens, as
 /// [`super::linear_cross_entropy`] sums its head's.
 ///
@@ -34,14 +34,14 @@ impl ProductSum {
         })
     }
 
-    /// Adds `aᵀ b`: `a` `(rows, m)` and `b` `(rows, n)`, of the sum's dtype
-    /// and device.
-    pub fn add(&mut self, a: &Tensor, b: &Tensor) -> Result<()> {
+    /// Adds `factor aᵀ b`: `a` `(rows, m)` and `b` `(rows, n)`, of the
+    /// sum's dtype and device.
+    pub fn add(&mut self, a: &Tensor, b: &Tensor, factor: f64) -> Result<()> {
         match self {
-            ProductSum::F32(sum, m, n) => add_on_host(sum, *m, *n, a, b),
-            ProductSum::F64(sum, m, n) => add_on_host(sum, *m, *n, a, b),
+            ProductSum::F32(sum, m, n) => add_on_host(sum, *m, *n, a, b, factor as f32),
+            ProductSum::F64(sum, m, n) => add_on_host(sum, *m, *n, a, b, factor),
             ProductSum::Tensor(sum) => {
-                *sum = (&*sum + a.t()?.matmul(b)?)?;
+                *sum = (&*sum + (a.t()?.matmul(b)? * factor)?)?;
                 Ok(())
             }
         }
@@ -57,8 +57,15 @@ impl ProductSum {
     }
 }
 
-/// `sum += aᵀ b` with one gemm call, `sum` row-major `(m, n)`.
-fn add_on_host<T>(sum: &mut [T], m: usize, n: usize, a: &Tensor, b: &Tensor) -> Result<()>
+/// `sum += factor aᵀ b` with one gemm call, `sum` row-major `(m, n)`.
+fn add_on_host<T>(
+    sum: &mut [T],
+    m: usize,
+    n: usize,
+    a: &Tensor,
+    b: &Tensor,
+    factor: T,
+) -> Result<()>
 where
     T: HostFloat,
 {
@@ -77,7 +84,9 @@ where
     let (a_storage, a_layout) = a.storage_and_layout();
     let (b_storage, b_layout) = b.storage_and_layout();
     let (Storage::Cpu(a_cpu), Storage::Cpu(b_cpu)) = (&*a_storage, &*b_storage) else {
-        candle_core::bail!("remat nn: a product sum on the CPU was given tensors on another device");
+        candle_core::bail!(
+            "remat nn: a product sum on the CPU was given tensors on another device"
+        );
     };
     let (a_start, a_end) = a_layout
         .contiguous_offsets()
@@ -87,7 +96,9 @@ where
         .ok_or_else(|| candle_core::Error::Msg("remat nn: b is not contiguous".into()))?;
     let a = &T::cpu_storage_as_slice(a_cpu)?[a_start..a_end];
     let b = &T::cpu_storage_as_slice(b_cpu)?[b_start..b_end];
-    assert!(a.len() == rows * m && b.len() == rows * n && sum.len() == m * n);
+    if a.len() != rows * m || b.len() != rows * n || sum.len() != m * n {
+        candle_core::bail!("remat nn: a product sum's operands do not have their shapes' lengths");
+    }
     let threads = rayon::current_num_threads();
     let parallelism = if threads > 1 {
         Parallelism::Rayon(threads)
@@ -97,7 +108,7 @@ where
     // SAFETY: gemm reads `m x rows` elements of its left operand, `rows x
     // n` of its right one and reads and writes `m x n` of its destination,
     // at the strides given. The destination is `sum`, a mutable slice of
-    // exactly `m * n` elements (asserted above), row-major: element (i, j)
+    // exactly `m * n` elements (checked above), row-major: element (i, j)
     // at `i * n + j` (row stride n, column stride 1). The left operand is
     // `aᵀ`, its element (i, p) being `a`'s (p, i) at `p * m + i` (row
     // stride 1, column stride m), inside `a`'s `rows * m` elements. The
@@ -122,7 +133,7 @@ where
             1,
             n as isize,
             T::ONE,
-            T::ONE,
+            factor,
             false,
             false,
             false,
@@ -188,7 +199,10 @@ mod tests {
                 .iter()
                 .enumerate()
                 .map(|(s, &rows)| {
-                    let a = Tensor::randn(0f32, 1.0, (m, rows), &dev).unwrap().t().unwrap();
+                    let a = Tensor::randn(0f32, 1.0, (m, rows), &dev)
+                        .unwrap()
+                        .t()
+                        .unwrap();
                     let b = Tensor::randn(0f32, 1.0, (rows, n + 3), &dev)
                         .unwrap()
                         .narrow(1, s % 3, n)
@@ -202,9 +216,12 @@ mod tests {
             let device = ProductSum::Tensor(Tensor::zeros((m, n), dtype, &dev).unwrap());
             for mut sum in [host, device] {
                 for (a, b) in &chunks {
-                    sum.add(a, b).unwrap();
+                    sum.add(a, b, 0.75).unwrap();
                 }
-                let got = values(&sum.into_tensor().unwrap());
+                let got: Vec<f64> = values(&sum.into_tensor().unwrap())
+                    .iter()
+                    .map(|x| x / 0.75)
+                    .collect();
                 let scale = want.iter().fold(0f64, |x, y| x.max(y.abs()));
                 let err = got
                     .iter()
@@ -224,6 +241,6 @@ mod tests {
         let mut sum = ProductSum::zeros(3, 2, DType::F32, &dev).unwrap();
         let a = Tensor::zeros((4, 3), DType::F32, &dev).unwrap();
         let b = Tensor::zeros((5, 2), DType::F32, &dev).unwrap();
-        assert!(sum.add(&a, &b).is_err());
+        assert!(sum.add(&a, &b, 1.0).is_err());
     }
 }

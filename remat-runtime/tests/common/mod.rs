@@ -35,8 +35,6 @@ pub fn var(dims: &[usize], seed: u64, scale: f64, dtype: DType) -> Var {
     Var::from_tensor(&tensor(dims, seed, scale, dtype)).unwrap()
 }
 
-/// Largest absolute difference divided by the largest absolute reference value.
-/// Largest absolute element.
 /// A loss that weighs every output element by a fixed pseudo-random weight
 /// (a plain sum would give a normalized output's gradients zero).
 pub fn weighted_loss(y: &Tensor) -> Tensor {
@@ -51,6 +49,7 @@ pub fn weighted_loss(y: &Tensor) -> Tensor {
     (y * w).unwrap().sum_all().unwrap()
 }
 
+/// Largest absolute element.
 pub fn max_abs(t: &Tensor) -> f64 {
     t.abs()
         .unwrap()
@@ -62,6 +61,7 @@ pub fn max_abs(t: &Tensor) -> f64 {
         .unwrap()
 }
 
+/// Largest absolute difference divided by the largest absolute reference value.
 pub fn rel_diff(a: &Tensor, reference: &Tensor) -> f64 {
     assert_eq!(a.dims(), reference.dims());
     let a = a.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
@@ -320,6 +320,65 @@ impl Gpt {
 /// Queries, keys and values `(B, H, T, D)` of a packed `(B, T, 3 H D)`
 /// projection, split with contiguous copies as a model written with
 /// candle's ops does.
+/// A difference quotient: how a finite-difference check differentiates a
+/// loss along one element.
+#[derive(Clone, Copy, Debug)]
+pub enum Quotient {
+    /// `(L(x + h) - L(x - h)) / 2h`: error O(h²).
+    Central(f64),
+    /// Richardson's five points, `(8 (L(x + h) - L(x - h)) - (L(x + 2h) -
+    /// L(x - 2h))) / 12h`: error O(h⁴).
+    FivePoint(f64),
+}
+
+/// The worst element of a finite-difference check of one input: for each
+/// element `j` of `base` (the input's values, flattened), `quotient` of
+/// `loss` moved along `j` against `analytic[j]`. Returns the largest error
+/// relative to `analytic`'s largest magnitude floored at `floor`, the
+/// element where it is, and the quotient there. `loss(moved)` is the loss
+/// with the input's values replaced by `moved`. A NaN quotient (an
+/// infinite entry moved: `inf - inf`) counts as 0.
+pub fn worst_difference(
+    base: &[f64],
+    analytic: &[f64],
+    floor: f64,
+    quotient: Quotient,
+    mut loss: impl FnMut(Vec<f64>) -> f64,
+) -> (f64, usize, f64) {
+    assert_eq!(base.len(), analytic.len());
+    let scale = analytic.iter().fold(floor, |a, b| a.max(b.abs()));
+    let mut worst = (0f64, 0usize, 0f64);
+    for (j, &g) in analytic.iter().enumerate() {
+        let mut at = |d: f64| {
+            let mut moved = base.to_vec();
+            moved[j] += d;
+            loss(moved)
+        };
+        let numeric = match quotient {
+            Quotient::Central(h) => (at(h) - at(-h)) / (2.0 * h),
+            Quotient::FivePoint(h) => {
+                (8.0 * (at(h) - at(-h)) - (at(2.0 * h) - at(-2.0 * h))) / (12.0 * h)
+            }
+        };
+        let numeric = if numeric.is_nan() { 0.0 } else { numeric };
+        let err = (numeric - g).abs() / scale;
+        if err > worst.0 {
+            worst = (err, j, numeric);
+        }
+    }
+    worst
+}
+
+/// A tensor's values as `f64`s, flattened.
+pub fn f64s(t: &Tensor) -> Vec<f64> {
+    t.to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
 pub fn split_heads(qkv: &Tensor, n_head: usize) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
     let (b, t, c3) = qkv.dims3()?;
     let c = c3 / 3;

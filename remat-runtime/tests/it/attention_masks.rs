@@ -161,15 +161,6 @@ fn run(f: &Attn, c: &Case) -> (Tensor, Vec<Tensor>) {
     (y, gs)
 }
 
-fn f64s(t: &Tensor) -> Vec<f64> {
-    t.to_dtype(DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
-}
-
 fn amax(t: &Tensor) -> f64 {
     f64s(t).iter().fold(0f64, |a, b| a.max(b.abs()))
 }
@@ -213,20 +204,19 @@ fn finite_differences(c: &Case) -> f64 {
             .to_scalar::<f64>()
             .unwrap()
     };
-    let h = 1e-5;
     let mut worst = 0f64;
     for (i, g) in analytic.iter().enumerate() {
-        let g = f64s(g);
+        let input = [&c.q, &c.k, &c.v, c.mask.as_ref().unwrap_or(&c.q)][i];
         // Floored at 1e-3: a mask broadcast over the keys has gradient 0,
         // and rounding of the loss (1e-16 |L| / h) is all the differences
-        // see there.
-        let scale = g.iter().fold(0f64, |a, b| a.max(b.abs())).max(1e-3);
-        let input = [&c.q, &c.k, &c.v, c.mask.as_ref().unwrap_or(&c.q)][i];
-        let base = f64s(input);
-        for j in 0..base.len() {
-            let at = |d: f64| {
-                let mut moved = base.clone();
-                moved[j] += d;
+        // see there. A `-inf` entry moved stays `-inf` (its NaN quotient
+        // counts as 0).
+        let (err, _, _) = worst_difference(
+            &f64s(input),
+            &f64s(g),
+            1e-3,
+            Quotient::Central(1e-5),
+            |moved| {
                 let t = Tensor::from_vec(moved, input.shape(), &Device::Cpu).unwrap();
                 let mut c = c.clone();
                 match i {
@@ -236,12 +226,9 @@ fn finite_differences(c: &Case) -> f64 {
                     _ => c.mask = Some(t),
                 }
                 loss(&c)
-            };
-            let numeric = (at(h) - at(-h)) / (2.0 * h);
-            // A `-inf` entry stays `-inf`: 0 - 0 would be NaN.
-            let numeric = if numeric.is_nan() { 0.0 } else { numeric };
-            worst = worst.max((numeric - g[j]).abs() / scale);
-        }
+            },
+        );
+        worst = worst.max(err);
     }
     worst
 }

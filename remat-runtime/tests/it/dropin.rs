@@ -29,7 +29,7 @@
 //!   as candle's does, its backward's row sum of 8 terms included:
 //!   <= 2^-6.
 
-use crate::common::{lcg, rel_diff, tensor};
+use crate::common::{f64s, lcg, rel_diff, tensor, worst_difference, Quotient};
 use candle_core::{DType, Device, Module, Result, Tensor, Var, D};
 use candle_nn::{VarBuilder, VarMap};
 use remat_runtime::candle_nn::{self as dropin, ops, rotary_emb};
@@ -294,24 +294,22 @@ fn finite_differences(op: &Op, inputs: &[Tensor], trained: usize) -> f64 {
             .to_scalar()
             .unwrap()
     };
-    let h = 1e-3;
     let mut worst = 0f64;
     for (i, g) in analytic.iter().enumerate() {
-        let g = g.flatten_all().unwrap().to_vec1::<f64>().unwrap();
-        let scale = g.iter().fold(0f64, |a, b| a.max(b.abs()));
-        assert!(scale > 0.0, "input {i}: zero gradient");
-        let base = inputs[i].flatten_all().unwrap().to_vec1::<f64>().unwrap();
-        for (j, g) in g.iter().enumerate() {
-            let at = |d: f64| {
-                let mut moved = base.clone();
-                moved[j] += d;
+        let g = f64s(g);
+        assert!(g.iter().any(|&x| x != 0.0), "input {i}: zero gradient");
+        let (err, _, _) = worst_difference(
+            &f64s(&inputs[i]),
+            &g,
+            0.0,
+            Quotient::FivePoint(1e-3),
+            |moved| {
                 let mut ins = inputs.to_vec();
                 ins[i] = Tensor::from_vec(moved, inputs[i].shape(), &Device::Cpu).unwrap();
                 loss(&ins)
-            };
-            let numeric = (8.0 * (at(h) - at(-h)) - (at(2.0 * h) - at(-2.0 * h))) / (12.0 * h);
-            worst = worst.max((numeric - g).abs() / scale);
-        }
+            },
+        );
+        worst = worst.max(err);
     }
     worst
 }

@@ -37,30 +37,22 @@ fn finite_differences(op: &Op, inputs: &[Tensor], grad: &[bool]) -> f64 {
         .map(|(t, v)| v.as_ref().map_or(t.clone(), |v| v.as_tensor().clone()))
         .collect();
     let grads = weighted(op, &tracked).backward().unwrap();
-    let h = 1e-5;
     let mut worst = 0f64;
     for (i, v) in vars.iter().enumerate() {
         let Some(v) = v else { continue };
-        let analytic = grads
-            .get(v)
-            .expect("a gradient")
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f64>()
-            .unwrap();
-        let scale = analytic.iter().fold(0f64, |a, b| a.max(b.abs())).max(1e-6);
-        let base = inputs[i].flatten_all().unwrap().to_vec1::<f64>().unwrap();
-        for j in 0..base.len() {
-            let at = |d: f64| {
-                let mut moved = base.clone();
-                moved[j] += d;
+        let analytic = f64s(grads.get(v).expect("a gradient"));
+        let (err, _, _) = worst_difference(
+            &f64s(&inputs[i]),
+            &analytic,
+            1e-6,
+            Quotient::Central(1e-5),
+            |moved| {
                 let mut ins = inputs.to_vec();
                 ins[i] = Tensor::from_vec(moved, inputs[i].shape(), inputs[i].device()).unwrap();
                 weighted(op, &ins).to_scalar::<f64>().unwrap()
-            };
-            let numeric = (at(h) - at(-h)) / (2.0 * h);
-            worst = worst.max((numeric - analytic[j]).abs() / scale);
-        }
+            },
+        );
+        worst = worst.max(err);
     }
     worst
 }

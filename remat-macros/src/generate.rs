@@ -17,7 +17,7 @@ use syn::spanned::Spanned;
 use syn::{Ident, Type};
 
 use crate::analyse::{Analysis, Borrowed, Read, StatementAnalysis};
-use crate::model::{AnnotationKind, Block, Param, Passing, StmtKind};
+use crate::model::{AnnotationKind, Block, Param, Passing, Statement, StmtKind};
 
 /// A name of the expansion's own, invisible to the user's code.
 fn own(name: &str) -> Ident {
@@ -56,16 +56,24 @@ struct Handover {
     view: TokenStream,
 }
 
-/// `region`: the region's own copy is made here (a statement reads the
-/// region's).
-fn handover(
-    ident: &Ident,
-    passing: Option<&Passing>,
-    mutable: bool,
-    for_value: bool,
-    region: bool,
-) -> Handover {
+/// Who a value is handed over to.
+#[derive(Clone, Copy)]
+enum Taker {
+    /// The region, a parameter of the function: it makes its own copy
+    /// here (statements read the region's), and reads it for its value.
+    Region,
+    /// A statement: `mutable` when it may change the binding (`mut`),
+    /// `for_value` when it reads its values (else only its shape, or
+    /// detached).
+    Statement { mutable: bool, for_value: bool },
+}
+
+fn handover(ident: &Ident, passing: Option<&Passing>, taker: Taker) -> Handover {
     let span = ident.span();
+    let (region, mutable, for_value) = match taker {
+        Taker::Region => (true, false, true),
+        Taker::Statement { mutable, for_value } => (false, mutable, for_value),
+    };
     let mutability = mutable.then(|| quote!(mut));
     let (read, pat, view) = match passing {
         Some(Passing::Ref(ty)) if region && unsized_type(ty) => (
@@ -136,8 +144,11 @@ fn reads(
             Borrowed::Param(i) => &params[i].passing,
             Borrowed::Binding => &reference,
         });
-        let changed = r.mutable && changes.contains(&r.ident);
-        let h = handover(&r.ident, passing, changed, r.for_value, false);
+        let taker = Taker::Statement {
+            mutable: r.mutable && changes.contains(&r.ident),
+            for_value: r.for_value,
+        };
+        let h = handover(&r.ident, passing, taker);
         args.push(h.arg);
         pats.push(h.pat);
         views.extend(h.view);
@@ -184,17 +195,11 @@ struct Call {
     call: TokenStream,
 }
 
-fn statement_call(
-    span: Span,
-    name: &str,
-    declared: TokenStream,
-    read: &[Read],
-    changes: &[Ident],
-    params: &[Param],
-    code: TokenStream,
-) -> Call {
+fn statement_call(span: Span, sa: &StatementAnalysis, params: &[Param], code: TokenStream) -> Call {
     let ctx = own("ctx");
-    let (args, pats, views, checks) = reads(read, changes, params);
+    let (name, declared) = (sa.name.as_str(), declared(sa));
+    let changes = &sa.changes;
+    let (args, pats, views, checks) = reads(&sa.reads, changes, params);
     // A `mut` binding the statement may change (a method call on it) but
     // does not.
     let pats = if changes.is_empty() {
@@ -251,7 +256,6 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
     let (attrs, vis, sig) = (&func.attrs, &func.vis, &func.sig);
     let name = sig.ident.to_string();
     let ctx = own("ctx");
-    let value = own("value");
     // A method's region is named after its type too (`DecoderLayer::forward`).
     let (region, receiver) = match &block.receiver {
         Some(this) => (
@@ -260,203 +264,31 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
         ),
         None => (quote! { #name }, quote! {}),
     };
-    let params = &block.params;
-
-    // The region keeps its own copy of every parameter (the body runs again
-    // in the backward, after this call returned): checked `Clone` where it
-    // is declared, handed over as a statement's reads are.
-    let mut param_checks = TokenStream::new();
-    let (mut region_args, mut region_pats, mut region_views) = (vec![], vec![], TokenStream::new());
-    for param in params {
-        let ident = &param.ident;
-        match &param.passing {
-            Passing::Ref(ty) if !unsized_type(ty) && !tensor_type(ty) => param_checks
-                .extend(quote_spanned! {ty.span()=> let _: &dyn rt::Readable = #ident; }),
-            Passing::Value => param_checks.extend(quote_spanned! {ident.span()=>
-                let _: &dyn rt::Readable = &#ident;
-            }),
-            _ => {}
-        }
-        let h = handover(ident, Some(&param.passing), false, true, true);
-        region_args.push(h.arg);
-        region_pats.push(h.pat);
-        region_views.extend(h.view);
-    }
-    let (region_args, region_pats) = (tuple(region_args), tuple(region_pats));
-
+    let Parameters {
+        checks,
+        args,
+        pats,
+        views,
+    } = parameters(&block.params);
     let mut body = TokenStream::new();
     for (stmt, sa) in block.statements.iter().zip(&analysis.statements) {
-        let attrs = &stmt.attrs;
-        let name = sa.name.as_str();
-        let release = releases(&sa.releases);
-        let inouts = &sa.inouts;
-        match (&stmt.kind, sa.kind) {
-            (StmtKind::Item(item), _) => body.extend(quote! { #item }),
-            (StmtKind::Let { pat, init }, Some(AnnotationKind::Plain)) => {
-                // `let mut h = x.clone();`: changed by later statements,
-                // each on its own copy.
-                let allow_mut = crate::usage::binds_mut(pat).then(|| quote!(#[allow(unused_mut)]));
-                body.extend(quote! {
-                    #allow_mut
-                    #(#attrs)* let #pat = #init;
-                    #release
-                })
-            }
-            (StmtKind::Let { pat, init }, Some(AnnotationKind::ForwardOnly)) => {
-                body.extend(quote! {
-                    if !#ctx.is_replay() {
-                        #(#attrs)* let #pat = #init;
-                    }
-                    #release
-                })
-            }
-            (StmtKind::Expr(e), Some(AnnotationKind::ForwardOnly)) => body.extend(quote! {
-                if !#ctx.is_replay() {
-                    #(#attrs)* #e;
-                }
-                #release
-            }),
-            (StmtKind::Let { pat, init }, _) => {
-                let span = init.span();
-                let gives: Vec<TokenStream> = inouts.iter().map(give).collect();
-                let givens: Vec<TokenStream> = inouts.iter().map(given).collect();
-                let code = if inouts.is_empty() {
-                    quote_spanned!(span=> rt::Ok(#init))
-                } else {
-                    quote_spanned!(span=> rt::Ok((#init, #(#gives),*)))
-                };
-                let Call { checks, call } = statement_call(
-                    span,
-                    name,
-                    declared(sa),
-                    &sa.reads,
-                    &sa.changes,
-                    params,
-                    code,
-                );
-                let saved = match sa.kind {
-                    Some(AnnotationKind::Save | AnnotationKind::Offload) => saved_check(pat, span),
-                    _ => quote!(),
-                };
-                body.extend(host_data(name, &sa.host_data));
-                // `let mut h = ...`: the binding is changed by later
-                // statements, each on its own copy.
-                let allow_mut = crate::usage::binds_mut(pat).then(|| quote!(#[allow(unused_mut)]));
-                // A binding read for the last time and bound again by the
-                // pattern (`let h = h.tanh()?;`) is dropped before the new one
-                // is bound.
-                let rebound = crate::usage::bound(pat)
-                    .iter()
-                    .any(|(b, _)| sa.releases.contains(b));
-                body.extend(checks);
-                body.extend(if inouts.is_empty() && !rebound {
-                    quote! {
-                        #allow_mut
-                        #(#attrs)* let #pat = #call?;
-                        #release
-                    }
-                } else if inouts.is_empty() {
-                    quote! {
-                        let #value = #call?;
-                        #release
-                        #allow_mut
-                        #(#attrs)* let #pat = #value;
-                    }
-                } else if let syn::Pat::Type(_) = pat {
-                    quote! {
-                        let #value = #call?;
-                        #release
-                        let (#value, #(#givens),*) = #value;
-                        #allow_mut
-                        #(#attrs)* let #pat = #value;
-                    }
-                } else {
-                    quote! {
-                        let #value = #call?;
-                        #release
-                        #allow_mut
-                        #(#attrs)* let (#pat, #(#givens),*) = #value;
-                    }
-                });
-                body.extend(saved);
-            }
-            (StmtKind::Expr(e), _) => {
-                let gives: Vec<TokenStream> = inouts.iter().map(give).collect();
-                let givens: Vec<TokenStream> = inouts.iter().map(given).collect();
-                let given = match inouts.len() {
-                    0 => quote! { rt::Ok(()) },
-                    1 => quote! { rt::Ok(#(#gives)*) },
-                    _ => quote! { rt::Ok((#(#gives),*)) },
-                };
-                let Call { checks, call } = statement_call(
-                    e.span(),
-                    name,
-                    declared(sa),
-                    &sa.reads,
-                    &sa.changes,
-                    params,
-                    quote! {{ #(#attrs)* #e; #given }},
-                );
-                body.extend(host_data(name, &sa.host_data));
-                body.extend(checks);
-                body.extend(match inouts.len() {
-                    0 => quote! { #call?; #release },
-                    1 => quote! { let #value = #call?; #release let #(#givens)* = #value; },
-                    _ => quote! { let #value = #call?; #release let (#(#givens),*) = #value; },
-                });
-            }
-        }
+        body.extend(statement(stmt, sa, &block.params));
     }
-    let result = match &block.tail {
-        Some(tail) => match &analysis.tail_passthrough {
-            Some(ident) => quote! { rt::Ok(#ident) },
-            None => {
-                let Call { checks, call } = statement_call(
-                    tail.span(),
-                    "(return)",
-                    quote!(rt::Plan),
-                    &analysis.tail_reads,
-                    &[],
-                    params,
-                    quote!(#tail),
-                );
-                // The region's body gives the tail statement's result.
-                quote! { #checks #call }
-            }
-        },
-        None => quote! { ::core::unreachable!() },
-    };
-
-    let reads_anything = !params.is_empty()
-        || analysis.statements.iter().any(|s| !s.reads.is_empty())
-        || !analysis.tail_reads.is_empty();
-    let dispatch = reads_anything
-        .then(|| quote!(ByClone as _, ByTensors as _, FromResult as _, NotClone as _,));
-    let without_grad = analysis
-        .statements
-        .iter()
-        .flat_map(|s| &s.reads)
-        .chain(&analysis.tail_reads)
-        .any(|r| !r.for_value)
-        .then(|| quote!(Arg as _,));
-    let saves = analysis
-        .statements
-        .iter()
-        .any(|s| matches!(s.kind, Some(AnnotationKind::Save | AnnotationKind::Offload)));
-    let save_checks = saves.then(|| quote!(CheckPlain as _, CheckTensors as _,));
+    let result = tail(block, analysis);
+    let imports = imports(block, analysis);
     let ret = &block.ret;
     let body = braces(
         block,
         quote! {
             // Statements are `Ok(code)`, and their code ends in `?`.
             #![allow(clippy::needless_question_mark)]
-            use ::remat_runtime::__private::{self as rt, #dispatch #without_grad #save_checks};
+            use ::remat_runtime::__private::{self as rt, #imports};
             #receiver
-            #param_checks
+            #checks
             rt::Ok(rt::region::<#ret>(#region).run(
-                #region_args,
-                move |#ctx, #region_pats| {
-                    #region_views
+                #args,
+                move |#ctx, #pats| {
+                    #views
                     #body
                     #result
                 },
@@ -467,6 +299,222 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
         #(#attrs)*
         #vis #sig #body
     }
+}
+
+/// The function's parameters as the region takes them: the `Readable`
+/// checks of those it clones, and their handover.
+struct Parameters {
+    checks: TokenStream,
+    args: TokenStream,
+    pats: TokenStream,
+    views: TokenStream,
+}
+
+/// The region keeps its own copy of every parameter (the body runs again
+/// in the backward, after this call returned): checked `Clone` where it is
+/// declared, handed over as a statement's reads are.
+fn parameters(params: &[Param]) -> Parameters {
+    let mut checks = TokenStream::new();
+    let (mut args, mut pats, mut views) = (vec![], vec![], TokenStream::new());
+    for param in params {
+        let ident = &param.ident;
+        match &param.passing {
+            Passing::Ref(ty) if !unsized_type(ty) && !tensor_type(ty) => {
+                checks.extend(quote_spanned! {ty.span()=> let _: &dyn rt::Readable = #ident; })
+            }
+            Passing::Value => checks.extend(quote_spanned! {ident.span()=>
+                let _: &dyn rt::Readable = &#ident;
+            }),
+            _ => {}
+        }
+        let h = handover(ident, Some(&param.passing), Taker::Region);
+        args.push(h.arg);
+        pats.push(h.pat);
+        views.extend(h.view);
+    }
+    Parameters {
+        checks,
+        args: tuple(args),
+        pats: tuple(pats),
+        views,
+    }
+}
+
+/// One top-level statement of the block, by its kind: an item as it is;
+/// plain code (`let` of a value that needs no tape) as it is; a
+/// `#[forward_only]` statement skipped in the replay; any other statement
+/// one call of the runtime.
+fn statement(stmt: &Statement, sa: &StatementAnalysis, params: &[Param]) -> TokenStream {
+    let ctx = own("ctx");
+    let attrs = &stmt.attrs;
+    let release = releases(&sa.releases);
+    match (&stmt.kind, sa.kind) {
+        (StmtKind::Item(item), _) => quote! { #item },
+        (StmtKind::Let { pat, init }, Some(AnnotationKind::Plain)) => {
+            // `let mut h = x.clone();`: changed by later statements,
+            // each on its own copy.
+            let allow_mut = crate::usage::binds_mut(pat).then(|| quote!(#[allow(unused_mut)]));
+            quote! {
+                #allow_mut
+                #(#attrs)* let #pat = #init;
+                #release
+            }
+        }
+        (StmtKind::Let { pat, init }, Some(AnnotationKind::ForwardOnly)) => quote! {
+            if !#ctx.is_replay() {
+                #(#attrs)* let #pat = #init;
+            }
+            #release
+        },
+        (StmtKind::Expr(e), Some(AnnotationKind::ForwardOnly)) => quote! {
+            if !#ctx.is_replay() {
+                #(#attrs)* #e;
+            }
+            #release
+        },
+        (StmtKind::Let { pat, init }, _) => recorded_let(attrs, pat, init, sa, params),
+        (StmtKind::Expr(e), _) => recorded_expr(attrs, e, sa, params),
+    }
+}
+
+/// `let PAT = INIT;` as a statement of the tape: its value, and the `mut`
+/// bindings it changes given back beside it and bound again.
+fn recorded_let(
+    attrs: &[syn::Attribute],
+    pat: &syn::Pat,
+    init: &syn::Expr,
+    sa: &StatementAnalysis,
+    params: &[Param],
+) -> TokenStream {
+    let value = own("value");
+    let release = releases(&sa.releases);
+    let inouts = &sa.inouts;
+    let span = init.span();
+    let gives: Vec<TokenStream> = inouts.iter().map(give).collect();
+    let givens: Vec<TokenStream> = inouts.iter().map(given).collect();
+    let code = if inouts.is_empty() {
+        quote_spanned!(span=> rt::Ok(#init))
+    } else {
+        quote_spanned!(span=> rt::Ok((#init, #(#gives),*)))
+    };
+    let Call { checks, call } = statement_call(span, sa, params, code);
+    let saved = match sa.kind {
+        Some(AnnotationKind::Save | AnnotationKind::Offload) => saved_check(pat, span),
+        _ => quote!(),
+    };
+    // `let mut h = ...`: the binding is changed by later statements, each
+    // on its own copy.
+    let allow_mut = crate::usage::binds_mut(pat).then(|| quote!(#[allow(unused_mut)]));
+    // A binding read for the last time and bound again by the pattern
+    // (`let h = h.tanh()?;`) is dropped before the new one is bound.
+    let rebound = crate::usage::bound(pat)
+        .iter()
+        .any(|(b, _)| sa.releases.contains(b));
+    let bind = if inouts.is_empty() && !rebound {
+        quote! {
+            #allow_mut
+            #(#attrs)* let #pat = #call?;
+            #release
+        }
+    } else if inouts.is_empty() {
+        quote! {
+            let #value = #call?;
+            #release
+            #allow_mut
+            #(#attrs)* let #pat = #value;
+        }
+    } else if let syn::Pat::Type(_) = pat {
+        quote! {
+            let #value = #call?;
+            #release
+            let (#value, #(#givens),*) = #value;
+            #allow_mut
+            #(#attrs)* let #pat = #value;
+        }
+    } else {
+        quote! {
+            let #value = #call?;
+            #release
+            #allow_mut
+            #(#attrs)* let (#pat, #(#givens),*) = #value;
+        }
+    };
+    let host = host_data(&sa.name, &sa.host_data);
+    quote! { #host #checks #bind #saved }
+}
+
+/// An expression statement (`x.backward_hook()?;`, an assignment, a loop)
+/// as a statement of the tape: the `mut` bindings it changes given back and
+/// bound again.
+fn recorded_expr(
+    attrs: &[syn::Attribute],
+    e: &syn::Expr,
+    sa: &StatementAnalysis,
+    params: &[Param],
+) -> TokenStream {
+    let value = own("value");
+    let release = releases(&sa.releases);
+    let inouts = &sa.inouts;
+    let gives: Vec<TokenStream> = inouts.iter().map(give).collect();
+    let givens: Vec<TokenStream> = inouts.iter().map(given).collect();
+    let given = match inouts.len() {
+        0 => quote! { rt::Ok(()) },
+        1 => quote! { rt::Ok(#(#gives)*) },
+        _ => quote! { rt::Ok((#(#gives),*)) },
+    };
+    let Call { checks, call } =
+        statement_call(e.span(), sa, params, quote! {{ #(#attrs)* #e; #given }});
+    let host = host_data(&sa.name, &sa.host_data);
+    let bind = match inouts.len() {
+        0 => quote! { #call?; #release },
+        1 => quote! { let #value = #call?; #release let #(#givens)* = #value; },
+        _ => quote! { let #value = #call?; #release let (#(#givens),*) = #value; },
+    };
+    quote! { #host #checks #bind }
+}
+
+/// What the region's body gives: the tail expression as the statement
+/// `(return)`, or a binding it returns as it is.
+fn tail(block: &Block, analysis: &Analysis) -> TokenStream {
+    let Some(tail) = &block.tail else {
+        return quote! { ::core::unreachable!() };
+    };
+    if let Some(ident) = &analysis.tail_passthrough {
+        return quote! { rt::Ok(#ident) };
+    }
+    let ctx = own("ctx");
+    let (args, pats, views, checks) = reads(&analysis.tail_reads, &[], &block.params);
+    let code = if views.is_empty() {
+        quote!(#tail)
+    } else {
+        quote!({ #views #tail })
+    };
+    quote_spanned! {tail.span()=>
+        #checks
+        rt::StatementValue::run(#ctx, "(return)", rt::Plan, #args, |#pats| #code)
+    }
+}
+
+/// The dispatch and check traits the expansion calls methods of, imported
+/// only where used (an unused import would warn in the user's crate).
+fn imports(block: &Block, analysis: &Analysis) -> TokenStream {
+    let reads = || {
+        analysis
+            .statements
+            .iter()
+            .flat_map(|s| &s.reads)
+            .chain(&analysis.tail_reads)
+    };
+    let reads_anything = !block.params.is_empty() || reads().next().is_some();
+    let dispatch = reads_anything
+        .then(|| quote!(ByClone as _, ByTensors as _, FromResult as _, NotClone as _,));
+    let without_grad = reads().any(|r| !r.for_value).then(|| quote!(Arg as _,));
+    let saves = analysis
+        .statements
+        .iter()
+        .any(|s| matches!(s.kind, Some(AnnotationKind::Save | AnnotationKind::Offload)));
+    let save_checks = saves.then(|| quote!(CheckPlain as _, CheckTensors as _,));
+    quote! { #dispatch #without_grad #save_checks }
 }
 
 /// `{ inner }` with the span of the user's braces: the function is then the

@@ -6,8 +6,9 @@ use std::time::Instant;
 
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Result, Tensor, Var};
-use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use candle_nn::{Optimizer, ParamsAdamW};
 use indicatif::{ProgressBar, ProgressStyle};
+use remat_runtime::candle_nn::AdamW;
 use remat_runtime::inspect::CountingAlloc;
 use remat_runtime::{check_gradients, MemoryReport};
 
@@ -156,7 +157,9 @@ pub fn clip_grad_norm(grads: &mut GradStore, vars: &[Var], max_norm: f64) -> Res
 }
 
 /// AdamW (weight decay 0.01) with [`learning_rate`]'s schedule and
-/// [`clip_grad_norm`], as `train_gpt` and `qwen2` use it.
+/// [`clip_grad_norm`], as `train_gpt` and `qwen2` use it: remat's drop-in
+/// for candle-nn's (the same updates, a step whose temporaries are those
+/// of a block of each parameter's rows, not of the whole parameter).
 pub struct Optim {
     adamw: AdamW,
     vars: Vec<Var>,

@@ -658,6 +658,60 @@ fn the_program_fine_tunes_from_the_readme_command() {
 
 /// The model file takes candle-nn's backward-less ops from the drop-ins:
 /// its `use` lines are candle-transformers', switched.
+/// `--peaks`, as docs/performance.md runs it (smaller): a table row per
+/// policy and head, the same loss for both heads, the fused head's largest
+/// allocation below the composed head's (the logits); with `--update
+/// in-backward`, the second step of each case.
+#[test]
+fn the_peaks_table_from_the_performance_commands() {
+    let tiny = TempDir::new("peaks");
+    let dir = tiny.0.to_str().unwrap();
+    let shape = [
+        "--layers", "1", "--hidden", "32", "--batch", "4", "--seq", "16",
+    ];
+    for extra in [&[][..], &["--update", "in-backward", "--clip", "0"][..]] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_qwen2"))
+            .args([
+                "--tiny-checkpoint",
+                dir,
+                "--peaks",
+                "none,full",
+                "--ops",
+                "fused",
+            ])
+            .args(shape)
+            .args(extra)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(
+            out.status.success(),
+            "{extra:?}: {stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // | policy | head | held | peak | largest | time | loss |
+        let rows: Vec<Vec<String>> = stdout
+            .lines()
+            .filter(|l| l.starts_with("| none |") || l.starts_with("| full |"))
+            .map(|l| l.split('|').map(|c| c.trim().to_string()).collect())
+            .collect();
+        assert_eq!(rows.len(), 4, "{stdout}");
+        let number = |row: &[String], i: usize| row[i].parse::<f64>().unwrap();
+        for pair in rows.chunks(2) {
+            assert_eq!(
+                (pair[0][2].as_str(), pair[1][2].as_str()),
+                ("composed", "fused")
+            );
+            // The same loss to the printed digits (after an update with
+            // each head's own gradients: within 1e-3).
+            let (a, b) = (number(&pair[0], 7), number(&pair[1], 7));
+            assert!((a - b).abs() <= 1e-3, "{stdout}");
+            assert!(number(&pair[0], 4) > 0.0 && number(&pair[1], 4) > 0.0);
+            assert!(number(&pair[1], 5) <= number(&pair[0], 5), "{stdout}");
+        }
+    }
+}
+
 #[test]
 fn the_model_file_uses_the_drop_ins() {
     let source = include_str!("../src/qwen2.rs");

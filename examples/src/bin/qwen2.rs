@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use candle_core::{DType, Device, Var};
-use candle_nn::{AdamW, ParamsAdamW};
+use candle_nn::ParamsAdamW;
 use examples::cli::{device, Flags};
 use examples::data::{text, Corpus};
 use examples::gpt::Checkpointing;
@@ -22,6 +22,7 @@ use examples::qwen2::{self, named_vars, Config, Loaded};
 use examples::rng::Rng;
 use examples::train::{evaluate, learning_rate, Optim, Options};
 use indicatif::{ProgressBar, ProgressStyle};
+use remat_runtime::candle_nn::AdamW;
 use remat_runtime::inspect::{
     device_memory_in_use, device_memory_peak, reset_device_memory_peak, CountingAlloc,
 };
@@ -80,7 +81,9 @@ usage: cargo run --release -p examples --bin qwen2 -- [flags]
   --peaks P,P,... instead of training: one forward + backward of one batch
                   under each policy, with the composed and the fused head,
                   on one model without an optimizer: held, peak and largest
-                  allocation (exact host bytes), time
+                  allocation (exact host bytes), time; with --update
+                  in-backward (and --clip 0), the second of two steps with
+                  the update inside the backward
   --seed N        seed of the tiny checkpoint and of the batches [0]
   --device cpu|cuda                       [cpu]
   --data PATH     UTF-8 text to train on [this project's README and docs]
@@ -582,11 +585,34 @@ fn peaks(args: &Args, text: &str, dev: &Device) -> Result<(), Box<dyn std::error
         opts.seq,
         (opts.batch * opts.seq * c.vocab_size * 4) as f64 / MIB,
     );
+    if args.in_backward {
+        println!(
+            "With the update in the backward (OptimizerInBackward, AdamW): each case runs two \
+             steps on freshly loaded weights and measures the second (AdamW's state, made by \
+             the first, excluded; each parameter's gradient freed where it is applied)\n"
+        );
+    }
     println!("| policy | head | held after the forward (MiB) | peak of forward + backward (MiB) | largest allocation (MiB) | time (s) | loss |");
     println!("|---|---|---:|---:|---:|---:|---:|");
     for &policy in &args.peaks {
         let plan = qwen2::plan_for(policy, args.fused_ops);
         for fused in [false, true] {
+            let mut update = None;
+            if args.in_backward {
+                // A fresh copy of the weights, and the state of a first step.
+                loaded = qwen2::load(&args.checkpoint, args.dtype, dev)?;
+                loaded.model.base_model.fused_ops = args.fused_ops;
+                loaded.model.fused_head = fused;
+                let config = ParamsAdamW {
+                    lr: opts.lr,
+                    weight_decay: 0.01,
+                    ..Default::default()
+                };
+                let mut opt = OptimizerInBackward::<AdamW>::from_varmap(&loaded.varmap, config)?;
+                let loss = plan.scope(|| loaded.model.loss(&x, &y))?;
+                opt.backward_step(&loss)?;
+                update = Some(opt);
+            }
             loaded.model.fused_head = fused;
             let model = &loaded.model;
             let started = Instant::now();
@@ -594,12 +620,18 @@ fn peaks(args: &Args, text: &str, dev: &Device) -> Result<(), Box<dyn std::error
             ALLOC.reset_peak();
             let loss = plan.scope(|| model.loss(&x, &y))?;
             let held = ALLOC.live().saturating_sub(before);
-            let grads = loss.backward()?;
+            let grads = match update.as_mut() {
+                Some(opt) => {
+                    opt.backward_step(&loss)?;
+                    None
+                }
+                None => Some(loss.backward()?),
+            };
             let peak = ALLOC.peak().saturating_sub(before);
             let largest = ALLOC.largest();
             let seconds = started.elapsed().as_secs_f64();
             let value = loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
-            drop((loss, grads));
+            drop((loss, grads, update));
             println!(
                 "| {policy} | {} | {:.1} | {:.1} | {:.1} | {seconds:.1} | {value:.4} |",
                 if fused { "fused" } else { "composed" },

@@ -656,8 +656,6 @@ fn the_program_fine_tunes_from_the_readme_command() {
     assert!(out.contains("parameters have a gradient"), "{out}");
 }
 
-/// The model file takes candle-nn's backward-less ops from the drop-ins:
-/// its `use` lines are candle-transformers', switched.
 /// `--peaks`, as docs/performance.md runs it (smaller): a table row per
 /// policy and head, the same loss for both heads, the fused head's largest
 /// allocation below the composed head's (the logits); with `--update
@@ -696,6 +694,12 @@ fn the_peaks_table_from_the_performance_commands() {
             .map(|l| l.split('|').map(|c| c.trim().to_string()).collect())
             .collect();
         assert_eq!(rows.len(), 4, "{stdout}");
+        let inside = !extra.is_empty();
+        assert_eq!(
+            stdout.contains("With the update in the backward"),
+            inside,
+            "{stdout}"
+        );
         let number = |row: &[String], i: usize| row[i].parse::<f64>().unwrap();
         for pair in rows.chunks(2) {
             assert_eq!(
@@ -712,6 +716,8 @@ fn the_peaks_table_from_the_performance_commands() {
     }
 }
 
+/// The model file takes candle-nn's backward-less ops from the drop-ins:
+/// its `use` lines are candle-transformers', switched.
 #[test]
 fn the_model_file_uses_the_drop_ins() {
     let source = include_str!("../src/qwen2.rs");

@@ -483,16 +483,17 @@ fn tail(block: &Block, analysis: &Analysis) -> TokenStream {
         return quote! { rt::Ok(#ident) };
     }
     let ctx = own("ctx");
+    let (name, declared) = ("(return)", quote!(rt::Plan));
     let (args, pats, views, checks) = reads(&analysis.tail_reads, &[], &block.params);
     let code = if views.is_empty() {
         quote!(#tail)
     } else {
         quote!({ #views #tail })
     };
-    quote_spanned! {tail.span()=>
-        #checks
-        rt::StatementValue::run(#ctx, "(return)", rt::Plan, #args, |#pats| #code)
-    }
+    let call = quote_spanned! {tail.span()=>
+        rt::StatementValue::run(#ctx, #name, #declared, #args, |#pats| #code)
+    };
+    quote! { #checks #call }
 }
 
 /// The dispatch and check traits the expansion calls methods of, imported

@@ -565,7 +565,7 @@ fn peaks(args: &Args, text: &str, dev: &Device) -> Result<(), Box<dyn std::error
         .sum();
     println!(
         "Qwen2 {} layers, hidden {}, {} heads ({} key/value), MLP {}, vocabulary {}, {}; {params} \
-         parameters, {:?}; layers with {} ops; batch {} x {} tokens; one forward + backward each (no optimizer), \
+         parameters, {:?}; layers with {} ops; batch {} x {} tokens; one forward + backward each{}, \
          exact host bytes over what was live before (parameters excluded, their gradients \
          included); logits (B, T, V) in f32 would be {:.1} MiB\n",
         c.num_hidden_layers,
@@ -583,13 +583,20 @@ fn peaks(args: &Args, text: &str, dev: &Device) -> Result<(), Box<dyn std::error
         if args.fused_ops { "fused" } else { "composed" },
         opts.batch,
         opts.seq,
+        if args.in_backward {
+            " with the update inside the backward"
+        } else {
+            " (no optimizer)"
+        },
         (opts.batch * opts.seq * c.vocab_size * 4) as f64 / MIB,
     );
     if args.in_backward {
         println!(
-            "With the update in the backward (OptimizerInBackward, AdamW): each case runs two \
-             steps on freshly loaded weights and measures the second (AdamW's state, made by \
-             the first, excluded; each parameter's gradient freed where it is applied)\n"
+            "With the update in the backward (OptimizerInBackward, remat's AdamW): each case \
+             runs two steps on freshly loaded weights and measures the second (AdamW's state, \
+             made by the first, excluded; each parameter's gradient freed where its last \
+             region applies it; under `none` no region runs, so every parameter is updated \
+             after the backward)\n"
         );
     }
     println!("| policy | head | held after the forward (MiB) | peak of forward + backward (MiB) | largest allocation (MiB) | time (s) | loss |");

@@ -21,7 +21,9 @@ const BLOCK_BYTES: usize = 16 << 20;
 /// A parameter no larger than a block is updated as candle-nn updates it.
 ///
 /// Works with [`crate::OptimizerInBackward`] as candle-nn's does
-/// (`OptimizerInBackward::<remat_runtime::candle_nn::AdamW>`).
+/// (`OptimizerInBackward::<remat_runtime::candle_nn::AdamW>`), with the
+/// default block (it builds each parameter's optimizer from `ParamsAdamW`
+/// alone).
 ///
 /// ```
 /// use candle_core::{DType, Device, Var};
@@ -53,6 +55,35 @@ struct State {
 }
 
 impl AdamW {
+    /// An optimizer of `vars` with learning rate `learning_rate` and
+    /// `ParamsAdamW`'s other defaults, as candle-nn's `AdamW::new_lr`.
+    ///
+    /// ```
+    /// let opt = remat_runtime::candle_nn::AdamW::new_lr(vec![], 0.01)?;
+    /// assert_eq!(opt.params().lr, 0.01);
+    /// # Ok::<(), candle_core::Error>(())
+    /// ```
+    pub fn new_lr(vars: Vec<Var>, learning_rate: f64) -> Result<Self> {
+        let params = ParamsAdamW {
+            lr: learning_rate,
+            ..ParamsAdamW::default()
+        };
+        <Self as Optimizer>::new(vars, params)
+    }
+
+    /// Replaces the hyperparameters, as candle-nn's `AdamW::set_params`.
+    ///
+    /// ```
+    /// use candle_nn::ParamsAdamW;
+    /// let mut opt = remat_runtime::candle_nn::AdamW::new_lr(vec![], 0.01)?;
+    /// opt.set_params(ParamsAdamW { weight_decay: 0.0, ..ParamsAdamW::default() });
+    /// assert_eq!(opt.params().weight_decay, 0.0);
+    /// # Ok::<(), candle_core::Error>(())
+    /// ```
+    pub fn set_params(&mut self, params: ParamsAdamW) {
+        self.params = params;
+    }
+
     /// Updates each parameter in blocks of rows of at most `bytes` (at
     /// least one row).
     ///
@@ -146,6 +177,16 @@ impl Optimizer for AdamW {
                 s.first_moment.as_tensor(),
                 s.second_moment.as_tensor(),
             );
+            // Refused before anything is written, as candle-nn's first op
+            // would refuse it.
+            if g.shape() != theta.shape() {
+                return Err(candle_core::Error::ShapeMismatchBinaryOp {
+                    lhs: theta.shape().clone(),
+                    rhs: g.shape().clone(),
+                    op: "adamw",
+                }
+                .bt());
+            }
             let rows = if theta.rank() == 0 { 1 } else { theta.dim(0)? };
             let row_bytes = theta.elem_count() / rows.max(1) * theta.dtype().size_in_bytes();
             let block = (self.block_bytes / row_bytes.max(1)).max(1);

@@ -916,14 +916,15 @@ fn a_model_file_trains_once_its_use_lines_name_the_drop_ins() {
 
 /// The drop-in `AdamW` against candle-nn's: the same parameters, bit for
 /// bit, after three steps, for a scalar, a vector, matrices whose rows do
-/// not divide into the blocks and a 3-d tensor, in f32 and f64, with blocks
+/// not divide into the blocks and a 3-d tensor, in f32, f64, bf16 and f16,
+/// with blocks
 /// of one row, of a few rows, and of the whole parameter; with weight decay
 /// and a learning rate changed between steps.
 #[test]
 fn adamw_steps_as_candle_nn_s_bit_for_bit_in_blocks_of_rows() {
     use candle_nn::{Optimizer, ParamsAdamW};
     let shapes: [&[usize]; 5] = [&[], &[7], &[5, 3], &[13, 4], &[3, 4, 5]];
-    for dtype in [DType::F32, DType::F64] {
+    for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16] {
         for block_bytes in [1, 3 * 4 * dtype.size_in_bytes(), 1 << 20] {
             let make = || -> Vec<Var> {
                 shapes
@@ -985,4 +986,29 @@ fn adamw_steps_as_candle_nn_s_bit_for_bit_in_blocks_of_rows() {
             }
         }
     }
+}
+
+/// A gradient of another shape than its parameter is refused before any
+/// block of the parameter or its moments is written.
+#[test]
+fn adamw_refuses_a_gradient_of_another_shape_and_writes_nothing() {
+    use candle_nn::{Optimizer, ParamsAdamW};
+    let w = Var::from_tensor(&tensor(&[6, 2], 80, 1.0, DType::F32)).unwrap();
+    let before = w.as_tensor().to_vec2::<f32>().unwrap();
+    let mut opt = dropin::AdamW::new(vec![w.clone()], ParamsAdamW::default())
+        .unwrap()
+        .with_block_bytes(8);
+    // A gradient with fewer rows, put in the store by hand.
+    let mut grads = (w.as_tensor() * 0.0)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    grads.insert(
+        w.as_tensor(),
+        Tensor::ones((4, 2), DType::F32, &Device::Cpu).unwrap(),
+    );
+    assert!(opt.step(&grads).is_err());
+    assert_eq!(w.as_tensor().to_vec2::<f32>().unwrap(), before);
 }

@@ -26,13 +26,15 @@
 //! | `DEPTH` | `backward/optimizer.rs` | how many region backwards run one inside another | `Call::backward` | [`scoped`] decrements |
 //! | `REPLAYS` | `plan/calls.rs` | how many region replays run (their nested regions are not new calls of a step) | a region's replay | [`scoped`] decrements |
 //!
-//! Three more are process-wide, not per thread: the claims of live region
+//! Four more are process-wide, not per thread: the claims of live region
 //! calls on their variables (`backward/pending.rs`, counted up by each call
 //! and down when its backward ends or it is dropped), the call counts
 //! of a plan that decides call by call (`plan/calls.rs`, inside the plan,
-//! reset by `Plan::scope`), and one switch: whether CUDA values are
+//! reset by `Plan::scope`), and two switches: whether CUDA values are
 //! checksummed by remat's kernels (`tape/checksum/mod.rs`, set by
-//! `inspect::checksum_kernels` or `REMAT_CHECKSUM_KERNELS=0|1`; on by default).
+//! `inspect::checksum_kernels` or `REMAT_CHECKSUM_KERNELS=0|1`; on by default)
+//! and whether several at a launch (`inspect::checksum_batches`,
+//! `REMAT_CHECKSUM_BATCHES=0|1`; off by default).
 
 /// Runs `undo` when dropped: on return and on unwinding alike.
 struct Scoped<F: FnOnce()>(Option<F>);

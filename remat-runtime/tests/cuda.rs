@@ -294,6 +294,122 @@ fn the_replay_check_on_kernels_sees_one_ulp() {
     checksum_kernels(true);
 }
 
+/// The batch kernels give the CPU's bits: `checksums` of many values at
+/// once on the GPU (9 dtypes; views in place, strided, offset, broadcast;
+/// sizes around a chunk's edges; empty; more chunks than a block has
+/// threads; over 16 values of a dtype, so several launches) equal the CPU's
+/// one by one. And in the replay check: a forward checksummed one way and
+/// its replay the other pass (the parameters are compared bit for bit)
+/// with plain candle's gradients, f32 and bf16; with batches, a changed
+/// parameter is seen. Opt-in until this has passed on a GPU:
+/// `gpu-package/run.sh batches` runs it alone.
+#[test]
+#[ignore = "opt-in on CUDA: gpu-package/run.sh batches runs it alone"]
+fn checksum_batches_give_the_cpu_bits() {
+    use remat_runtime::inspect::{checksum, checksum_batches, checksum_kernels, checksums};
+    use remat_runtime::RematError;
+    let dev = cuda();
+    checksum_kernels(true);
+    checksum_batches(true);
+    let chunk = 16_384;
+    let base = tensor(&[6 * chunk], 3, 50.0, DType::F32);
+    let views: [fn(&Tensor) -> Tensor; 8] = [
+        |t| t.narrow(0, 0, 1).unwrap(),
+        |t| t.narrow(0, 5, 256 * 32 + 3).unwrap(),
+        |t| t.narrow(0, 0, 16_384).unwrap(),
+        |t| t.clone(),
+        |t| t.reshape((768, 128)).unwrap().t().unwrap(),
+        |t| t.reshape((768, 128)).unwrap().narrow(1, 5, 100).unwrap(),
+        |t| {
+            let row = t.reshape((768, 128)).unwrap().narrow(0, 3, 1).unwrap();
+            row.broadcast_as((4, 128)).unwrap()
+        },
+        |t| t.narrow(0, 0, 0).unwrap(),
+    ];
+    let (mut on_cpu, mut on_gpu) = (Vec::new(), Vec::new());
+    for dtype in [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::F64,
+        DType::U8,
+        DType::U32,
+        DType::I16,
+        DType::I32,
+        DType::I64,
+    ] {
+        let t = match dtype.is_float() {
+            true => base.to_dtype(dtype).unwrap(),
+            false => base.affine(2.0, 101.0).unwrap().to_dtype(dtype).unwrap(),
+        };
+        let g = t.to_device(&dev).unwrap();
+        // Three rounds: more than 16 values of the dtype.
+        for _ in 0..3 {
+            for view in views {
+                on_cpu.push(view(&t));
+                on_gpu.push(view(&g));
+            }
+        }
+    }
+    let big = tensor(&[259 * chunk + 5], 4, 1.0, DType::F32);
+    on_gpu.push(big.to_device(&dev).unwrap());
+    on_cpu.push(big);
+    let gpu = checksums(&on_gpu.iter().collect::<Vec<_>>()).unwrap();
+    assert_eq!(gpu.len(), on_cpu.len());
+    for (k, (g, c)) in gpu.iter().zip(&on_cpu).enumerate() {
+        let cpu = checksum(c).unwrap();
+        assert_eq!(
+            g.map(f64::to_bits),
+            cpu.map(f64::to_bits),
+            "value {k}: {:?} {:?}",
+            c.dtype(),
+            c.dims()
+        );
+    }
+
+    for dtype in [DType::F32, DType::BF16] {
+        let gpt = Gpt::new(32, 4, 5, dtype).to_device(&dev);
+        let x = to(&var(&[2, 8, 32], 6, 1.0, dtype), &dev);
+        let mask = causal_mask(8, dtype).to_device(&dev).unwrap();
+        let loss = |y: Tensor| y.to_dtype(DType::F32).unwrap().sum_all().unwrap();
+        let plain = gpt
+            .region("g", x.as_tensor(), &mask, all(Policy::Recompute), false)
+            .unwrap();
+        let g_ref = loss(plain).backward().unwrap();
+        for (forward, replay) in [(true, false), (false, true), (true, true)] {
+            checksum_batches(forward);
+            let y = gpt
+                .region("g", x.as_tensor(), &mask, all(Policy::Recompute), true)
+                .unwrap();
+            checksum_batches(replay);
+            let g = remat_runtime::backward(&loss(y))
+                .unwrap_or_else(|e| panic!("{dtype:?} batches {forward}/{replay}: {e}"));
+            for v in gpt.vars().iter().chain([&x]) {
+                let d = rel_diff(g.get(v).unwrap(), g_ref.get(v).unwrap());
+                assert!(d <= 1e-4, "{dtype:?} batches {forward}/{replay}: {d}");
+            }
+        }
+        checksum_batches(true);
+        let y = gpt
+            .region("g", x.as_tensor(), &mask, all(Policy::Recompute), true)
+            .unwrap();
+        let p = &gpt.vars()[0];
+        let changed = p
+            .as_tensor()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .affine(1.0 + 1e-2, 0.0)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        p.set(&changed).unwrap();
+        let err = remat_runtime::backward(&loss(y)).unwrap_err();
+        assert!(matches!(err, RematError::ParameterChanged { .. }), "{err}");
+    }
+    // The default again.
+    checksum_batches(false);
+}
+
 /// Each `remat_runtime::nn` op on the GPU against the same op on the CPU:
 /// forward and gradients of a weighted sum, 1e-4 relative (cuBLAS and the
 /// GPU reductions sum in other orders).

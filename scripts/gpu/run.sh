@@ -22,7 +22,10 @@
 # kernels (`bench --nn kernels`: attention, GELU's backward) in f32 and bf16;
 # tc: the CUDA tests, the bench in bf16, f32 and f16 beside PyTorch SDPA in
 # the same dtype, the profile in bf16 and f32, and Nsight Compute's time of
-# every kernel of one plain bf16 step (if ncu is there):
+# every kernel of one plain bf16 step (if ncu is there); batches: the replay
+# check's batch kernels (opt-in until they pass here): their CUDA test, then
+# the bench's full recompute checked and unchecked in bf16 and f32 with the
+# one-value kernels and with the batches:
 #
 #   bash gpu-package/run.sh verdict profile
 #
@@ -111,8 +114,8 @@ if [ ${#groups[@]} -eq 0 ] || [ "${groups[*]}" = all ]; then
 fi
 for group in "${groups[@]}"; do
   case $group in
-    tests | bench | train | torch | verdict | profile | kernels | tc) ;;
-    *) echo "unknown group '$group': tests, bench, train, torch, verdict, profile, kernels, tc or all" >&2; exit 2 ;;
+    tests | bench | train | torch | verdict | profile | kernels | tc | batches) ;;
+    *) echo "unknown group '$group': tests, bench, train, torch, verdict, profile, kernels, tc, batches or all" >&2; exit 2 ;;
   esac
 done
 
@@ -202,6 +205,16 @@ for group in "${groups[@]}"; do
       done
       step torch-profile-bf16 90 python3 scripts/torch_reference.py --device "$device" "${shape[@]}" \
         --steps 2 --warmup 1 --dtype bf16 --attention sdpa --profile --out "$OUT/torch-profile-bf16" ;;
+    batches)
+      step cuda-batches 120 "${with_libs[@]}" "$bin/bin/cuda-tests" \
+        --ignored checksum_batches_give_the_cpu_bits
+      for dtype in bf16 f32; do
+        for checksum in kernels batches; do
+          step "bench-$checksum-$dtype" 120 "${with_libs[@]}" "$bin/bin/bench" --device "$device" \
+            "${shape[@]}" "${verdict_steps[@]}" --dtype "$dtype" --policies full --unchecked full \
+            --checksum "$checksum" --out "$OUT/bench-$checksum-$dtype"
+        done
+      done ;;
     tc)
       step cuda-tests 240 "${with_libs[@]}" "$bin/bin/cuda-tests" "${tests[@]}"
       for dtype in bf16 f32 f16; do

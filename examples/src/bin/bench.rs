@@ -49,8 +49,10 @@ usage: cargo run --release -p examples --bin bench -- [flags]
   --device cpu|cuda [cpu]
   --dtype f32|bf16|f16  the parameters' and activations' dtype (the loss in
                f32; gradients compared with plain candle's in the same dtype) [f32]
-  --checksum kernels|composed  how the replay check checksums CUDA tensors:
-               remat's kernels (one pass each) or candle's kernels composed
+  --checksum kernels|batches|composed  how the replay check checksums CUDA
+               tensors: remat's kernels (one pass each), the same kernels
+               several values a launch (`remat_runtime::inspect::checksum_batches`,
+               not yet run on a GPU) or candle's kernels composed
                (`remat_runtime::inspect::checksum_kernels`) [kernels]
   --nn kernels|composed  how nn's ops run on CUDA: remat's fused kernels
                (attention, GELU's backward) or candle's kernels composed
@@ -180,8 +182,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let checksum: String = flags.get("checksum", "kernels".to_string())?;
     match checksum.as_str() {
         "kernels" => remat_runtime::inspect::checksum_kernels(true),
+        "batches" => {
+            remat_runtime::inspect::checksum_kernels(true);
+            remat_runtime::inspect::checksum_batches(true);
+        }
         "composed" => remat_runtime::inspect::checksum_kernels(false),
-        other => return Err(format!("--checksum {other}: kernels or composed").into()),
+        other => return Err(format!("--checksum {other}: kernels, batches or composed").into()),
     }
     let nn_kernels: String = flags.get("nn", "kernels".to_string())?;
     match nn_kernels.as_str() {
@@ -261,6 +267,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             match (dev.is_cpu(), checksum.as_str()) {
                 (true, _) => "",
                 (false, "kernels") => ", replay check by remat's checksum kernels",
+                (false, "batches") => ", replay check by remat's checksum kernels in batches",
                 (false, _) => ", replay check by candle's kernels composed",
             }
         );
@@ -330,6 +337,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         match (dev.is_cpu(), checksum.as_str()) {
             (true, _) => "",
             (false, "kernels") => "; replay check by remat's checksum kernels",
+            (false, "batches") => "; replay check by remat's checksum kernels in batches",
             (false, _) => "; replay check by candle's kernels composed",
         }
     );

@@ -70,12 +70,16 @@ pub fn without_fingerprints<R>(f: impl FnOnce() -> R) -> R {
     )
 }
 
-/// The fingerprint of a value: its [`checksum`](super::checksum::of).
-pub(crate) fn of(t: &Tensor) -> Result<Tensor> {
+/// The fingerprints of `values` (`None`: one not compared, four zeros), in
+/// order, as tensors to join: see [`super::checksum::of_all`].
+pub(crate) fn of_all(values: &[Option<&Tensor>]) -> Result<Vec<Tensor>> {
     let _profile = crate::inspect::profile::op("replay check");
     #[cfg(test)]
-    counts::COUNTS.with(|c| c.set((c.get().0 + 1, c.get().1)));
-    super::checksum::of(t)
+    counts::COUNTS.with(|c| {
+        let taken = values.iter().flatten().count();
+        c.set((c.get().0 + taken, c.get().1))
+    });
+    super::checksum::of_all(values)
 }
 
 /// What the check costs, counted in tests: checksums taken (two kernels
@@ -132,11 +136,12 @@ impl Forward {
             .collect();
         // Parameters first, then the inputs the replay reads, then the
         // recomputed outputs: one tensor.
-        let mut all = params
+        let taken: Vec<Option<&Tensor>> = params
             .iter()
             .chain(read.iter().map(|&(i, _)| &detached[i as usize]))
-            .map(of)
-            .collect::<Result<Vec<Tensor>>>()?;
+            .map(Some)
+            .collect();
+        let mut all = of_all(&taken)?;
         all.extend(outputs);
         // A parameter returned as a region output was used by no statement.
         param_statements.resize(params.len(), u32::MAX);
@@ -146,12 +151,6 @@ impl Forward {
             inputs: read,
         })
     }
-}
-
-/// The stand-in fingerprint of a value the replay does not compare.
-pub(crate) fn none() -> Result<Tensor> {
-    let words = super::checksum::WORDS;
-    Ok(Tensor::zeros(words, DType::F64, &candle_core::Device::Cpu)?)
 }
 
 /// Fingerprints as one tensor, on the device of the first (a block may use
@@ -208,7 +207,7 @@ pub(crate) enum Compare {
     /// The sums within this fraction of the sum of magnitudes.
     Within(f64),
     /// Not compared: an output the replay left uncomputed because nothing
-    /// reads it ([`unread`](super::unread)); its fingerprint is [`none`].
+    /// reads it ([`unread`](super::unread)); its fingerprint is four zeros.
     Unread,
 }
 
@@ -258,11 +257,25 @@ fn reported(f: &[f64]) -> [f64; 3] {
 pub(crate) struct Checks {
     /// The forward's, one after the other.
     pub forward: Tensor,
-    /// The replay's, in the same order, each with what it is of.
-    pub replay: Vec<(Subject, Tensor)>,
+    /// What each of the replay's is of, in order.
+    pub subjects: Vec<Subject>,
+    /// The replay's, in the same order, one or several per tensor.
+    pub replay: Vec<Tensor>,
 }
 
 impl Checks {
+    /// Takes the replay's fingerprints of `values` (`None`: not compared),
+    /// each with what it is of.
+    pub fn take(&mut self, values: Vec<(Subject, Option<&Tensor>)>) -> Result<()> {
+        if values.is_empty() {
+            return Ok(());
+        }
+        let (subjects, tensors): (Vec<Subject>, Vec<Option<&Tensor>>) = values.into_iter().unzip();
+        self.replay.extend(of_all(&tensors)?);
+        self.subjects.extend(subjects);
+        Ok(())
+    }
+
     /// Compares the forward's fingerprints with the replay's, in one
     /// transfer to the host for the whole region (no wait on the device
     /// per statement). The first mismatch in order is reported:
@@ -273,12 +286,12 @@ impl Checks {
             crate::inspect::profile::scope("replay check", crate::inspect::Phase::Replay);
         let Checks {
             forward,
-            replay: parts,
+            subjects,
+            replay,
         } = self;
-        if parts.is_empty() {
+        if subjects.is_empty() {
             return Ok(());
         }
-        let replay: Vec<Tensor> = parts.iter().map(|(_, t)| t.clone()).collect();
         let replay = join(&replay)?.to_device(forward.device())?;
         if replay.elem_count() != forward.elem_count() {
             // The replay ran other statements: an error said so already, unless
@@ -294,7 +307,7 @@ impl Checks {
         counts::COUNTS.with(|c| c.set((c.get().0, c.get().1 + 1)));
         let both = Tensor::stack(&[&forward, &replay], 0)?.to_vec2::<f64>()?;
         let words = super::checksum::WORDS;
-        for (k, (subject, _)) in parts.into_iter().enumerate() {
+        for (k, subject) in subjects.into_iter().enumerate() {
             let (f, r) = (
                 &both[0][k * words..][..words],
                 &both[1][k * words..][..words],

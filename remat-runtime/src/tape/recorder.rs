@@ -295,14 +295,14 @@ impl Recorder {
             Policy::Save | Policy::Offload => self.save(&s, inputs, &needs, run)?,
         };
         if let (Policy::Recompute, Some(fingerprints)) = (s.policy, &mut self.fingerprints) {
-            for t in &outputs {
-                fingerprints.push(fingerprint::of(t)?);
-            }
-            // What the backward of an output the replay may leave
+            // And what the backward of an output the replay may leave
             // uncomputed reads: compared in its place.
-            if let Some((_, input)) = &ran.sole {
-                fingerprints.push(fingerprint::of(input)?);
-            }
+            let taken: Vec<Option<&Tensor>> = outputs
+                .iter()
+                .chain(ran.sole.as_ref().map(|(_, input)| input))
+                .map(Some)
+                .collect();
+            fingerprints.extend(fingerprint::of_all(&taken)?);
         }
         let outputs_need_grad = outputs
             .iter()

@@ -202,13 +202,12 @@ __device__ __forceinline__ void span(Lane &lane, size_t p0, const size_t n, cons
   lane.w = __dadd_rn(lane.w, widen(ws));
 }
 
-// One block per chunk, one thread per lane; writes the chunk's PARTIAL
-// numbers: h0, h1, sum, sum of magnitudes, weighted sum. A whole chunk reads
-// without bounds checks.
+// Chunk c of a value, one thread per lane; writes the chunk's PARTIAL
+// numbers at out + c * PARTIAL: h0, h1, sum, sum of magnitudes, weighted
+// sum. A whole chunk reads without bounds checks.
 template <typename T>
-__device__ void partials(const size_t n, const size_t num_dims, const size_t *info, const T *src,
-                         double *out) {
-  const size_t c = blockIdx.x;
+__device__ void partials(const size_t c, const size_t n, const size_t num_dims, const size_t *info,
+                         const T *src, double *out) {
   const size_t first = c * CHUNK + threadIdx.x;
   Lane lane = {0, 0, 0.0, 0.0, 0.0};
   const bool whole = (c + 1) * CHUNK <= n;
@@ -235,7 +234,7 @@ __device__ void partials(const size_t n, const size_t num_dims, const size_t *in
   extern "C" __global__ void checksum_partials_##NAME(const size_t n, const size_t num_dims,       \
                                                       const size_t *info, const T *src,            \
                                                       double *out) {                               \
-    partials<T>(n, num_dims, info, src, out);                                                      \
+    partials<T>(blockIdx.x, n, num_dims, info, src, out);                                          \
   }
 
 PARTIALS(f32, float)
@@ -250,8 +249,7 @@ PARTIALS(i64, int64_t)
 
 // One block: thread t adds chunks t, t + LANES, ... in order, then the
 // block's tree; writes the checksum's four numbers.
-extern "C" __global__ void checksum_combine(const size_t chunks, const double *partials,
-                                            double *out) {
+__device__ void combine(const size_t chunks, const double *partials, double *out) {
   Lane lane = {0, 0, 0.0, 0.0, 0.0};
   for (size_t c = threadIdx.x; c < chunks; c += LANES) {
     const double *p = partials + c * PARTIAL;
@@ -269,4 +267,82 @@ extern "C" __global__ void checksum_combine(const size_t chunks, const double *p
     out[2] = total.mag;
     out[3] = total.w;
   }
+}
+
+extern "C" __global__ void checksum_combine(const size_t chunks, const double *partials,
+                                            double *out) {
+  combine(chunks, partials, out);
+}
+
+// Checksums of several values in two launches (see device.rs, `Batch`):
+// the values travel in the kernel's parameters, so nothing is copied to
+// the device first. A value of no elements (an empty one, or one the
+// replay does not compare) gets four zeros, as the CPU gives it.
+#define BATCH 16
+#define MAX_DIMS 6
+#define WORDS 4
+
+struct Value {
+  const void *src;           // the view's first element
+  size_t n;                  // elements
+  size_t first_chunk;        // its first chunk among the launch's
+  size_t slot;               // where its checksum goes, in checksums
+  size_t num_dims;           // 0: contiguous
+  size_t info[2 * MAX_DIMS]; // dims, then strides (num_dims of each)
+};
+
+struct Batch {
+  size_t count;
+  Value values[BATCH];
+};
+
+// The launch's parameter read in place, not copied to each thread's local
+// memory for an index known only at run time (sm_70 and later).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+#define PARAMETER __grid_constant__ const
+#else
+#define PARAMETER const
+#endif
+
+// One block per chunk of every value: block g finds the value its chunk
+// belongs to (values in order of first_chunk; an empty value has none) and
+// computes the chunk as `checksum_partials` does.
+template <typename T> __device__ void batch_partials(const Batch &b, double *out) {
+  const size_t g = blockIdx.x;
+  size_t i = 0;
+  while (i + 1 < b.count && b.values[i + 1].first_chunk <= g) i++;
+  const Value &v = b.values[i];
+  __shared__ size_t info[2 * MAX_DIMS];
+  if (threadIdx.x < 2 * v.num_dims) info[threadIdx.x] = v.info[threadIdx.x];
+  __syncthreads();
+  partials<T>(g - v.first_chunk, v.n, v.num_dims, v.num_dims ? info : nullptr,
+              static_cast<const T *>(v.src), out + v.first_chunk * PARTIAL);
+}
+
+#define BATCH_PARTIALS(NAME, T)                                                                    \
+  extern "C" __global__ void checksum_batch_partials_##NAME(PARAMETER Batch b, double *out) {      \
+    batch_partials<T>(b, out);                                                                     \
+  }
+
+BATCH_PARTIALS(f32, float)
+BATCH_PARTIALS(f16, __half)
+BATCH_PARTIALS(bf16, Bf16)
+BATCH_PARTIALS(f64, double)
+BATCH_PARTIALS(u8, uint8_t)
+BATCH_PARTIALS(u32, uint32_t)
+BATCH_PARTIALS(i16, int16_t)
+BATCH_PARTIALS(i32, int32_t)
+BATCH_PARTIALS(i64, int64_t)
+
+// One block per value: its chunks combined as `checksum_combine` does,
+// written to its slot.
+extern "C" __global__ void checksum_batch_combine(PARAMETER Batch b, const double *partials,
+                                                  double *out) {
+  const Value &v = b.values[blockIdx.x];
+  double *o = out + v.slot * WORDS;
+  if (v.n == 0) {
+    if (threadIdx.x < WORDS) o[threadIdx.x] = 0.0;
+    return;
+  }
+  combine((v.n + CHUNK - 1) / CHUNK, partials + v.first_chunk * PARTIAL, o);
 }

@@ -33,7 +33,8 @@
 //!
 //! * `cpu`: the algorithm on the CPU, vectorised across lanes;
 //! * `device`: the same on a GPU as two kernels (`checksum.cu`), and their
-//!   emulation on the CPU that tests every launch's logic;
+//!   emulation on the CPU that tests every launch's logic; the same two
+//!   again for up to [`device::BATCH`] values of a dtype at once ([`of_all`]);
 //! * `composed`: the sums by candle's own kernels, without the hash: the
 //!   default on a GPU until the kernels have been run on one (see
 //!   [`crate::inspect::checksum_kernels`]).
@@ -47,7 +48,7 @@ mod emulated;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use candle_core::{CpuStorage, CudaStorage, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CudaStorage, Device, Layout, Shape, Tensor};
 
 use crate::Result;
 
@@ -75,22 +76,108 @@ static KERNELS: AtomicBool = AtomicBool::new(true);
 
 /// Turns the checksum kernels on or off for CUDA tensors.
 pub(crate) fn use_kernels(on: bool) {
+    from_env();
     KERNELS.store(on, Ordering::Relaxed);
 }
 
 /// Whether the checksum kernels are on (the default): [`use_kernels`], or
-/// the `REMAT_CHECKSUM_KERNELS` environment variable (`0` or `1`) read at
-/// the first call.
+/// the `REMAT_CHECKSUM_KERNELS` environment variable (`0` or `1`) if that
+/// was never called.
 pub(crate) fn kernels_on() -> bool {
-    static FROM_ENV: std::sync::Once = std::sync::Once::new();
-    FROM_ENV.call_once(
-        || match std::env::var("REMAT_CHECKSUM_KERNELS").as_deref() {
-            Ok("1") => KERNELS.store(true, Ordering::Relaxed),
-            Ok("0") => KERNELS.store(false, Ordering::Relaxed),
-            _ => {}
-        },
-    );
+    from_env();
     KERNELS.load(Ordering::Relaxed)
+}
+
+/// Sets the switches from `REMAT_CHECKSUM_KERNELS` and
+/// `REMAT_CHECKSUM_BATCHES` (`0` or `1`), once, before the first use or
+/// change of either: a call changes what the environment set, never the
+/// other way round.
+fn from_env() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        for (name, switch) in [
+            ("REMAT_CHECKSUM_KERNELS", &KERNELS),
+            ("REMAT_CHECKSUM_BATCHES", &BATCHES),
+        ] {
+            match std::env::var(name).as_deref() {
+                Ok("1") => switch.store(true, Ordering::Relaxed),
+                Ok("0") => switch.store(false, Ordering::Relaxed),
+                _ => {}
+            }
+        }
+    });
+}
+
+/// Whether checksums of several CUDA values are taken by the batch kernels
+/// (see [`crate::inspect::checksum_batches`]; off by default until they have
+/// run on a GPU).
+static BATCHES: AtomicBool = AtomicBool::new(false);
+
+/// Turns the batch kernels on or off for CUDA tensors.
+pub(crate) fn use_batches(on: bool) {
+    from_env();
+    BATCHES.store(on, Ordering::Relaxed);
+}
+
+/// Whether the batch kernels are on: [`use_batches`], or the
+/// `REMAT_CHECKSUM_BATCHES` environment variable (`0` or `1`) if that was
+/// never called.
+pub(crate) fn batches_on() -> bool {
+    from_env();
+    BATCHES.load(Ordering::Relaxed)
+}
+
+/// The checksums of `values` one after the other (`None`: a value not
+/// compared, four zeros), [`WORDS`] `f64`s per value, as 1-D tensors to be
+/// joined in order: none for no value, one on the CPU (no op and no tensor
+/// per value), one on CUDA with the batch kernels (two launches per dtype
+/// and [`device::BATCH`] values), otherwise one per value ([`of`]; zeros on
+/// the CPU for a value not compared).
+pub(crate) fn of_all(values: &[Option<&Tensor>]) -> Result<Vec<Tensor>> {
+    if values.is_empty() {
+        return Ok(Vec::new());
+    }
+    let device = values
+        .iter()
+        .flatten()
+        .next()
+        .map_or(Device::Cpu, |t| t.device().clone());
+    let on_one = values
+        .iter()
+        .flatten()
+        .all(|t| t.device().same_device(&device));
+    if device.is_cpu() && on_one {
+        let mut words = Vec::with_capacity(values.len() * WORDS);
+        for v in values {
+            match v {
+                Some(t) => {
+                    let (storage, layout) = t.storage_and_layout();
+                    let candle_core::Storage::Cpu(cpu) = &*storage else {
+                        unreachable!("a CPU tensor's storage")
+                    };
+                    words.extend(cpu::checksum(cpu, layout).finish());
+                }
+                None => words.extend([0.0; WORDS]),
+            }
+        }
+        return Ok(vec![Tensor::from_vec(
+            words,
+            values.len() * WORDS,
+            &device,
+        )?]);
+    }
+    if device.is_cuda() && on_one && kernels_on() && batches_on() {
+        if let Some(sums) = device::on_cuda_batched(values, &device)? {
+            return Ok(vec![sums]);
+        }
+    }
+    values
+        .iter()
+        .map(|v| match v {
+            Some(t) => of(t),
+            None => Ok(Tensor::zeros(WORDS, candle_core::DType::F64, &Device::Cpu)?),
+        })
+        .collect()
 }
 
 /// The checksum of `t`, a 1-D `f64` tensor of [`WORDS`] elements on `t`'s

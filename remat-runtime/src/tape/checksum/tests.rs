@@ -241,7 +241,6 @@ fn checksum_speed() {
 /// GPU to show is nvcc's code and the launches (tests/cuda.rs).
 #[test]
 fn the_kernel_source_on_host_threads_gives_the_cpu_bits() {
-    use std::io::Write;
     let here = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/tape/checksum");
     let dir = std::env::temp_dir().join(format!("remat-checksum-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -310,50 +309,8 @@ fn the_kernel_source_on_host_threads_gives_the_cpu_bits() {
 
     let mut files = Vec::new();
     for (i, t) in values.iter().enumerate() {
-        let (storage, layout) = t.storage_and_layout();
-        let candle_core::Storage::Cpu(cpu) = &*storage else {
-            unreachable!()
-        };
-        // The storage's bytes, little-endian, and the kernel's dtype name.
-        macro_rules! le {
-            ($d:expr) => {
-                $d.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>()
-            };
-        }
-        use candle_core::CpuStorage as S;
-        let (name, bytes): (&str, Vec<u8>) = match cpu {
-            S::F32(d) => ("f32", le!(d)),
-            S::F16(d) => ("f16", le!(d)),
-            S::BF16(d) => ("bf16", le!(d)),
-            S::F64(d) => ("f64", le!(d)),
-            S::U8(d) => ("u8", d.clone()),
-            S::U32(d) => ("u32", le!(d)),
-            S::I16(d) => ("i16", le!(d)),
-            S::I32(d) => ("i32", le!(d)),
-            S::I64(d) => ("i64", le!(d)),
-            _ => unreachable!(),
-        };
-        let mut f = Vec::new();
-        let mut padded = [0u8; 8];
-        padded[..name.len()].copy_from_slice(name.as_bytes());
-        f.extend(padded);
-        let word = |f: &mut Vec<u8>, x: usize| f.extend((x as u64).to_le_bytes());
-        word(&mut f, layout.shape().elem_count());
-        // Contiguous: no dims or strides, as candle launches it.
-        let strided = !layout.is_contiguous();
-        word(&mut f, if strided { layout.dims().len() } else { 0 });
-        if strided {
-            layout
-                .dims()
-                .iter()
-                .chain(layout.stride())
-                .for_each(|&x| word(&mut f, x));
-        }
-        word(&mut f, layout.start_offset());
-        word(&mut f, bytes.len());
-        f.extend(bytes);
         let path = dir.join(format!("{i}.bin"));
-        std::fs::File::create(&path).unwrap().write_all(&f).unwrap();
+        std::fs::write(&path, value_file(t)).unwrap();
         files.push(path);
     }
     let out = std::process::Command::new(&exe)
@@ -381,5 +338,176 @@ fn the_kernel_source_on_host_threads_gives_the_cpu_bits() {
             t.stride()
         );
     }
+
+    // The batch kernels over the same values, with values not compared
+    // among them, each launch's parameter packed by the launcher's own
+    // `launches` and `Batch::pack` (addresses: offsets into one blob of the
+    // storages' bytes): each member gives the CPU's bits.
+    let mut asked: Vec<Option<&Tensor>> = values.iter().map(Some).collect();
+    asked.insert(3, None);
+    asked.insert(40, None);
+    asked.push(None);
+    let mut blob: Vec<u8> = Vec::new();
+    let mut placed = Vec::new();
+    for v in &asked {
+        placed.push(v.map(|t| {
+            while blob.len() % 16 != 0 {
+                blob.push(0);
+            }
+            let at = blob.len() + t.layout().start_offset() * t.dtype().size_in_bytes();
+            blob.extend(storage_bytes(t));
+            (at as u64, t.layout())
+        }));
+    }
+    std::fs::write(dir.join("blob.bin"), &blob).unwrap();
+    let dtypes: Vec<Option<DType>> = asked.iter().map(|v| v.map(|t| t.dtype())).collect();
+    let mut seen = 0;
+    for (l, launch) in device::launches(&dtypes).iter().enumerate() {
+        let (batch, _) = device::Batch::pack(launch, &placed);
+        let parameter = dir.join(format!("launch-{l}.bin"));
+        std::fs::write(&parameter, batch.to_bytes()).unwrap();
+        let kind = launch.dtype.and_then(device::kernel_name).unwrap_or("f32");
+        let out = std::process::Command::new(&exe)
+            .arg("--packed")
+            .arg(kind)
+            .arg(&parameter)
+            .arg(dir.join("blob.bin"))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        let lines: Vec<String> = String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .map(String::from)
+            .collect();
+        assert_eq!(lines.len(), launch.members.len());
+        for (&i, line) in launch.members.iter().zip(&lines) {
+            let cpu: Vec<String> = match asked[i] {
+                Some(t) => words(t),
+                None => vec![0.0; WORDS],
+            }
+            .iter()
+            .map(|w| format!("{:016x}", w.to_bits()))
+            .collect();
+            assert_eq!(line, &cpu.join(" "), "batch member {i}");
+            seen += 1;
+        }
+    }
+    assert_eq!(seen, asked.len());
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A CPU tensor's whole storage, little-endian.
+fn storage_bytes(t: &Tensor) -> Vec<u8> {
+    let (storage, _) = t.storage_and_layout();
+    let candle_core::Storage::Cpu(cpu) = &*storage else {
+        unreachable!()
+    };
+    macro_rules! le {
+        ($d:expr) => {
+            $d.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>()
+        };
+    }
+    use candle_core::CpuStorage as S;
+    match cpu {
+        S::F32(d) => le!(d),
+        S::F16(d) => le!(d),
+        S::BF16(d) => le!(d),
+        S::F64(d) => le!(d),
+        S::U8(d) => d.clone(),
+        S::U32(d) => le!(d),
+        S::I16(d) => le!(d),
+        S::I32(d) => le!(d),
+        S::I64(d) => le!(d),
+        _ => unreachable!(),
+    }
+}
+
+/// A value as `host/main.cpp` reads it: the kernel's dtype name, n, dims
+/// and strides (none for a contiguous value, as candle launches it), start
+/// offset, the storage's bytes.
+fn value_file(t: &Tensor) -> Vec<u8> {
+    let word = |f: &mut Vec<u8>, x: usize| f.extend((x as u64).to_le_bytes());
+    let mut f = Vec::new();
+    let mut padded = [0u8; 8];
+    let name = device::kernel_name(t.dtype()).unwrap();
+    padded[..name.len()].copy_from_slice(name.as_bytes());
+    f.extend(padded);
+    let layout = t.layout();
+    word(&mut f, layout.shape().elem_count());
+    let strided = !layout.is_contiguous();
+    word(&mut f, if strided { layout.dims().len() } else { 0 });
+    if strided {
+        layout
+            .dims()
+            .iter()
+            .chain(layout.stride())
+            .for_each(|&x| word(&mut f, x));
+    }
+    word(&mut f, layout.start_offset());
+    let bytes = storage_bytes(t);
+    word(&mut f, bytes.len());
+    f.extend(bytes);
+    f
+}
+
+#[test]
+fn launches_take_a_dtype_at_a_time_sixteen_values_at_most() {
+    use device::{launches, BATCH};
+    let mut dtypes = vec![Some(DType::F32), None, Some(DType::BF16)];
+    dtypes.extend(std::iter::repeat_n(Some(DType::F32), 20));
+    dtypes.push(None);
+    let l = launches(&dtypes);
+    assert_eq!(l.len(), 3);
+    assert_eq!(l[0].dtype, Some(DType::F32));
+    assert_eq!(l[0].members.len(), BATCH);
+    assert_eq!(&l[0].members[..3], &[0, 3, 4]);
+    assert_eq!(l[1].dtype, Some(DType::F32));
+    assert_eq!(l[1].members, vec![18, 19, 20, 21, 22, 1, 23]);
+    assert_eq!(l[2].dtype, Some(DType::BF16));
+    assert_eq!(l[2].members, vec![2]);
+    // Every value in exactly one launch.
+    let mut all: Vec<usize> = l.iter().flat_map(|l| l.members.clone()).collect();
+    all.sort();
+    assert_eq!(all, (0..dtypes.len()).collect::<Vec<_>>());
+    // Only values not compared: one launch of its own.
+    let only = launches(&[None, None]);
+    assert_eq!(
+        only,
+        vec![device::Launch {
+            dtype: None,
+            members: vec![0, 1]
+        }]
+    );
+    assert!(launches(&[]).is_empty());
+}
+
+#[test]
+fn of_all_gives_each_values_checksum_in_order() {
+    let dev = Device::Cpu;
+    let m = ramp(3 * CHUNK).reshape((3 * CHUNK / 128, 128)).unwrap();
+    let values = [
+        m.clone(),
+        m.t().unwrap(),
+        m.to_dtype(DType::BF16).unwrap().narrow(1, 3, 50).unwrap(),
+        Tensor::zeros((0, 4), DType::F16, &dev).unwrap(),
+        m.to_dtype(DType::F64).unwrap(),
+        m.affine(3.0, 7.0).unwrap().to_dtype(DType::U32).unwrap(),
+    ];
+    let mut asked: Vec<Option<&Tensor>> = values.iter().map(Some).collect();
+    asked.insert(2, None);
+    let parts = of_all(&asked).unwrap();
+    assert_eq!(parts.len(), 1);
+    let all = parts[0].to_vec1::<f64>().unwrap();
+    assert_eq!(all.len(), asked.len() * WORDS);
+    for (k, v) in asked.iter().enumerate() {
+        let expected = v.map_or(vec![0.0; WORDS], words);
+        let got = &all[k * WORDS..][..WORDS];
+        assert_eq!(
+            got.iter().map(|w| w.to_bits()).collect::<Vec<_>>(),
+            expected.iter().map(|w| w.to_bits()).collect::<Vec<_>>(),
+            "value {k}"
+        );
+    }
+    assert!(of_all(&[]).unwrap().is_empty());
 }

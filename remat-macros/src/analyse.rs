@@ -73,6 +73,9 @@ pub(crate) struct Analysis {
     /// The tail is `Ok(x)` with `x` a binding of a statement: the block
     /// returns it as it is, with no statement of its own.
     pub tail_passthrough: Option<Ident>,
+    /// What the tail turns into tensors from the host (as
+    /// [`StatementAnalysis::host_data`]).
+    pub tail_host_data: Vec<(Ident, Vec<String>)>,
 }
 
 /// `Ok(x)` with `x` bound by a statement of the block.
@@ -146,7 +149,8 @@ struct Reads {
     inouts: Vec<Vec<usize>>,
     /// Per statement, then the tail: the names it reads for their values.
     for_value: Vec<Vec<String>>,
-    /// Per statement: the names it turns into tensors ([`into_tensors`]).
+    /// Per statement, then the tail: the names it turns into tensors
+    /// ([`into_tensors`]).
     into_tensors: Vec<Vec<String>>,
     tail: Vec<(usize, Span)>,
 }
@@ -264,6 +268,7 @@ impl<'a> Analyser<'a> {
                 let t = &outer_view(t);
                 self.check_assignments(t, &assigned(t));
                 for_value.push(read_for_value(t));
+                into.push(into_tensors(t));
                 self.resolve(t, n, false)
             }
             None => Vec::new(),
@@ -480,12 +485,19 @@ impl<'a> Analyser<'a> {
         }
     }
 
-    /// The plain values statement `i` turns into tensors, each with the
-    /// names of the statements it was computed from ([`host_sources`]).
+    /// The plain values statement `i` (the tail: `n`) turns into tensors,
+    /// each with the names of the statements it was computed from
+    /// ([`host_sources`]).
     fn made_tensors(&self, reads: &Reads, names: &[String], i: usize) -> Vec<(Ident, Vec<String>)> {
-        reads.statements[i]
+        let Some(into) = reads.into_tensors.get(i) else {
+            return Vec::new();
+        };
+        reads
+            .statements
+            .get(i)
+            .unwrap_or(&reads.tail)
             .iter()
-            .filter(|&&(b, _)| reads.into_tensors[i].contains(&self.bindings[b].ident.to_string()))
+            .filter(|&&(b, _)| into.contains(&self.bindings[b].ident.to_string()))
             .filter_map(|&(b, span)| {
                 let sources = self.host_sources(reads, names, b);
                 let ident = Ident::new(&self.bindings[b].ident.to_string(), span);
@@ -563,9 +575,10 @@ impl<'a> Analyser<'a> {
             .tail
             .as_ref()
             .and_then(|t| passthrough(t, &tail_reads, &self.bindings));
-        let mut made: Vec<_> = (0..n)
+        let mut made: Vec<_> = (0..=n)
             .map(|i| self.made_tensors(&reads, &names, i))
             .collect();
+        let tail_host_data = made.pop().unwrap_or_default();
         let statements = (0..n)
             .map(|i| StatementAnalysis {
                 name: std::mem::take(&mut names[i]),
@@ -589,6 +602,7 @@ impl<'a> Analyser<'a> {
             statements,
             tail_reads: to_reads(&reads.tail, reads.for_value.get(n)),
             tail_passthrough,
+            tail_host_data,
         }
     }
 }

@@ -490,10 +490,11 @@ fn tail(block: &Block, analysis: &Analysis) -> TokenStream {
     } else {
         quote!({ #views #tail })
     };
+    let host = host_data(name, &analysis.tail_host_data);
     let call = quote_spanned! {tail.span()=>
         rt::StatementValue::run(#ctx, #name, #declared, #args, |#pats| #code)
     };
-    quote! { #checks #call }
+    quote! { #checks #host #call }
 }
 
 /// The dispatch and check traits the expansion calls methods of, imported

@@ -151,6 +151,82 @@ fn routing_weights_read_detached_are_meant() {
     }
 }
 
+/// A switch layer (top-1) that scales each token by its routing weight in
+/// the block's return expression, the weights read on the host.
+#[derive(Clone)]
+struct Switch {
+    router: Var,
+    expert: Var,
+}
+
+impl Switch {
+    remat! {
+        fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+            let probs = candle_nn::ops::softmax(&xs.matmul(self.router.as_tensor())?, D::Minus1)?;
+            let top: Vec<f32> = probs
+                .to_dtype(DType::F32)?
+                .to_vec2::<f32>()?
+                .iter()
+                .map(|row| row.iter().copied().fold(f32::MIN, f32::max))
+                .collect();
+            let h = xs.matmul(self.expert.as_tensor())?.tanh()?;
+            h.broadcast_mul(&Tensor::new(top.as_slice(), xs.device())?.to_dtype(xs.dtype())?.reshape(((), 1))?)
+        }
+    }
+
+    remat! {
+        /// The same, the weights meant as constants.
+        fn forward_constant(&self, xs: &Tensor) -> Result<Tensor> {
+            let probs = candle_nn::ops::softmax(&xs.matmul(self.router.as_tensor())?, D::Minus1)?;
+            let top: Vec<f32> = probs
+                .to_dtype(DType::F32)?
+                .to_vec2::<f32>()?
+                .iter()
+                .map(|row| row.iter().copied().fold(f32::MIN, f32::max))
+                .collect();
+            let h = xs.matmul(self.expert.as_tensor())?.tanh()?;
+            h.broadcast_mul(&Tensor::new(constant(top.as_slice()), xs.device())?.to_dtype(xs.dtype())?.reshape(((), 1))?)
+        }
+    }
+}
+
+#[test]
+fn routing_weights_through_the_host_in_the_return_expression_are_a_cut() {
+    for dtype in [DType::F32, DType::F64] {
+        let switch = Switch {
+            router: var(&[8, 4], 4, 0.5, dtype),
+            expert: var(&[8, 8], 5, 0.3, dtype),
+        };
+        let x = var(&[6, 8], 6, 1.0, dtype);
+        for plan in plans() {
+            let e = plan.scope(|| switch.forward(x.as_tensor())).unwrap_err();
+            let text = e.to_string();
+            assert!(
+                text.contains(
+                    "region `Switch::forward`, statement `(return)`: turns `top` into a tensor"
+                ) && text.contains("from statement `top`"),
+                "{plan} {dtype:?}: {text}"
+            );
+        }
+        // Meant: the expert trains as in plain candle, the router not.
+        let reference = Plan::off()
+            .scope(|| switch.forward_constant(x.as_tensor()))
+            .unwrap();
+        let g_ref = backward(&weighted_loss(&reference)).unwrap();
+        for plan in plans() {
+            let y = plan
+                .scope(|| switch.forward_constant(x.as_tensor()))
+                .unwrap();
+            let g = backward(&weighted_loss(&y)).unwrap();
+            for v in [&switch.expert, &x] {
+                let r = rel_diff(g.get(v).unwrap(), g_ref.get(v).unwrap());
+                assert!(r < 1e-6, "{plan} {dtype:?}: {r:e}");
+            }
+            assert!(g.get(&switch.router).is_none(), "{plan}");
+        }
+    }
+}
+
 #[derive(Clone)]
 struct GatheredMoe {
     router: Var,

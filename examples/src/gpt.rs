@@ -604,7 +604,10 @@ impl Gpt {
                 let start = tokens.len().saturating_sub(self.config.seq);
                 let ctx = Tensor::new(&tokens[start..], &dev)?.unsqueeze(0)?;
                 let logits = self.forward(&ctx)?.detach();
-                let last = logits.get(0)?.get(tokens.len() - start - 1)?;
+                let last = logits
+                    .get(0)?
+                    .get(tokens.len() - start - 1)?
+                    .to_dtype(DType::F32)?;
                 let probs = candle_nn::ops::softmax(&(last / temp)?, 0)?.to_vec1::<f32>()?;
                 let u = rng.uniform() as f32;
                 let mut acc = 0.0;

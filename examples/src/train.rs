@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use candle_core::backprop::GradStore;
-use candle_core::{Device, Result, Tensor, Var};
+use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_nn::{Optimizer, ParamsAdamW};
 use indicatif::{ProgressBar, ProgressStyle};
 use remat_runtime::candle_nn::AdamW;
@@ -49,6 +49,10 @@ pub struct Options {
     pub sample: usize,
     /// Show a progress bar.
     pub progress: bool,
+    /// The dtype the model computes in: `F32`, or `BF16` with `F32` master
+    /// weights (the optimizer updates an `F32` copy of every parameter and
+    /// writes it back rounded; the loss in `F32`).
+    pub dtype: DType,
 }
 
 impl Default for Options {
@@ -68,6 +72,7 @@ impl Default for Options {
             dump: None,
             sample: 300,
             progress: true,
+            dtype: DType::F32,
         }
     }
 }
@@ -159,10 +164,15 @@ pub fn clip_grad_norm(grads: &mut GradStore, vars: &[Var], max_norm: f64) -> Res
 /// AdamW (weight decay 0.01) with [`learning_rate`]'s schedule and
 /// [`clip_grad_norm`], as `train_gpt` and `qwen2` use it: remat's drop-in
 /// for candle-nn's (the same updates, a step whose temporaries are those
-/// of a block of each parameter's rows, not of the whole parameter).
+/// of a block of each parameter's rows, not of the whole parameter). With
+/// [`Optim::mixed`], it updates `F32` master weights from the gradients of
+/// a lower-precision copy the model computes with.
 pub struct Optim {
     adamw: AdamW,
     vars: Vec<Var>,
+    /// The model's parameters in a lower precision, one per `vars`, when
+    /// `vars` are their `F32` master weights.
+    compute: Option<Vec<Var>>,
     opts: Options,
 }
 
@@ -181,17 +191,51 @@ impl Optim {
         Ok(Optim {
             adamw,
             vars,
+            compute: None,
             opts: opts.clone(),
         })
+    }
+
+    /// Mixed precision: an optimizer of the `F32` master weights `master`
+    /// of `compute`, the same parameters in the dtype the model computes
+    /// with (same order, same shapes). Each step takes `compute`'s
+    /// gradients in `F32` as the masters', updates the masters, and writes
+    /// them back into `compute` rounded to its dtype: updates smaller than
+    /// a `bf16` ulp add up in the masters instead of being lost.
+    pub fn mixed(master: Vec<Var>, compute: Vec<Var>, opts: &Options) -> Result<Self> {
+        let paired = master.len() == compute.len()
+            && master.iter().zip(&compute).all(|(m, c)| {
+                m.dtype() == DType::F32
+                    && m.dims() == c.dims()
+                    && m.device().same_device(c.device())
+            });
+        if !paired {
+            candle_core::bail!("mixed precision: one F32 master of the same shape per parameter");
+        }
+        let mut optim = Optim::new(master, opts)?;
+        optim.compute = Some(compute);
+        Ok(optim)
     }
 
     /// Clips `grads` and takes optimizer step `step` (from 0); returns the
     /// gradients' global norm before clipping.
     pub fn step(&mut self, step: usize, grads: &mut GradStore) -> Result<f64> {
+        if let Some(compute) = &self.compute {
+            for (m, c) in self.vars.iter().zip(compute) {
+                if let Some(g) = grads.remove(c) {
+                    grads.insert(m, g.to_dtype(DType::F32)?);
+                }
+            }
+        }
         let norm = clip_grad_norm(grads, &self.vars, self.opts.clip)?;
         self.adamw
             .set_learning_rate(learning_rate(&self.opts, step));
         self.adamw.step(grads)?;
+        if let Some(compute) = &self.compute {
+            for (m, c) in self.vars.iter().zip(compute) {
+                c.set(&m.as_tensor().to_dtype(c.dtype())?)?;
+            }
+        }
         Ok(norm)
     }
 }
@@ -261,9 +305,21 @@ pub fn train(
         seq: opts.seq,
     };
     let mut rng = Rng::new(opts.seed);
-    let model = Gpt::new(config, &mut rng, dev)?;
+    let master = Gpt::new(config, &mut rng, dev)?;
+    let (model, mut optimizer) = match opts.dtype {
+        DType::F32 => (master.clone(), Optim::new(master.vars(), opts)?),
+        DType::BF16 => {
+            let model = master.to_dtype(DType::BF16)?;
+            let optimizer = Optim::mixed(master.vars(), model.vars(), opts)?;
+            (model, optimizer)
+        }
+        other => candle_core::bail!(
+            "--dtype {}: f32, or bf16 (with f32 master weights); f16 would need loss scaling",
+            other.as_str()
+        ),
+    };
+    drop(master);
     let named = model.named_vars();
-    let mut optimizer = Optim::new(model.vars(), opts)?;
     let plan = opts.policy.plan();
     let held_out_before = evaluate(|x, y| model.loss(x, y), corpus, opts, dev)?;
     let bar = if opts.progress {

@@ -37,6 +37,8 @@ usage: cargo run --release -p examples --bin train_gpt -- [flags]
   --clip X        clip gradients to this global norm, 0 = off [1.0]
   --seed N        seed of weights, batches and sampling [0]
   --device cpu|cuda                       [cpu]
+  --dtype f32|bf16  the dtype the model computes in; bf16 keeps f32 master
+                  weights that the optimizer updates [f32]
   --data PATH     UTF-8 text to train on [this project's README and docs]
   --dump DIR      write weights, batch, loss and gradients of step 1 (safetensors + manifest.json)
   --sample N      characters to sample at the end [300]
@@ -73,6 +75,11 @@ fn options() -> Result<(Options, String, Option<PathBuf>, Plot), String> {
         dump: flags.opt("dump")?,
         sample: flags.get("sample", d.sample)?,
         progress: true,
+        dtype: match flags.get("dtype", "f32".to_string())?.as_str() {
+            "f32" => candle_core::DType::F32,
+            "bf16" => candle_core::DType::BF16,
+            other => return Err(format!("--dtype {other}: f32 or bf16")),
+        },
     };
     let dev = flags.get("device", "cpu".to_string())?;
     let data = flags.opt("data")?;

@@ -206,11 +206,14 @@ impl Optim {
         let paired = master.len() == compute.len()
             && master.iter().zip(&compute).all(|(m, c)| {
                 m.dtype() == DType::F32
+                    && matches!(c.dtype(), DType::BF16 | DType::F16)
                     && m.dims() == c.dims()
                     && m.device().same_device(c.device())
             });
         if !paired {
-            candle_core::bail!("mixed precision: one F32 master of the same shape per parameter");
+            candle_core::bail!(
+                "mixed precision: one F32 master of the same shape per bf16 or f16 parameter"
+            );
         }
         let mut optim = Optim::new(master, opts)?;
         optim.compute = Some(compute);
@@ -318,6 +321,11 @@ pub fn train(
             other.as_str()
         ),
     };
+    if opts.dump.is_some() && opts.dtype != DType::F32 {
+        candle_core::bail!(
+            "--dump writes an f32 step (scripts/check_dump.py reads f32): use --dtype f32"
+        );
+    }
     drop(master);
     let named = model.named_vars();
     let plan = opts.policy.plan();

@@ -9,7 +9,8 @@
 #   bash gpu-package/run.sh [--device cuda|cpu] exec BIN [ARGS...]
 #
 # Groups: tests (the CUDA integration tests), bench (every policy at GPT-2
-# small), train (train_gpt under selective and offload), torch (PyTorch's
+# small), train (train_gpt under selective and offload, and in bf16 under
+# full), torch (PyTorch's
 # reference at the bench's shape), all (the four), and verdict: the CUDA
 # tests, the bench with the replay check on remat's checksum kernels and
 # without it, PyTorch with eager attention and with SDPA, the same in bf16
@@ -163,7 +164,10 @@ for group in "${groups[@]}"; do
       for policy in selective offload; do
         step "train_gpt-$policy" 240 "${with_libs[@]}" "$bin/bin/train_gpt" --device "$device" \
           --policy "$policy" "${train[@]}"
-      done ;;
+      done
+      # bf16 from f32 master weights, the way GPUs train.
+      step train_gpt-bf16 240 "${with_libs[@]}" "$bin/bin/train_gpt" --device "$device" \
+        --policy full --dtype bf16 "${train[@]}" ;;
     torch)
       step torch 300 python3 scripts/torch_reference.py --device "$device" "${shape[@]}" \
         "${steps[@]}" --out "$OUT/torch" ;;

@@ -69,7 +69,9 @@ usage: cargo run --release -p examples --bin qwen2 -- [flags]
                   AdamW after the backward, or each parameter inside it as
                   soon as its gradient is complete (OptimizerInBackward: a
                   lower peak; needs --clip 0) [after]
-  --dtype f32|bf16                        [f32]
+  --dtype f32|bf16  the dtype the model computes in; bf16 with --update
+                  after keeps f32 master weights that AdamW updates (in the
+                  backward, AdamW updates the bf16 parameters) [f32]
   --ops composed|fused  the decoder layers as candle-transformers writes them
                   (`forward`: scores and probabilities (B, H, T, T), the MLP's
                   products kept) or with remat's fused ops (`forward_fused`:
@@ -302,8 +304,16 @@ impl Run {
                 ..Default::default()
             };
             Update::Inside(OptimizerInBackward::from_varmap(&loaded.varmap, params)?)
-        } else {
+        } else if dtype == DType::F32 {
             Update::After(Box::new(Optim::new(vars, opts)?))
+        } else {
+            // f32 master weights: a fine-tuning step is often below a
+            // bf16 ulp of the weight it changes.
+            let masters = vars
+                .iter()
+                .map(|v| Var::from_tensor(&v.as_tensor().to_dtype(DType::F32)?))
+                .collect::<candle_core::Result<Vec<Var>>>()?;
+            Update::After(Box::new(Optim::mixed(masters, vars, opts)?))
         };
         Ok(Run {
             policy,

@@ -208,11 +208,22 @@ fn routing_weights_through_the_host_in_the_return_expression_are_a_cut() {
                 "{plan} {dtype:?}: {text}"
             );
         }
-        // Meant: the expert trains as in plain candle, the router not.
-        let reference = Plan::off()
-            .scope(|| switch.forward_constant(x.as_tensor()))
-            .unwrap();
-        let g_ref = backward(&weighted_loss(&reference)).unwrap();
+        // Meant: the expert trains as in plain candle (written out here,
+        // without the macro), the router not.
+        let reference = {
+            let xs = x.as_tensor();
+            let probs =
+                candle_nn::ops::softmax(&xs.matmul(switch.router.as_tensor()).unwrap(), D::Minus1)
+                    .unwrap();
+            let top = probs.max_keepdim(D::Minus1).unwrap().detach();
+            let h = xs
+                .matmul(switch.expert.as_tensor())
+                .unwrap()
+                .tanh()
+                .unwrap();
+            h.broadcast_mul(&top).unwrap()
+        };
+        let g_ref = weighted_loss(&reference).backward().unwrap();
         for plan in plans() {
             let y = plan
                 .scope(|| switch.forward_constant(x.as_tensor()))

@@ -10,13 +10,14 @@
 #
 # Groups: tests (the CUDA integration tests), bench (every policy at GPT-2
 # small), train (train_gpt under selective and offload, and in bf16 under
-# full), torch (PyTorch's
-# reference at the bench's shape), all (the four), and verdict: the CUDA
+# full), torch (PyTorch's reference at the bench's shape), all (the four),
+# and verdict: the CUDA
 # tests, the bench with the replay check on remat's checksum kernels and
 # without it, PyTorch with eager attention and with SDPA, the same in bf16
-# (remat none/full, PyTorch SDPA), then the table of
-# the GPU issues' targets, each PASS or FAIL ($OUT/verdict.md; about 4 of
-# its 8 minutes on an H100); profile: where a step's time goes, remat's
+# (remat none/full, PyTorch SDPA), the replay check's batch kernels (their
+# CUDA test, the bf16 bench with them), then the table of the GPU issues'
+# targets, each PASS or FAIL ($OUT/verdict.md; about 5 of its 8 minutes on
+# an H100); profile: where a step's time goes, remat's
 # `bench --profile` (each nn op, the replay check and the regions, by phase)
 # beside torch.profiler's kernels (PyTorch SDPA), at the same shape;
 # kernels: the CUDA tests, then the bench and its profile with remat's fused
@@ -156,7 +157,7 @@ for group in "${groups[@]}"; do
     tests)
       step cuda-tests 540 "${with_libs[@]}" "$bin/bin/cuda-tests" "${tests[@]}"
       step cuda-views 120 env REMAT_REPLAY_VIEWS=1 "${with_libs[@]}" "$bin/bin/cuda-tests" \
-        --ignored a_replay_reads_views_in_the_forwards_layout ;;
+        "${tests[@]}" --ignored a_replay_reads_views_in_the_forwards_layout ;;
     bench)
       step bench 540 "${with_libs[@]}" "$bin/bin/bench" --device "$device" "${shape[@]}" "${steps[@]}" \
         --policies "$policies" --out "$OUT/bench" ;;
@@ -174,7 +175,7 @@ for group in "${groups[@]}"; do
     verdict)
       step cuda-tests 240 "${with_libs[@]}" "$bin/bin/cuda-tests" "${tests[@]}"
       step cuda-views 120 env REMAT_REPLAY_VIEWS=1 "${with_libs[@]}" "$bin/bin/cuda-tests" \
-        --ignored a_replay_reads_views_in_the_forwards_layout
+        "${tests[@]}" --ignored a_replay_reads_views_in_the_forwards_layout
       step bench 240 "${with_libs[@]}" "$bin/bin/bench" --device "$device" "${shape[@]}" \
         "${verdict_steps[@]}" --policies none,full,selective,budget=0.5 \
         --unchecked full,selective,budget=0.5 --checksum kernels --out "$OUT/bench"
@@ -188,6 +189,12 @@ for group in "${groups[@]}"; do
         --checksum kernels --out "$OUT/bench-bf16"
       step torch-sdpa-bf16 120 python3 scripts/torch_reference.py --device "$device" \
         "${shape[@]}" "${verdict_steps[@]}" --dtype bf16 --attention sdpa --out "$OUT/torch-sdpa-bf16"
+      # The replay check's batch kernels (opt-in until this passes).
+      step cuda-batches 120 "${with_libs[@]}" "$bin/bin/cuda-tests" \
+        "${tests[@]}" --ignored checksum_batches_give_the_cpu_bits
+      step bench-batches-bf16 120 "${with_libs[@]}" "$bin/bin/bench" --device "$device" \
+        "${shape[@]}" "${verdict_steps[@]}" --dtype bf16 --policies none,full --unchecked full \
+        --checksum batches --out "$OUT/bench-batches-bf16"
       python3 "$pkg/verdict.py" "$OUT" 2>&1 | tee "$OUT/verdict.txt" || true ;;
     profile)
       step bench-profile 150 "${with_libs[@]}" "$bin/bin/bench" --device "$device" "${shape[@]}" \
@@ -211,7 +218,7 @@ for group in "${groups[@]}"; do
         --steps 2 --warmup 1 --dtype bf16 --attention sdpa --profile --out "$OUT/torch-profile-bf16" ;;
     batches)
       step cuda-batches 120 "${with_libs[@]}" "$bin/bin/cuda-tests" \
-        --ignored checksum_batches_give_the_cpu_bits
+        "${tests[@]}" --ignored checksum_batches_give_the_cpu_bits
       for dtype in bf16 f32; do
         for checksum in kernels batches; do
           step "bench-$checksum-$dtype" 120 "${with_libs[@]}" "$bin/bin/bench" --device "$device" \

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The GPU verdict: the targets of the GPU issues, each PASS or FAIL, from
 the results `run.sh verdict` wrote under OUT (bench/, bench-bf16/,
-torch-eager/, torch-sdpa/, torch-sdpa-bf16/ results.csv, cuda-tests.txt).
+bench-batches-bf16/, torch-eager/, torch-sdpa/, torch-sdpa-bf16/
+results.csv, cuda-tests.txt, cuda-batches.txt).
 
     python3 gpu-package/verdict.py OUT     # prints the table, writes OUT/verdict.md
 """
@@ -27,6 +28,7 @@ def main():
     sdpa = rows(os.path.join(out, "torch-sdpa", "results.csv"))
     bench16 = rows(os.path.join(out, "bench-bf16", "results.csv"))
     sdpa16 = rows(os.path.join(out, "torch-sdpa-bf16", "results.csv"))
+    batches16 = rows(os.path.join(out, "bench-batches-bf16", "results.csv"))
     lines = []
 
     def verdict(target, measured, ok):
@@ -52,6 +54,19 @@ def main():
             r = ratio(checked, plain)
             verdict(f"{policy}: check on <= {limit_plain:.2f}x plain", show(r),
                     None if r is None else r <= limit_plain)
+    # The same in bf16, with the one-value checksum kernels (the default)
+    # and with the batch kernels (opt-in until their CUDA test passes).
+    for name, r in [("bf16", bench16), ("bf16, checksum batches", batches16)]:
+        ratio_ = ratio(step(r, "full"), step(r, "full (unchecked)"))
+        verdict(f"{name} full: check on <= 1.03x unchecked", show(ratio_),
+                None if ratio_ is None else ratio_ <= 1.03)
+    try:
+        text = open(os.path.join(out, "cuda-batches.txt")).read()
+        ok = re.search(r"test result: ok\. 1 passed", text) is not None
+        verdict("checksum batches: their CUDA test passes (then make them the default)",
+                "passed" if ok else "failed", ok)
+    except OSError:
+        verdict("checksum batches: their CUDA test passes", "missing", None)
     grads = [float(r["grad_max_rel_diff"]) for r in bench.values()]
     verdict("gradients of every policy equal plain candle's (max rel. diff)",
             f"{max(grads):.1e}" if grads else "missing", None if not grads else max(grads) <= 1e-5)
@@ -84,7 +99,8 @@ def main():
     table = ["| target | measured | verdict |", "|---|---:|---|"] + lines
     context = []
     for name, r in [("remat", bench), ("PyTorch eager", eager), ("PyTorch SDPA", sdpa),
-                    ("remat bf16", bench16), ("PyTorch SDPA bf16", sdpa16)]:
+                    ("remat bf16", bench16), ("remat bf16, checksum batches", batches16),
+                    ("PyTorch SDPA bf16", sdpa16)]:
         for p, row in r.items():
             context.append(f"| {name} | {p} | {float(row['median_step_s']) * 1e3:.1f} | "
                            f"{int(row['peak_bytes']) / (1 << 20):.1f} |")

@@ -4,27 +4,25 @@
 //! runs a region's replay from inside candle, and a statement's closure
 //! draws random numbers through functions that take no context. What such
 //! code needs travels in thread-locals, each declared next to the code that
-//! owns it. Each is changed only through [`scoped`], which undoes the change
-//! when its closure returns or unwinds, or (for the two registries) only
-//! appended to and pruned.
+//! owns it, or here when it is a counter or a switch. Each is changed only
+//! through [`scoped`], which undoes the change when its closure returns or
+//! unwinds, or (for the two registries) only appended to and pruned. This
+//! table is the one list (docs/architecture.md points here):
 //!
-//! | state | where | holds | set by | undone by |
-//! |---|---|---|---|---|
-//! | `PLAN_SCOPES` | `plan/mod.rs` | the stack of `Plan::scope`s | `Plan::scope`, and `Plan::inherit` for a region's block | [`scoped`] pops |
-//! | `RETAIN_DEPTH` | `backward/retain.rs` | how many `retain_tape` calls are running | `retain_tape` | [`scoped`] decrements |
-//! | `LAST_ERROR` | `graph/mod.rs` | the first typed error raised inside candle's backward | the graph's ops | taken by `backward` |
-//! | `FINGERPRINTS_OFF` | `tape/fingerprint.rs` | forwards take no fingerprints for the replay check | `without_fingerprints` | [`scoped`] restores |
-//! | `SWAP_ON_CPU` | `offload/mod.rs` | offloaded statements move their residuals on a CPU | `offload::swap_on_cpu` | [`scoped`] restores |
-//! | `TRACES` | `inspect/trace.rs` | the stack of traces being recorded | `Trace::record` | [`scoped`] pops |
-//! | `RANDOM_BASE`, `RANDOM_OUTSIDE` | `random.rs` | the seed and counter of draws outside statements | `random::seed` | reseeded only |
-//! | `RANDOM_STREAMS` | `random.rs` | the stack of statements drawing random numbers | every statement | [`scoped`] pops |
-//! | `CAPTURES_CHECKED` | `tape/recorder.rs` | the regions whose first forward looked for undeclared reads, with the outputs it found to be constants | every region call | only grows (one name per region) |
-//! | `WATCHES` | `tape/unread.rs` | per running statement, its `nn` op calls and the one to leave uncomputed | every statement, in every mode | [`scoped`] pops |
-//! | `TIMES` | `replay/timed.rs` | the least replay time of each statement | `PeakPlan::profile`'s full-recompute steps | [`scoped`] restores |
-//! | `LIVE_CALLS` | `inspect/memory.rs` | the region calls `MemoryReport::capture` sees | every region call | pruned when calls end |
-//! | `SINK` | `backward/optimizer.rs` | the `OptimizerInBackward` whose `backward_step` runs | `backward_step` | [`scoped`] restores |
-//! | `DEPTH` | `backward/optimizer.rs` | how many region backwards run one inside another | `Call::backward` | [`scoped`] decrements |
-//! | `REPLAYS` | `plan/calls.rs` | how many region replays run (their nested regions are not new calls of a step) | a region's replay | [`scoped`] decrements |
+//! | state | where | holds | set by | undone by | why a thread-local |
+//! |---|---|---|---|---|---|
+//! | `PLAN_SCOPES` | `plan/mod.rs` | the stack of `Plan::scope`s | `Plan::scope`, and `Plan::inherit` for a region's block | [`scoped`] pops | a user's scope reaches the regions of model code that takes no plan |
+//! | `SWITCHES` | here | the forward's switches: no fingerprints (`without_fingerprints`), offloaded residuals moved on a CPU (`offload::swap_on_cpu`) | [`switched`] | [`scoped`] restores | the same: set around model code |
+//! | `TRACES` | `inspect/trace.rs` | the stack of traces being recorded | `Trace::record` | [`scoped`] pops | the same |
+//! | `RANDOM_BASE`, `RANDOM_OUTSIDE` | `random.rs` | the seed and counter of draws outside statements | `random::seed` | reseeded only | `random::dropout` and `uniform` take no context |
+//! | `RANDOM_STREAMS` | `random.rs` | the stack of statements drawing random numbers | every statement | [`scoped`] pops | the same, inside a statement's closure |
+//! | `WATCHES` | `tape/unread.rs` | per running statement, its `nn` op calls and the one to leave uncomputed | every statement, in every mode | [`scoped`] pops | `nn`'s ops take no context |
+//! | `FIRST_RUNS` | `tape/recorder.rs` | the regions whose first recorded, generated or plain run on this thread checked what it reads, with the outputs it found to be constants | every region call | only grows (one name per region) | a cache per thread, as the first forward's leaf copies are |
+//! | `TIMES` | `replay/timed.rs` | the least replay time of each statement | `PeakPlan::profile`'s full-recompute steps | [`scoped`] restores | replays run from inside candle's backward, which passes no handle |
+//! | `LIVE_CALLS` | `inspect/memory.rs` | the region calls `MemoryReport::capture` sees | every region call | pruned when calls end | `MemoryReport::capture()` takes no handle |
+//! | `LAST_ERROR` | `graph/mod.rs` | the first typed error raised inside candle's backward | the graph's ops | taken by `backward` | candle's backward returns its own error type |
+//! | `SINK` | `backward/optimizer.rs` | the `OptimizerInBackward` whose `backward_step` runs | `backward_step` | [`scoped`] restores | reached from inside candle's backward |
+//! | `DEPTHS` | here | how many of each nesting scope run: `retain_tape` closures, region backwards one inside another, region replays (their nested regions are not new calls of a step) | [`deeper`] | [`scoped`] decrements | the same |
 //!
 //! Four more are process-wide, not per thread: the claims of live region
 //! calls on their variables (`backward/pending.rs`, counted up by each call
@@ -35,6 +33,105 @@
 //! `inspect::checksum_kernels` or `REMAT_CHECKSUM_KERNELS=0|1`; on by default)
 //! and whether several at a launch (`inspect::checksum_batches`,
 //! `REMAT_CHECKSUM_BATCHES=0|1`; off by default).
+
+use std::cell::Cell;
+
+/// The scopes of a backward that may run one inside another on a thread,
+/// each counted while it runs (in `DEPTHS`).
+#[derive(Clone, Copy)]
+pub(crate) enum Depth {
+    /// `retain_tape` closures (`backward/retain.rs`).
+    Retain,
+    /// Region backwards, one inside another's replay and sweep
+    /// (`backward/optimizer.rs`).
+    Backward,
+    /// Region replays (`plan/calls.rs`).
+    Replay,
+}
+
+/// The forward's switches, off unless a closure turns one on (in
+/// `SWITCHES`).
+#[derive(Clone, Copy)]
+pub(crate) enum Switch {
+    /// Forwards take no fingerprints (`without_fingerprints`).
+    NoFingerprints,
+    /// Offloaded statements on a CPU move their residuals
+    /// (`offload::swap_on_cpu`).
+    SwapOnCpu,
+}
+
+struct Depths {
+    retain: Cell<usize>,
+    backward: Cell<usize>,
+    replay: Cell<usize>,
+}
+
+struct Switches {
+    no_fingerprints: Cell<bool>,
+    swap_on_cpu: Cell<bool>,
+}
+
+thread_local! {
+    static DEPTHS: Depths = const {
+        Depths {
+            retain: Cell::new(0),
+            backward: Cell::new(0),
+            replay: Cell::new(0),
+        }
+    };
+    static SWITCHES: Switches = const {
+        Switches {
+            no_fingerprints: Cell::new(false),
+            swap_on_cpu: Cell::new(false),
+        }
+    };
+}
+
+fn count(d: &Depths, which: Depth) -> &Cell<usize> {
+    match which {
+        Depth::Retain => &d.retain,
+        Depth::Backward => &d.backward,
+        Depth::Replay => &d.replay,
+    }
+}
+
+fn flag(s: &Switches, which: Switch) -> &Cell<bool> {
+    match which {
+        Switch::NoFingerprints => &s.no_fingerprints,
+        Switch::SwapOnCpu => &s.swap_on_cpu,
+    }
+}
+
+/// Runs `body` one level deeper in `which`.
+pub(crate) fn deeper<R>(which: Depth, body: impl FnOnce() -> R) -> R {
+    let step = |by: isize| {
+        DEPTHS.with(|d| {
+            let c = count(d, which);
+            c.set(c.get().wrapping_add_signed(by));
+        })
+    };
+    scoped(|| step(1), || step(-1), body)
+}
+
+/// How many `which` scopes run on this thread.
+pub(crate) fn depth(which: Depth) -> usize {
+    DEPTHS.with(|d| count(d, which).get())
+}
+
+/// Runs `body` with `which` on, then restores it.
+pub(crate) fn switched<R>(which: Switch, body: impl FnOnce() -> R) -> R {
+    let before = is_on(which);
+    scoped(
+        || SWITCHES.with(|s| flag(s, which).set(true)),
+        || SWITCHES.with(|s| flag(s, which).set(before)),
+        body,
+    )
+}
+
+/// Whether `which` is on on this thread.
+pub(crate) fn is_on(which: Switch) -> bool {
+    SWITCHES.with(|s| flag(s, which).get())
+}
 
 /// Runs `undo` when dropped: on return and on unwinding alike.
 struct Scoped<F: FnOnce()>(Option<F>);

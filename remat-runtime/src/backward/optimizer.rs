@@ -2,7 +2,7 @@
 //! soon as its gradient is complete, and the gradient freed, instead of
 //! every gradient being held to the end of the backward.
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -11,7 +11,7 @@ use candle_core::{Tensor, TensorId, Var};
 use candle_nn::{Optimizer, VarMap};
 
 use super::pending::is_pending;
-use crate::ambient::scoped;
+use crate::ambient::{deeper, depth, scoped, Depth};
 use crate::{lock, RematError, Result};
 
 /// What a region call's backward hands its parameter gradients to while an
@@ -29,9 +29,6 @@ thread_local! {
     /// The sink of the [`OptimizerInBackward::backward_step`] running on
     /// this thread.
     static SINK: RefCell<Option<Arc<Mutex<dyn Sink>>>> = const { RefCell::new(None) };
-    /// How many region backwards are running on this thread, one inside
-    /// another's replay and sweep.
-    static DEPTH: Cell<usize> = const { Cell::new(0) };
 }
 
 /// Runs a region call's replay and sweep. The regions nested in its block
@@ -39,11 +36,7 @@ thread_local! {
 /// outer call's sweep, as without an optimizer in the backward, so that
 /// every gradient is summed in the same order.
 pub(crate) fn nested<R>(f: impl FnOnce() -> R) -> R {
-    scoped(
-        || DEPTH.with(|d| d.set(d.get() + 1)),
-        || DEPTH.with(|d| d.set(d.get() - 1)),
-        f,
-    )
+    deeper(Depth::Backward, f)
 }
 
 fn sink() -> Option<Arc<Mutex<dyn Sink>>> {
@@ -58,7 +51,7 @@ pub(crate) fn offer(
     variables: &[(usize, Tensor)],
     grads: &mut [Option<Tensor>],
 ) -> Result<()> {
-    let Some(sink) = sink().filter(|_| DEPTH.with(Cell::get) == 0) else {
+    let Some(sink) = sink().filter(|_| depth(Depth::Backward) == 0) else {
         return Ok(());
     };
     let mut sink = lock(&sink);

@@ -1,19 +1,12 @@
 //! Entering a backward from user code: keeping tapes for a second
 //! backward, and the typed errors of [`backward`].
 
-use std::cell::Cell;
-
 use candle_core::backprop::GradStore;
 use candle_core::Tensor;
 
-use crate::ambient::scoped;
+use crate::ambient::{deeper, depth, Depth};
 use crate::graph::take_error;
 use crate::Result;
-
-thread_local! {
-    /// Above zero while a `retain_tape` closure runs.
-    static RETAIN_DEPTH: Cell<usize> = const { Cell::new(0) };
-}
 
 /// Runs `f` (typically a `loss.backward()`) with region tapes retained: the
 /// regions it reaches keep their tapes, so that a later backward through them
@@ -40,16 +33,12 @@ thread_local! {
 /// # Ok::<(), remat_runtime::RematError>(())
 /// ```
 pub fn retain_tape<R>(f: impl FnOnce() -> R) -> R {
-    scoped(
-        || RETAIN_DEPTH.with(|r| r.set(r.get() + 1)),
-        || RETAIN_DEPTH.with(|r| r.set(r.get() - 1)),
-        f,
-    )
+    deeper(Depth::Retain, f)
 }
 
 /// Whether a [`retain_tape`] closure is running on this thread.
 pub(crate) fn retaining() -> bool {
-    RETAIN_DEPTH.with(|r| r.get() > 0)
+    depth(Depth::Retain) > 0
 }
 
 /// `loss.backward()`, with the runtime's errors returned as

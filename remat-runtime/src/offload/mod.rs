@@ -38,24 +38,18 @@
 //! after a side stream's copies. Where pinned memory cannot be had, the copy
 //! falls back to pageable memory, synchronously.
 
-use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::{CpuStorage, CudaStorage, Device, InplaceOp1, Layout, Shape, Tensor, TensorId};
 
-use crate::ambient::scoped;
+use crate::ambient::{is_on, switched, Switch};
 use crate::storage::storage_extent;
 use crate::{lock, RematError, Result};
 
 #[cfg(feature = "cuda")]
 mod pinned;
-
-thread_local! {
-    /// Set while an `offload::swap_on_cpu` closure runs.
-    static SWAP_ON_CPU: Cell<bool> = const { Cell::new(false) };
-}
 
 /// Runs `f` with offloaded statements on CPU devices moving their residuals
 /// out of the graph and back, as on a CUDA device, instead of keeping them
@@ -82,17 +76,12 @@ thread_local! {
 /// # Ok::<(), remat_runtime::RematError>(())
 /// ```
 pub fn swap_on_cpu<R>(f: impl FnOnce() -> R) -> R {
-    let before = SWAP_ON_CPU.with(Cell::get);
-    scoped(
-        || SWAP_ON_CPU.with(|s| s.set(true)),
-        || SWAP_ON_CPU.with(|s| s.set(before)),
-        f,
-    )
+    switched(Switch::SwapOnCpu, f)
 }
 
 /// Whether an offloaded statement on `device` moves its residuals.
 pub(crate) fn moves(device: &Device) -> bool {
-    !device.is_cpu() || SWAP_ON_CPU.with(Cell::get)
+    !device.is_cpu() || is_on(Switch::SwapOnCpu)
 }
 
 /// One storage of an offloaded graph.

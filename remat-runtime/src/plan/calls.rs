@@ -2,32 +2,22 @@
 //! saves its own set of statements. Calls are counted from the plan's
 //! [`scope`](super::Plan::scope): a step is one scope.
 
-use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 
 use super::StatementInfo;
-use crate::ambient::scoped;
+use crate::ambient::{deeper, depth, Depth};
 use crate::{lock, Policy};
-
-thread_local! {
-    /// How many region replays are running on this thread.
-    static REPLAYS: Cell<usize> = const { Cell::new(0) };
-}
 
 /// Runs a region's replay: the regions nested in its block run again, and
 /// are not calls of the step (the forward counted them).
 pub(crate) fn replaying<R>(f: impl FnOnce() -> R) -> R {
-    scoped(
-        || REPLAYS.with(|d| d.set(d.get() + 1)),
-        || REPLAYS.with(|d| d.set(d.get() - 1)),
-        f,
-    )
+    deeper(Depth::Replay, f)
 }
 
 /// Whether a region's replay is running on this thread.
 pub(crate) fn in_replay() -> bool {
-    REPLAYS.with(|d| d.get() > 0)
+    depth(Depth::Replay) > 0
 }
 
 /// One call of a region in a step: the region's name and which of its
@@ -64,7 +54,7 @@ impl PerCall {
     }
 
     pub fn policy(&self, s: &StatementInfo) -> Policy {
-        if REPLAYS.with(Cell::get) > 0 {
+        if in_replay() {
             // A region nested in a replayed block: not a call of the step.
             return s.declared.unwrap_or(Policy::Recompute);
         }

@@ -23,22 +23,15 @@
 //! A region's fingerprints are kept in one tensor on its tape (32 bytes per
 //! parameter, read input and recomputed output), not one per statement.
 
-use std::cell::Cell;
-
 use candle_core::{DType, Tensor};
 
 use super::checksum::{MAGNITUDES, SUM, WEIGHTED};
-use crate::ambient::scoped;
+use crate::ambient::{is_on, switched, Switch};
 use crate::{RematError, Result};
-
-thread_local! {
-    /// Set while a `without_fingerprints` closure runs.
-    static FINGERPRINTS_OFF: Cell<bool> = const { Cell::new(false) };
-}
 
 /// Whether forwards on this thread take fingerprints.
 pub(crate) fn enabled() -> bool {
-    !FINGERPRINTS_OFF.with(|off| off.get())
+    !is_on(Switch::NoFingerprints)
 }
 
 /// Runs `f` with the replay check by fingerprints off for the region calls
@@ -62,12 +55,7 @@ pub(crate) fn enabled() -> bool {
 /// # Ok::<(), remat_runtime::RematError>(())
 /// ```
 pub fn without_fingerprints<R>(f: impl FnOnce() -> R) -> R {
-    let before = FINGERPRINTS_OFF.with(|off| off.get());
-    scoped(
-        || FINGERPRINTS_OFF.with(|off| off.set(true)),
-        || FINGERPRINTS_OFF.with(|off| off.set(before)),
-        f,
-    )
+    switched(Switch::NoFingerprints, f)
 }
 
 /// The fingerprints of `values` (`None`: one not compared, four zeros), in

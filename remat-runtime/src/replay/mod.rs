@@ -50,7 +50,7 @@ struct Value {
     /// Whether `leaf` is shared.
     share: bool,
     /// What the backward of the producing unit is seeded on: the value itself
-    /// for a recomputed segment, the tracked output kept from the forward for
+    /// for a unit of recomputed statements, the tracked output kept from the forward for
     /// a saved statement.
     target: Option<Tensor>,
     /// Its bits are the forward's: a region input, a ferried output, or the
@@ -71,9 +71,9 @@ pub(crate) struct Replay {
     order: Vec<TensorId>,
     placeholders: HashMap<TensorId, String>,
     units: Vec<Unit>,
-    /// The segment recomputed statements currently add to.
+    /// The unit recomputed statements currently add to.
     open: Option<usize>,
-    /// Leaves of the open segment, by the value they stand for.
+    /// Leaves of the open unit, by the value they stand for.
     open_leaves: HashMap<TensorId, Tensor>,
     /// What statements read in place of a leaf, by the leaf: a view with
     /// the forward's strides, or the leaf itself.
@@ -465,7 +465,7 @@ impl Replay {
             checks.take(taken)?;
         }
         for (j, t) in tensors.iter().enumerate() {
-            // An output that is one of the segment's own leaves stays what it is.
+            // An output that is one of the unit's own leaves stays what it is.
             if !self.values.contains_key(&t.id()) {
                 self.order.push(t.id());
                 // Needs gradients as the forward decided (the same for every

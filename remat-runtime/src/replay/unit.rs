@@ -8,8 +8,7 @@ use crate::graph::Relayout;
 use crate::offload::Offloaded;
 
 /// One step of the backward sweep: a maximal run of recomputed statements
-/// (a segment) or one saved statement, with the saved statements chained to
-/// it.
+/// or one saved statement, with the saved statements chained to it.
 pub(crate) struct Unit {
     /// The statements it covers, for error messages and traces.
     pub label: String,

@@ -174,4 +174,32 @@ mod tests {
         assert!(result.is_err());
         assert_eq!(DEPTH.with(Cell::get), 0);
     }
+
+    #[test]
+    fn depths_count_nested_scopes_and_switches_restore_what_was_before() {
+        let inner = deeper(Depth::Replay, || {
+            deeper(Depth::Replay, || {
+                (
+                    depth(Depth::Replay),
+                    depth(Depth::Retain),
+                    depth(Depth::Backward),
+                )
+            })
+        });
+        assert_eq!(inner, (2, 0, 0));
+        let unwound = std::panic::catch_unwind(|| deeper(Depth::Retain, || panic!("inside")));
+        assert!(unwound.is_err());
+        assert_eq!(depth(Depth::Retain), 0);
+        assert_eq!(depth(Depth::Replay), 0);
+        // A switch already on stays on after an inner scope turns it on.
+        switched(Switch::SwapOnCpu, || {
+            switched(Switch::SwapOnCpu, || assert!(is_on(Switch::SwapOnCpu)));
+            assert!(is_on(Switch::SwapOnCpu));
+            assert!(!is_on(Switch::NoFingerprints));
+        });
+        assert!(!is_on(Switch::SwapOnCpu));
+        let unwound = std::panic::catch_unwind(|| switched(Switch::NoFingerprints, || panic!("x")));
+        assert!(unwound.is_err());
+        assert!(!is_on(Switch::NoFingerprints));
+    }
 }

@@ -45,9 +45,12 @@ pub(crate) enum Borrowed {
 pub(crate) struct StatementAnalysis {
     /// The record name (empty for items and forward-only statements).
     pub name: String,
-    /// Save, Recompute or ForwardOnly; `None` for an unannotated statement,
-    /// whose policy the region's plan decides at run time.
+    /// Save, Offload, Recompute or ForwardOnly; `None` for an unannotated
+    /// statement, whose policy the region's plan decides at run time.
     pub kind: Option<AnnotationKind>,
+    /// Plain code: a `let` run as it is in the forward and in the replay,
+    /// outside any statement (a closure, a guard, a copy, a reference).
+    pub plain: bool,
     /// The bindings it reads, in order of first use.
     pub reads: Vec<Read>,
     /// Owned bindings whose last reader this statement is, or that it
@@ -136,8 +139,11 @@ struct Analyser<'a> {
     bindings: Vec<Binding>,
     /// The binding each name refers to at the current statement.
     current: HashMap<String, usize>,
-    /// Each statement's annotation.
+    /// Each statement's annotation (the user's).
     kinds: Vec<Option<AnnotationKind>>,
+    /// Whether each statement is plain code: what parsing found, and
+    /// references the analysis finds.
+    plain: Vec<bool>,
 }
 
 /// Which bindings each statement reads (with the span of the first
@@ -181,12 +187,14 @@ impl<'a> Analyser<'a> {
             .iter()
             .map(|s| s.annotation.as_ref().map(|a| a.kind))
             .collect();
+        let plain = block.statements.iter().map(|s| s.plain).collect();
         Analyser {
             block,
             errors,
             bindings,
             current,
             kinds,
+            plain,
         }
     }
 
@@ -216,14 +224,12 @@ impl<'a> Analyser<'a> {
             for_value.push(read_for_value(expr));
             into.push(into_tensors(expr));
             let alias = match pat {
-                Some(p) if matches!(self.kinds[i], None | Some(AnnotationKind::Plain)) => {
-                    single(p).and(self.alias(expr))
-                }
+                Some(p) if self.kinds[i].is_none() => single(p).and(self.alias(expr)),
                 _ => None,
             };
             if alias.is_some() {
                 // Plain code: a reference is not a statement's value.
-                self.kinds[i] = Some(AnnotationKind::Plain);
+                self.plain[i] = true;
             }
             let assigned = assigned(expr);
             self.check_assignments(expr, &assigned);
@@ -437,10 +443,8 @@ impl<'a> Analyser<'a> {
             let k = seen.entry(base.clone()).or_default();
             *k += 1;
             if !names[i].is_empty()
-                || matches!(
-                    self.kinds[i],
-                    Some(AnnotationKind::ForwardOnly | AnnotationKind::Plain)
-                )
+                || self.plain[i]
+                || self.kinds[i] == Some(AnnotationKind::ForwardOnly)
             {
                 continue;
             }
@@ -563,8 +567,7 @@ impl<'a> Analyser<'a> {
                         for_value: for_value.is_none_or(|v| v.contains(&name)),
                         plain_code: binding.borrowed.is_none()
                             && binding.producer.is_some_and(|p| {
-                                self.kinds[p] == Some(AnnotationKind::Plain)
-                                    && !copies(&self.block.statements[p].kind)
+                                self.plain[p] && !copies(&self.block.statements[p].kind)
                             }),
                     }
                 })
@@ -583,6 +586,7 @@ impl<'a> Analyser<'a> {
             .map(|i| StatementAnalysis {
                 name: std::mem::take(&mut names[i]),
                 kind: self.kinds[i],
+                plain: self.plain[i],
                 changes: reads.inouts[i]
                     .iter()
                     .map(|&b| self.bindings[b].ident.clone())

@@ -1,4 +1,7 @@
-//! An accumulator of spanned errors, reported together at the end.
+//! An accumulator of spanned errors, reported together at the end. It must
+//! be consumed (as serde_derive's `Ctxt`): dropping one that still holds
+//! errors is a bug of the macro, which would have compiled a block it had
+//! refused, and panics.
 
 use proc_macro2::{Span, TokenStream};
 use std::fmt::Display;
@@ -24,7 +27,43 @@ impl Errors {
         self.0.len()
     }
 
-    pub fn into_compile_errors(self) -> TokenStream {
-        self.0.into_iter().map(|e| e.to_compile_error()).collect()
+    pub fn into_compile_errors(mut self) -> TokenStream {
+        std::mem::take(&mut self.0)
+            .into_iter()
+            .map(|e| e.to_compile_error())
+            .collect()
+    }
+}
+
+impl Drop for Errors {
+    fn drop(&mut self) {
+        if !self.0.is_empty() && !std::thread::panicking() {
+            panic!(
+                "remat!: {} error(s) collected and never reported",
+                self.0.len()
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[should_panic(expected = "never reported")]
+    fn errors_must_be_reported() {
+        let mut errors = Errors::default();
+        errors.push(Span::call_site(), "refused");
+    }
+
+    #[test]
+    fn reported_errors_become_compile_errors() {
+        let mut errors = Errors::default();
+        errors.push(Span::call_site(), "refused");
+        let tokens = errors.into_compile_errors().to_string();
+        assert!(tokens.contains("compile_error") && tokens.contains("refused"));
+        // Nothing to report: dropping is fine.
+        drop(Errors::default());
     }
 }

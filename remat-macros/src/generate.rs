@@ -350,7 +350,7 @@ fn statement(stmt: &Statement, sa: &StatementAnalysis, params: &[Param]) -> Toke
     let release = releases(&sa.releases);
     match (&stmt.kind, sa.kind) {
         (StmtKind::Item(item), _) => quote! { #item },
-        (StmtKind::Let { pat, init }, Some(AnnotationKind::Plain)) => {
+        (StmtKind::Let { pat, init }, _) if sa.plain => {
             // `let mut h = x.clone();`: changed by later statements,
             // each on its own copy.
             let allow_mut = crate::usage::binds_mut(pat).then(|| quote!(#[allow(unused_mut)]));

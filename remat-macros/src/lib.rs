@@ -43,7 +43,11 @@ fn expand(input: TokenStream) -> TokenStream {
     let mut errors = errors::Errors::default();
     let blocks = match parse::parse(input, &mut errors) {
         Ok(blocks) => blocks,
-        Err(e) => return e.to_compile_error(),
+        Err(e) => {
+            // With the errors collected before it.
+            errors.push_error(e);
+            return errors.into_compile_errors();
+        }
     };
     let mut out = TokenStream::new();
     for block in &blocks {

@@ -12,10 +12,6 @@ pub(crate) enum AnnotationKind {
     Offload,
     Recompute,
     ForwardOnly,
-    /// Not written by users: a `let` that binds a closure (`let f = |t|
-    /// ...;`) or a guard (`let _enter = span.enter();`), which runs as it is
-    /// in the forward and in the replay, outside any statement.
-    Plain,
 }
 
 impl AnnotationKind {
@@ -35,7 +31,6 @@ impl AnnotationKind {
             AnnotationKind::Offload => "#[offload]",
             AnnotationKind::Recompute => "#[recompute]",
             AnnotationKind::ForwardOnly => "#[forward_only]",
-            AnnotationKind::Plain => "(plain code)",
         }
     }
 }
@@ -87,7 +82,12 @@ pub(crate) enum StmtKind {
 
 pub(crate) struct Statement {
     pub kind: StmtKind,
+    /// The annotation the user wrote on it.
     pub annotation: Option<Annotation>,
+    /// An unannotated `let` that runs as it is in the forward and in the
+    /// replay, outside any statement (see `parse::plain`); the analysis
+    /// finds more (references).
+    pub plain: bool,
     /// Attributes other than ours, kept on the generated statement.
     pub attrs: Vec<Attribute>,
 }

@@ -9,7 +9,7 @@ use syn::{Expr, FnArg, ItemFn, Pat, Stmt, Type};
 use crate::attributes::{annotations, expr_attrs, strip_attrs};
 use crate::checks::{check_nested, check_return, check_statement_expr, check_tail_annotation};
 use crate::errors::Errors;
-use crate::model::{Annotation, AnnotationKind, Block, Param, Passing, Statement, StmtKind};
+use crate::model::{Block, Param, Passing, Statement, StmtKind};
 
 struct Items(Vec<ItemFn>);
 
@@ -193,13 +193,14 @@ fn parse_statement(stmt: &Stmt, errors: &mut Errors) -> Option<Statement> {
             }
             check_nested(&init.expr, errors);
             check_return(&init.expr, errors, false);
-            let annotation = annotation.or_else(|| plain(&local.pat, &init.expr));
+            let plain = annotation.is_none() && plain(&local.pat, &init.expr);
             Some(Statement {
                 kind: StmtKind::Let {
                     pat: local.pat.clone(),
                     init: (*init.expr).clone(),
                 },
                 annotation,
+                plain,
                 attrs,
             })
         }
@@ -211,6 +212,7 @@ fn parse_statement(stmt: &Stmt, errors: &mut Errors) -> Option<Statement> {
             Some(Statement {
                 kind: StmtKind::Expr(expr),
                 annotation,
+                plain: false,
                 attrs,
             })
         }
@@ -224,12 +226,14 @@ fn parse_statement(stmt: &Stmt, errors: &mut Errors) -> Option<Statement> {
             Some(Statement {
                 kind: StmtKind::Expr(expr),
                 annotation,
+                plain: false,
                 attrs,
             })
         }
         Stmt::Item(item) => Some(Statement {
             kind: StmtKind::Item(item.clone()),
             annotation: None,
+            plain: false,
             attrs: Vec::new(),
         }),
     }
@@ -251,7 +255,7 @@ pub(crate) const PLAIN_METHODS: &[&str] = &[
 /// tensor's device, dtype or shape (`let device = xs.device();`). A
 /// reference (`let residual = xs;`, `let r = &h;`) is plain code too, found
 /// by the analysis.
-fn plain(pat: &Pat, init: &Expr) -> Option<Annotation> {
+fn plain(pat: &Pat, init: &Expr) -> bool {
     let guard = crate::usage::single(pat).is_some_and(|i| i.to_string().starts_with('_'));
     let closure = matches!(init, Expr::Closure(_));
     let copy = match init {
@@ -260,11 +264,7 @@ fn plain(pat: &Pat, init: &Expr) -> Option<Annotation> {
         }
         _ => false,
     };
-    (guard || closure || copy).then(|| Annotation {
-        kind: AnnotationKind::Plain,
-        name: None,
-        tokens: TokenStream::new(),
-    })
+    guard || closure || copy
 }
 
 /// `&dyn Trait` and `&impl Trait` parameters: the region cannot keep its

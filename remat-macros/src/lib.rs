@@ -44,7 +44,8 @@ fn expand(input: TokenStream) -> TokenStream {
     let blocks = match parse::parse(input, &mut errors) {
         Ok(blocks) => blocks,
         Err(e) => {
-            // With the errors collected before it.
+            // With any error collected before it (none today: parsing
+            // fails before a block is read), so that none is dropped.
             errors.push_error(e);
             return errors.into_compile_errors();
         }

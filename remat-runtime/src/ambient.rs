@@ -4,10 +4,12 @@
 //! runs a region's replay from inside candle, and a statement's closure
 //! draws random numbers through functions that take no context. What such
 //! code needs travels in thread-locals, each declared next to the code that
-//! owns it, or here when it is a counter or a switch. Each is changed only
-//! through [`scoped`], which undoes the change when its closure returns or
-//! unwinds, or (for the two registries) only appended to and pruned. This
-//! table is the one list (docs/architecture.md points here):
+//! owns it, or here when it is a counter or a switch. A change for the
+//! length of a closure goes through [`scoped`], which undoes it when the
+//! closure returns or unwinds; the others are said in the table (the
+//! error taken by `backward`, the random seed and counter, the two
+//! registries appended to and pruned). This is the one list, the
+//! process-wide state after it (docs/architecture.md points here):
 //!
 //! | state | where | holds | set by | undone by | why a thread-local |
 //! |---|---|---|---|---|---|
@@ -24,15 +26,25 @@
 //! | `SINK` | `backward/optimizer.rs` | the `OptimizerInBackward` whose `backward_step` runs | `backward_step` | [`scoped`] restores | reached from inside candle's backward |
 //! | `DEPTHS` | here | how many of each nesting scope run: `retain_tape` closures, region backwards one inside another, region replays (their nested regions are not new calls of a step) | [`deeper`] | [`scoped`] decrements | the same |
 //!
-//! Four more are process-wide, not per thread: the claims of live region
-//! calls on their variables (`backward/pending.rs`, counted up by each call
-//! and down when its backward ends or it is dropped), the call counts
-//! of a plan that decides call by call (`plan/calls.rs`, inside the plan,
-//! reset by `Plan::scope`), and two switches: whether CUDA values are
-//! checksummed by remat's kernels (`tape/checksum/mod.rs`, set by
-//! `inspect::checksum_kernels` or `REMAT_CHECKSUM_KERNELS=0|1`; on by default)
-//! and whether several at a launch (`inspect::checksum_batches`,
-//! `REMAT_CHECKSUM_BATCHES=0|1`; off by default).
+//! Process-wide, not per thread:
+//!
+//! * the claims of live region calls on their variables
+//!   (`backward/pending.rs`, counted up by each call and down when its
+//!   backward ends or it is dropped);
+//! * the call counts of a plan that decides call by call (`plan/calls.rs`,
+//!   inside the plan, reset by `Plan::scope`);
+//! * whether CUDA values are checksummed by remat's kernels (`KERNELS` in
+//!   `tape/checksum/mod.rs`: `inspect::checksum_kernels`,
+//!   `REMAT_CHECKSUM_KERNELS=0|1`; on by default), and several at a launch
+//!   (`BATCHES`: `inspect::checksum_batches`, `REMAT_CHECKSUM_BATCHES=0|1`;
+//!   off by default);
+//! * whether `nn`'s ops run on remat's CUDA kernels (`ON` in
+//!   `nn/kernels/mod.rs`: `nn::cuda_kernels`, `REMAT_NN_KERNELS=0|1`; on by
+//!   default), and f16/bf16 attention on tensor cores (`tensor_cores_on`,
+//!   `REMAT_NN_TENSOR_CORES=0|1`, read once; on by default);
+//! * the profile being recorded (`inspect/profile.rs`: one
+//!   `Profile::record` at a time, timing the scopes of its own thread; a
+//!   scope costs one atomic load while none is recorded).
 
 use std::cell::Cell;
 

@@ -39,7 +39,7 @@ pub(crate) enum Mode {
 /// the dataflow between them) and a closure that computes the statement from
 /// those inputs. The closure receives the inputs the runtime prepared: during
 /// the forward of a saved statement, leaf copies of the inputs that need
-/// gradients; during replay, leaves where a value crosses from one segment to
+/// gradients; during replay, leaves where a value crosses from one unit to
 /// another.
 ///
 /// ```

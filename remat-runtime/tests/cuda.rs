@@ -171,6 +171,48 @@ fn the_pool_peak_sees_a_tensor_that_is_gone() {
     assert!(after < peak);
 }
 
+/// A view of a value, taken alike of its CPU and its GPU copy.
+type View = fn(&Tensor) -> Tensor;
+
+/// What the checksum tests take, on the CPU: a value of each dtype the
+/// kernels take (6 chunks of 16,384 positions), and the views of it they
+/// read in place (narrowed, around a span's and a chunk's edges,
+/// transposed, a broadcast row, empty).
+fn checksum_cases() -> (Vec<Tensor>, [View; 8]) {
+    let base = tensor(&[6 * 16_384], 3, 50.0, DType::F32);
+    let values = [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::F64,
+        DType::U8,
+        DType::U32,
+        DType::I16,
+        DType::I32,
+        DType::I64,
+    ]
+    .into_iter()
+    .map(|dtype| match dtype.is_float() {
+        true => base.to_dtype(dtype).unwrap(),
+        false => base.affine(2.0, 101.0).unwrap().to_dtype(dtype).unwrap(),
+    })
+    .collect();
+    let views: [View; 8] = [
+        |t| t.narrow(0, 0, 1).unwrap(),
+        |t| t.narrow(0, 5, 256 * 32 + 3).unwrap(),
+        |t| t.narrow(0, 0, 16_384).unwrap(),
+        |t| t.clone(),
+        |t| t.reshape((768, 128)).unwrap().t().unwrap(),
+        |t| t.reshape((768, 128)).unwrap().narrow(1, 5, 100).unwrap(),
+        |t| {
+            let row = t.reshape((768, 128)).unwrap().narrow(0, 3, 1).unwrap();
+            row.broadcast_as((4, 128)).unwrap()
+        },
+        |t| t.narrow(0, 0, 0).unwrap(),
+    ];
+    (values, views)
+}
+
 /// The checksum kernels (`checksum.cu`) on the GPU give the CPU's checksum
 /// bit for bit: every dtype, contiguous and strided views read in place,
 /// sizes around a chunk (16,384 positions) and a span's edges, more chunks
@@ -183,43 +225,18 @@ fn checksum_kernels_give_the_cpu_bits() {
     checksum_kernels(true);
     let chunk = 16_384;
     let base = tensor(&[6 * chunk], 3, 50.0, DType::F32);
-    for dtype in [
-        DType::F32,
-        DType::F16,
-        DType::BF16,
-        DType::F64,
-        DType::U8,
-        DType::U32,
-        DType::I16,
-        DType::I32,
-        DType::I64,
-    ] {
-        let t = match dtype.is_float() {
-            true => base.to_dtype(dtype).unwrap(),
-            false => base.affine(2.0, 101.0).unwrap().to_dtype(dtype).unwrap(),
-        };
+    let (values, views) = checksum_cases();
+    for t in &values {
+        let dtype = t.dtype();
         // Each view taken of the CPU value and of its copy on the GPU: the
         // same strides, read in place by the kernel.
-        let views: [fn(&Tensor) -> Tensor; 8] = [
-            |t| t.narrow(0, 0, 1).unwrap(),
-            |t| t.narrow(0, 5, 256 * 32 + 3).unwrap(),
-            |t| t.narrow(0, 0, 16_384).unwrap(),
-            |t| t.clone(),
-            |t| t.reshape((768, 128)).unwrap().t().unwrap(),
-            |t| t.reshape((768, 128)).unwrap().narrow(1, 5, 100).unwrap(),
-            |t| {
-                let row = t.reshape((768, 128)).unwrap().narrow(0, 3, 1).unwrap();
-                row.broadcast_as((4, 128)).unwrap()
-            },
-            |t| t.narrow(0, 0, 0).unwrap(),
-        ];
         let on_gpu = t.to_device(&dev).unwrap();
         for view in views {
-            let (cpu, gpu) = (view(&t), view(&on_gpu));
+            let (cpu, gpu) = (view(t), view(&on_gpu));
             assert_eq!(cpu.stride(), gpu.stride());
             let (cpu, gpu) = (checksum(&cpu).unwrap(), checksum(&gpu).unwrap());
             let bits = |c: [f64; 4]| c.map(f64::to_bits);
-            assert_eq!(bits(gpu), bits(cpu), "{dtype:?} {:?}", view(&t).dims());
+            assert_eq!(bits(gpu), bits(cpu), "{dtype:?} {:?}", view(t).dims());
         }
     }
     // More chunks than the combine kernel has threads.
@@ -312,41 +329,14 @@ fn checksum_batches_give_the_cpu_bits() {
     checksum_kernels(true);
     checksum_batches(true);
     let chunk = 16_384;
-    let base = tensor(&[6 * chunk], 3, 50.0, DType::F32);
-    let views: [fn(&Tensor) -> Tensor; 8] = [
-        |t| t.narrow(0, 0, 1).unwrap(),
-        |t| t.narrow(0, 5, 256 * 32 + 3).unwrap(),
-        |t| t.narrow(0, 0, 16_384).unwrap(),
-        |t| t.clone(),
-        |t| t.reshape((768, 128)).unwrap().t().unwrap(),
-        |t| t.reshape((768, 128)).unwrap().narrow(1, 5, 100).unwrap(),
-        |t| {
-            let row = t.reshape((768, 128)).unwrap().narrow(0, 3, 1).unwrap();
-            row.broadcast_as((4, 128)).unwrap()
-        },
-        |t| t.narrow(0, 0, 0).unwrap(),
-    ];
+    let (values, views) = checksum_cases();
     let (mut on_cpu, mut on_gpu) = (Vec::new(), Vec::new());
-    for dtype in [
-        DType::F32,
-        DType::F16,
-        DType::BF16,
-        DType::F64,
-        DType::U8,
-        DType::U32,
-        DType::I16,
-        DType::I32,
-        DType::I64,
-    ] {
-        let t = match dtype.is_float() {
-            true => base.to_dtype(dtype).unwrap(),
-            false => base.affine(2.0, 101.0).unwrap().to_dtype(dtype).unwrap(),
-        };
+    for t in &values {
         let g = t.to_device(&dev).unwrap();
         // Three rounds: more than 16 values of the dtype.
         for _ in 0..3 {
             for view in views {
-                on_cpu.push(view(&t));
+                on_cpu.push(view(t));
                 on_gpu.push(view(&g));
             }
         }

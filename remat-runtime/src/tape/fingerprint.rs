@@ -79,7 +79,7 @@ pub(crate) mod counts {
         pub(crate) static COUNTS: std::cell::Cell<(usize, usize)> = const { std::cell::Cell::new((0, 0)) };
     }
 
-    /// (checksums, host reads) on this thread so far.
+    /// (checksums, reads of fingerprints to the host) on this thread so far.
     pub(crate) fn now() -> (usize, usize) {
         COUNTS.with(|c| c.get())
     }

@@ -313,25 +313,12 @@ fn the_kernel_source_on_host_threads_gives_the_cpu_bits() {
         std::fs::write(&path, value_file(t)).unwrap();
         files.push(path);
     }
-    let out = std::process::Command::new(&exe)
-        .args(&files)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{out:?}");
-    let lines: Vec<String> = String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .map(String::from)
-        .collect();
+    let lines = lines_of(std::process::Command::new(&exe).args(&files));
     assert_eq!(lines.len(), values.len());
     for (t, line) in values.iter().zip(&lines) {
-        let cpu: Vec<String> = words(t)
-            .iter()
-            .map(|w| format!("{:016x}", w.to_bits()))
-            .collect();
         assert_eq!(
             line,
-            &cpu.join(" "),
+            &hex(&words(t)),
             "{:?} {:?} {:?}",
             t.dtype(),
             t.dims(),
@@ -367,34 +354,42 @@ fn the_kernel_source_on_host_threads_gives_the_cpu_bits() {
         let parameter = dir.join(format!("launch-{l}.bin"));
         std::fs::write(&parameter, batch.to_bytes()).unwrap();
         let kind = launch.dtype.and_then(device::kernel_name).unwrap_or("f32");
-        let out = std::process::Command::new(&exe)
-            .arg("--packed")
-            .arg(kind)
-            .arg(&parameter)
-            .arg(dir.join("blob.bin"))
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{out:?}");
-        let lines: Vec<String> = String::from_utf8(out.stdout)
-            .unwrap()
-            .lines()
-            .map(String::from)
-            .collect();
+        let lines = lines_of(
+            std::process::Command::new(&exe)
+                .arg("--packed")
+                .arg(kind)
+                .arg(&parameter)
+                .arg(dir.join("blob.bin")),
+        );
         assert_eq!(lines.len(), launch.members.len());
         for (&i, line) in launch.members.iter().zip(&lines) {
-            let cpu: Vec<String> = match asked[i] {
-                Some(t) => words(t),
-                None => vec![0.0; WORDS],
-            }
-            .iter()
-            .map(|w| format!("{:016x}", w.to_bits()))
-            .collect();
-            assert_eq!(line, &cpu.join(" "), "batch member {i}");
+            let cpu = asked[i].map_or(vec![0.0; WORDS], words);
+            assert_eq!(line, &hex(&cpu), "batch member {i}");
             seen += 1;
         }
     }
     assert_eq!(seen, asked.len());
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The lines `host/main.cpp` prints, one checksum each.
+fn lines_of(command: &mut std::process::Command) -> Vec<String> {
+    let out = command.output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(String::from)
+        .collect()
+}
+
+/// A checksum as `host/main.cpp` prints it: four words' bits in hex.
+fn hex(words: &[f64]) -> String {
+    let words: Vec<String> = words
+        .iter()
+        .map(|w| format!("{:016x}", w.to_bits()))
+        .collect();
+    words.join(" ")
 }
 
 /// A CPU tensor's whole storage, little-endian.

@@ -8,7 +8,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_nn::{Optimizer, ParamsAdamW};
 use indicatif::{ProgressBar, ProgressStyle};
-use remat_runtime::candle_nn::AdamW;
+use remat_runtime::candle_nn::{AdamW, MasterWeights};
 use remat_runtime::inspect::CountingAlloc;
 use remat_runtime::{check_gradients, MemoryReport};
 
@@ -164,15 +164,12 @@ pub fn clip_grad_norm(grads: &mut GradStore, vars: &[Var], max_norm: f64) -> Res
 /// AdamW (weight decay 0.01) with [`learning_rate`]'s schedule and
 /// [`clip_grad_norm`], as `train_gpt` and `qwen2` use it: remat's drop-in
 /// for candle-nn's (the same updates, a step whose temporaries are those
-/// of a block of each parameter's rows, not of the whole parameter). With
-/// [`Optim::mixed`], it updates `F32` master weights from the gradients of
-/// a lower-precision copy the model computes with.
+/// of a block of each parameter's rows, not of the whole parameter),
+/// updating `f32` master weights of `bf16` and `f16` parameters
+/// ([`MasterWeights`]; `f32` parameters are their own).
 pub struct Optim {
-    adamw: AdamW,
+    adamw: MasterWeights<AdamW>,
     vars: Vec<Var>,
-    /// The model's parameters in a lower precision, one per `vars`, when
-    /// `vars` are their `F32` master weights.
-    compute: Option<Vec<Var>>,
     opts: Options,
 }
 
@@ -180,7 +177,7 @@ impl Optim {
     /// An optimizer of `vars` under `opts`' learning rate, warmup, steps
     /// and clipping.
     pub fn new(vars: Vec<Var>, opts: &Options) -> Result<Self> {
-        let adamw = AdamW::new(
+        let adamw = MasterWeights::new(
             vars.clone(),
             ParamsAdamW {
                 lr: opts.lr,
@@ -191,42 +188,24 @@ impl Optim {
         Ok(Optim {
             adamw,
             vars,
-            compute: None,
             opts: opts.clone(),
         })
     }
 
-    /// Mixed precision: an optimizer of the `F32` master weights `master`
-    /// of `compute`, the same parameters in the dtype the model computes
-    /// with (same order, same shapes). Each step takes `compute`'s
-    /// gradients in `F32` as the masters', updates the masters, and writes
-    /// them back into `compute` rounded to its dtype: updates smaller than
-    /// a `bf16` ulp add up in the masters instead of being lost.
-    pub fn mixed(master: Vec<Var>, compute: Vec<Var>, opts: &Options) -> Result<Self> {
-        let paired = master.len() == compute.len()
-            && master.iter().zip(&compute).all(|(m, c)| {
-                m.dtype() == DType::F32
-                    && matches!(c.dtype(), DType::BF16 | DType::F16)
-                    && m.dims() == c.dims()
-                    && m.device().same_device(c.device())
-            });
-        if !paired {
-            candle_core::bail!(
-                "mixed precision: one F32 master of the same shape per bf16 or f16 parameter"
-            );
-        }
-        let mut optim = Optim::new(master, opts)?;
-        optim.compute = Some(compute);
-        Ok(optim)
+    /// The `f32` master weight of a `bf16` or `f16` parameter.
+    pub fn master(&self, var: &Var) -> Option<&Var> {
+        self.adamw.master(var)
     }
 
     /// Clips `grads` and takes optimizer step `step` (from 0); returns the
     /// gradients' global norm before clipping.
     pub fn step(&mut self, step: usize, grads: &mut GradStore) -> Result<f64> {
-        if let Some(compute) = &self.compute {
-            for (m, c) in self.vars.iter().zip(compute) {
-                if let Some(g) = grads.remove(c) {
-                    grads.insert(m, g.to_dtype(DType::F32)?);
+        // Low-precision gradients in f32 before they are clipped (the
+        // masters take them in f32 anyway).
+        for v in &self.vars {
+            if matches!(v.dtype(), DType::BF16 | DType::F16) {
+                if let Some(g) = grads.remove(v) {
+                    grads.insert(v, g.to_dtype(DType::F32)?);
                 }
             }
         }
@@ -234,11 +213,6 @@ impl Optim {
         self.adamw
             .set_learning_rate(learning_rate(&self.opts, step));
         self.adamw.step(grads)?;
-        if let Some(compute) = &self.compute {
-            for (m, c) in self.vars.iter().zip(compute) {
-                c.set(&m.as_tensor().to_dtype(c.dtype())?)?;
-            }
-        }
         Ok(norm)
     }
 }
@@ -308,14 +282,9 @@ pub fn train(
         seq: opts.seq,
     };
     let mut rng = Rng::new(opts.seed);
-    let master = Gpt::new(config, &mut rng, dev)?;
-    let (model, mut optimizer) = match opts.dtype {
-        DType::F32 => (master.clone(), Optim::new(master.vars(), opts)?),
-        DType::BF16 => {
-            let model = master.to_dtype(DType::BF16)?;
-            let optimizer = Optim::mixed(master.vars(), model.vars(), opts)?;
-            (model, optimizer)
-        }
+    let model = match opts.dtype {
+        DType::F32 => Gpt::new(config, &mut rng, dev)?,
+        DType::BF16 => Gpt::new(config, &mut rng, dev)?.to_dtype(DType::BF16)?,
         other => candle_core::bail!(
             "--dtype {}: f32, or bf16 (with f32 master weights); f16 would need loss scaling",
             other.as_str()
@@ -326,7 +295,7 @@ pub fn train(
             "--dump writes an f32 step (scripts/check_dump.py reads f32): use --dtype f32"
         );
     }
-    drop(master);
+    let mut optimizer = Optim::new(model.vars(), opts)?;
     let named = model.named_vars();
     let plan = opts.policy.plan();
     let held_out_before = evaluate(|x, y| model.loss(x, y), corpus, opts, dev)?;

@@ -22,7 +22,7 @@ use examples::qwen2::{self, named_vars, Config, Loaded};
 use examples::rng::Rng;
 use examples::train::{evaluate, learning_rate, Optim, Options};
 use indicatif::{ProgressBar, ProgressStyle};
-use remat_runtime::candle_nn::AdamW;
+use remat_runtime::candle_nn::{AdamW, MasterWeights};
 use remat_runtime::inspect::{
     device_memory_in_use, device_memory_peak, reset_device_memory_peak, CountingAlloc,
 };
@@ -69,9 +69,8 @@ usage: cargo run --release -p examples --bin qwen2 -- [flags]
                   AdamW after the backward, or each parameter inside it as
                   soon as its gradient is complete (OptimizerInBackward: a
                   lower peak; needs --clip 0) [after]
-  --dtype f32|bf16  the dtype the model computes in; bf16 with --update
-                  after keeps f32 master weights that AdamW updates (in the
-                  backward, AdamW updates the bf16 parameters) [f32]
+  --dtype f32|bf16  the dtype the model computes in; bf16 keeps f32 master
+                  weights that AdamW updates (MasterWeights) [f32]
   --ops composed|fused  the decoder layers as candle-transformers writes them
                   (`forward`: scores and probabilities (B, H, T, T), the MLP's
                   products kept) or with remat's fused ops (`forward_fused`:
@@ -254,8 +253,9 @@ const MIB: f64 = (1 << 20) as f64;
 enum Update {
     /// After the backward, with clipping (`--update after`).
     After(Box<Optim>),
-    /// Inside the backward, parameter by parameter (`--update in-backward`).
-    Inside(OptimizerInBackward<AdamW>),
+    /// Inside the backward, parameter by parameter (`--update in-backward`),
+    /// from `f32` master weights of `bf16` parameters.
+    Inside(OptimizerInBackward<MasterWeights<AdamW>>),
 }
 
 /// One fine-tuning run: a model loaded from the checkpoint, its optimizer,
@@ -304,16 +304,10 @@ impl Run {
                 ..Default::default()
             };
             Update::Inside(OptimizerInBackward::from_varmap(&loaded.varmap, params)?)
-        } else if dtype == DType::F32 {
-            Update::After(Box::new(Optim::new(vars, opts)?))
         } else {
-            // f32 master weights: a fine-tuning step is often below a
-            // bf16 ulp of the weight it changes.
-            let masters = vars
-                .iter()
-                .map(|v| Var::from_tensor(&v.as_tensor().to_dtype(DType::F32)?))
-                .collect::<candle_core::Result<Vec<Var>>>()?;
-            Update::After(Box::new(Optim::mixed(masters, vars, opts)?))
+            // bf16 parameters get f32 master weights: a fine-tuning step is
+            // often below a bf16 ulp of the weight it changes.
+            Update::After(Box::new(Optim::new(vars, opts)?))
         };
         Ok(Run {
             policy,

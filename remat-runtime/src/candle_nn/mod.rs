@@ -25,6 +25,8 @@
 //! bits) and a step that updates each parameter a block of rows at a time:
 //! candle-nn's holds up to fifteen temporaries the size of each parameter,
 //! which for a real vocabulary's embedding outweighs the rest of the step.
+//! [`MasterWeights`] wraps any candle-nn optimizer to train `bf16` or `f16`
+//! parameters from `f32` master weights (not in candle-nn).
 //!
 //! What a drop-in computes, against candle's fused op:
 //!
@@ -62,6 +64,7 @@
 
 mod adamw;
 pub mod layer_norm;
+mod master_weights;
 pub mod ops;
 pub mod rotary_emb;
 
@@ -69,3 +72,4 @@ pub use adamw::AdamW;
 pub use layer_norm::{
     layer_norm, layer_norm_no_bias, rms_norm, LayerNorm, LayerNormConfig, RmsNorm,
 };
+pub use master_weights::MasterWeights;

@@ -1012,3 +1012,130 @@ fn adamw_refuses_a_gradient_of_another_shape_and_writes_nothing() {
     assert!(opt.step(&grads).is_err());
     assert_eq!(w.as_tensor().to_vec2::<f32>().unwrap(), before);
 }
+
+/// `MasterWeights` against an independent run: candle-nn's `AdamW` over
+/// `f32` copies of the low-precision parameters, fed the same gradients
+/// cast to `f32`. After each of four steps every master equals its copy
+/// bit for bit and every parameter is its master rounded to its dtype;
+/// an `f32` parameter in the same optimizer steps as candle-nn's would.
+/// With remat's `AdamW` and candle-nn's inside, bf16 and f16, write-back
+/// blocks of one row, a few rows and the whole master, a learning rate
+/// changed between steps and a parameter left without a gradient in one
+/// step (AdamW still counts that step, as one optimizer over all would).
+#[test]
+fn master_weights_step_as_an_f32_optimizer_of_the_masters() {
+    use candle_nn::{Optimizer, ParamsAdamW};
+    use dropin::MasterWeights;
+    for dtype in [DType::BF16, DType::F16] {
+        for block_bytes in [1, 3 * 4 * 4, 1 << 20] {
+            let at = format!("{dtype:?}, blocks of {block_bytes} B");
+            master_weights_against_copies(dtype, &format!("remat's AdamW, {at}"), |vars, p| {
+                MasterWeights::<dropin::AdamW>::new(vars, p)
+                    .unwrap()
+                    .with_block_bytes(block_bytes)
+            });
+            master_weights_against_copies(
+                dtype,
+                &format!("candle-nn's AdamW, {at}"),
+                |vars, p: ParamsAdamW| {
+                    MasterWeights::<candle_nn::AdamW>::new(vars, p)
+                        .unwrap()
+                        .with_block_bytes(block_bytes)
+                },
+            );
+        }
+    }
+}
+
+/// [`master_weights_step_as_an_f32_optimizer_of_the_masters`] for one
+/// dtype and one optimizer made by `make`.
+fn master_weights_against_copies<O>(
+    dtype: DType,
+    at: &str,
+    make: impl Fn(Vec<Var>, candle_nn::ParamsAdamW) -> dropin::MasterWeights<O>,
+) where
+    O: candle_nn::Optimizer<Config = candle_nn::ParamsAdamW>,
+{
+    use candle_nn::{Optimizer, ParamsAdamW};
+    let shapes: [&[usize]; 5] = [&[], &[7], &[5, 3], &[13, 4], &[3, 4, 5]];
+    let params = ParamsAdamW {
+        lr: 0.01,
+        weight_decay: 0.1,
+        ..Default::default()
+    };
+    let bits = |t: &Tensor| -> Vec<u64> {
+        let t = t.flatten_all().unwrap().to_dtype(DType::F64).unwrap();
+        t.to_vec1::<f64>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect()
+    };
+    // The low-precision parameters, then one in f32.
+    let ours: Vec<Var> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, s)| Var::from_tensor(&tensor(s, 40 + i as u64, 1.0, dtype)).unwrap())
+        .chain([Var::from_tensor(&tensor(&[3, 2], 49, 1.0, DType::F32)).unwrap()])
+        .collect();
+    let copies: Vec<Var> = ours
+        .iter()
+        .map(|v| Var::from_tensor(&v.as_tensor().to_dtype(DType::F32).unwrap()).unwrap())
+        .collect();
+    let mut opt = make(ours.clone(), params.clone());
+    let mut reference = candle_nn::AdamW::new(copies.clone(), params).unwrap();
+    for step in 0..4 {
+        if step == 2 {
+            opt.set_learning_rate(0.003);
+            reference.set_learning_rate(0.003);
+        }
+        assert_eq!(opt.learning_rate(), reference.learning_rate());
+        // Gradients of every sign and size; parameter 2 gets none in step 1.
+        let terms: Vec<Tensor> = ours
+            .iter()
+            .enumerate()
+            .filter(|&(i, _)| !(step == 1 && i == 2))
+            .map(|(i, v)| {
+                let w = tensor(v.dims(), 60 + i as u64, 1.0, v.dtype());
+                (v.as_tensor().sqr().unwrap() * &w)
+                    .unwrap()
+                    .tanh()
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap()
+            })
+            .collect();
+        let grads = Tensor::stack(&terms, 0)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let mut cast = candle_core::backprop::GradStore::default();
+        for (v, c) in ours.iter().zip(&copies) {
+            if let Some(g) = grads.get(v) {
+                assert_eq!(g.dtype(), v.dtype());
+                cast.insert(c.as_tensor(), g.to_dtype(DType::F32).unwrap());
+            }
+        }
+        assert_eq!(cast.get_ids().count(), ours.len() - usize::from(step == 1));
+        opt.step(&grads).unwrap();
+        reference.step(&cast).unwrap();
+        for (v, c) in ours.iter().zip(&copies) {
+            let at = format!("{at}, step {step}, {:?} {:?}", v.dtype(), v.dims());
+            let rounded = c.as_tensor().to_dtype(v.dtype()).unwrap();
+            assert_eq!(bits(v.as_tensor()), bits(&rounded), "{at}");
+            match opt.master(v) {
+                None => assert_eq!(v.dtype(), DType::F32, "{at}"),
+                Some(m) => assert_eq!(bits(m.as_tensor()), bits(c.as_tensor()), "{at}"),
+            }
+        }
+    }
+    // The updates moved every parameter.
+    for (v, i) in ours.iter().zip(0u64..) {
+        let first = tensor(v.dims(), 40 + i, 1.0, v.dtype());
+        assert_ne!(bits(v.as_tensor()), bits(&first), "{at}: {:?}", v.dims());
+    }
+}

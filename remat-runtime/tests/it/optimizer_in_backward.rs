@@ -261,3 +261,60 @@ fn a_first_step_without_regions_does_not_settle_what_is_updated_where() {
     // six inside the backward.
     assert_eq!(stepped, [0, 0, 6]);
 }
+
+/// bf16 parameters updated in the backward from f32 master weights
+/// (`OptimizerInBackward<MasterWeights<AdamW>>`) end each step bit for bit
+/// as `MasterWeights<AdamW>` leaves them after the backward; at a
+/// fine-tuning learning rate its masters move where a bf16 `AdamW` alone
+/// leaves the weights as they were.
+#[test]
+fn master_weights_update_in_the_backward_as_after_it() {
+    use remat_runtime::candle_nn::MasterWeights;
+    let bf16 =
+        |map: &VarMap| Model::new(VarBuilder::from_varmap(map, DType::BF16, &Device::Cpu)).unwrap();
+    let small = ParamsAdamW {
+        lr: 1e-4,
+        ..Default::default()
+    };
+    for plan in [Plan::recompute_all(), Plan::save_all()] {
+        let reference_map = VarMap::new();
+        let reference = bf16(&reference_map);
+        let (map, alone_map) = (copy_of(&reference_map), copy_of(&reference_map));
+        let (model, alone) = (bf16(&map), bf16(&alone_map));
+        let before = sorted(&map);
+        let mut after =
+            MasterWeights::<AdamW>::new(reference_map.all_vars(), small.clone()).unwrap();
+        let mut inside =
+            OptimizerInBackward::<MasterWeights<AdamW>>::from_varmap(&map, small.clone()).unwrap();
+        let mut bf16_only = AdamW::new(alone_map.all_vars(), small.clone()).unwrap();
+        let (ids, targets) = batch();
+        for step in 0..3 {
+            let loss = plan.scope(|| reference.loss(&ids, &targets)).unwrap();
+            after.backward_step(&loss).unwrap();
+            let loss = plan.scope(|| model.loss(&ids, &targets)).unwrap();
+            inside.backward_step(&loss).unwrap();
+            let loss = plan.scope(|| alone.loss(&ids, &targets)).unwrap();
+            bf16_only.backward_step(&loss).unwrap();
+            if step > 0 {
+                assert_eq!(inside.stepped_in_backward(), inside.len() - 1, "{plan}");
+            }
+            for ((name, a), (_, b)) in sorted(&map).iter().zip(sorted(&reference_map)) {
+                assert_eq!(a.dtype(), DType::BF16);
+                assert_eq!(rel_diff(a, &b), 0.0, "{plan}, step {step}, {name}");
+            }
+        }
+        // Three steps of 1e-4 moved the norms' gains (1.0, 2^-8 apart
+        // below it in bf16) in their f32 masters, not yet in bf16, and a
+        // bf16 AdamW alone loses them.
+        let data = reference_map.data().lock().unwrap();
+        for (name, start) in before.iter().filter(|(n, _)| n.ends_with("ln.weight")) {
+            let master = after.master(&data[name]).unwrap().as_tensor();
+            // AdamW moves each weight by about the learning rate a step.
+            let m = master.to_vec1::<f32>().unwrap();
+            let moved = |w: f32| (5e-5..4e-4).contains(&(w - 1.0).abs());
+            assert!(m.iter().all(|&w| moved(w)), "{plan}: {name} {m:?}");
+            let stayed = &alone_map.data().lock().unwrap()[name];
+            assert_eq!(rel_diff(stayed.as_tensor(), start), 0.0, "{plan}: {name}");
+        }
+    }
+}

@@ -49,6 +49,15 @@ pub fn weighted_loss(y: &Tensor) -> Tensor {
     (y * w).unwrap().sum_all().unwrap()
 }
 
+/// `sum(y * W)` for a fixed pseudo-random `W` of `y`'s shape drawn from
+/// `seed`: a loss whose gradient is a distinct non-trivial tensor.
+pub fn weighted_sum(y: &Tensor, seed: u64) -> Tensor {
+    (y * tensor(y.dims(), seed, 1.0, y.dtype()))
+        .unwrap()
+        .sum_all()
+        .unwrap()
+}
+
 /// Largest absolute element.
 pub fn max_abs(t: &Tensor) -> f64 {
     t.abs()
@@ -398,17 +407,26 @@ pub fn repeat_kv(x: &Tensor, n: usize) -> candle_core::Result<Tensor> {
     Tensor::cat(&vec![x; n], 2)?.reshape((b, h * n, s, d))
 }
 
+/// The additive causal mask of `t` queries over as many keys: 0 where
+/// query `i` may see key `j` (`j <= i`), `-inf` elsewhere.
 pub fn causal_mask(t: usize, dtype: DType) -> Tensor {
-    let v: Vec<f32> = (0..t * t)
-        .map(|i| {
-            if i % t > i / t {
+    causal_mask_over(t, t, dtype)
+}
+
+/// The additive causal mask of `t` queries over `s` keys, the queries
+/// being the last `t` positions: 0 where query `i` may see key `j` (`j <=
+/// i + s - t`), `-inf` elsewhere.
+pub fn causal_mask_over(t: usize, s: usize, dtype: DType) -> Tensor {
+    let v: Vec<f32> = (0..t * s)
+        .map(|x| {
+            if x % s > x / s + s - t {
                 f32::NEG_INFINITY
             } else {
                 0.0
             }
         })
         .collect();
-    Tensor::from_vec(v, (t, t), &Device::Cpu)
+    Tensor::from_vec(v, (t, s), &Device::Cpu)
         .unwrap()
         .to_dtype(dtype)
         .unwrap()

@@ -28,25 +28,6 @@ const F32: f64 = 1e-5;
 const F64: f64 = 1e-13;
 const FD: f64 = 1e-7;
 
-/// `(B, Hkv * n, S, D)`, each head `n` times in a row (candle-transformers'
-/// `repeat_kv`).
-/// 0 where query `i` may see key `j` (`j <= i + s - t`), `-inf` elsewhere.
-fn causal(t: usize, s: usize, dtype: DType) -> Tensor {
-    let v: Vec<f64> = (0..t * s)
-        .map(|x| {
-            if x % s > x / s + s - t {
-                f64::NEG_INFINITY
-            } else {
-                0.0
-            }
-        })
-        .collect();
-    Tensor::from_vec(v, (t, s), &Device::Cpu)
-        .unwrap()
-        .to_dtype(dtype)
-        .unwrap()
-}
-
 /// Plain candle: `softmax(q k^T / sqrt(D) + mask [+ causal]) v`.
 fn plain(
     q: &Tensor,
@@ -63,7 +44,7 @@ fn plain(
         sc = sc.broadcast_add(m)?;
     }
     if is_causal {
-        sc = sc.broadcast_add(&causal(t, s, q.dtype()))?;
+        sc = sc.broadcast_add(&causal_mask_over(t, s, q.dtype()))?;
     }
     candle_nn::ops::softmax(&sc, D::Minus1)?.matmul(&v)
 }
@@ -841,7 +822,7 @@ fn plain_on_live_rows(c: &Case) -> (Tensor, Vec<Tensor>) {
         full = full.broadcast_add(m).unwrap();
     }
     if c.causal {
-        full = full.broadcast_add(&causal(t, s, dtype)).unwrap();
+        full = full.broadcast_add(&causal_mask_over(t, s, dtype)).unwrap();
     }
     assert_eq!(
         full.dims(),

@@ -47,18 +47,11 @@ fn tied_weights_shared_between_regions_and_outside() {
             })
             .unwrap();
         let outside = wte.as_tensor().sqr().unwrap().sum_all().unwrap();
-        (weighted(&logits) + outside).unwrap()
+        (weighted_sum(&logits, 77) + outside).unwrap()
     };
     let plain = grads_of(&loss(false), &[&wte, &w]);
     let on = grads_of(&loss(true), &[&wte, &w]);
     assert_close("tied", &on, &plain, 1e-6);
-}
-
-fn weighted(t: &Tensor) -> Tensor {
-    (t * tensor(t.dims(), 77, 1.0, t.dtype()))
-        .unwrap()
-        .sum_all()
-        .unwrap()
 }
 
 #[test]
@@ -80,7 +73,7 @@ fn nested_regions_under_both_outer_policies() {
                     ctx.recompute("post", &[&m, &ins[0]], |t| t[0].sin()? + &t[1])
                 })
                 .unwrap();
-            weighted(&y)
+            weighted_sum(&y, 77)
         };
         let mut wrt = vec![&x, &w];
         let vars = inner.vars();
@@ -106,7 +99,9 @@ fn unused_and_pass_through_outputs() {
             })
             .unwrap();
         drop(unused);
-        let loss = ((weighted(&a) + weighted(&pass)).unwrap() + weighted(&saved)).unwrap();
+        let loss = ((weighted_sum(&a, 77) + weighted_sum(&pass, 77)).unwrap()
+            + weighted_sum(&saved, 77))
+        .unwrap();
         grads_of(&loss, &[&x, &y])
     };
     assert_close("unused/pass-through", &run(true), &run(false), 1e-6);
@@ -133,7 +128,7 @@ fn non_tensor_values_and_arguments() {
                 Ok(h)
             })
             .unwrap();
-        grads_of(&weighted(&y), &[&x])
+        grads_of(&weighted_sum(&y, 77), &[&x])
     };
     for pol in [Policy::Save, Policy::Recompute] {
         assert_close("non-tensor", &run(true, pol), &run(false, pol), 0.0);
@@ -161,7 +156,7 @@ fn retained_tape_allows_a_second_backward() {
     let y = m
         .region("mlp", x.as_tensor(), saving(&["fc1"]), true)
         .unwrap();
-    let loss = weighted(&y);
+    let loss = weighted_sum(&y, 77);
     let mut wrt = vec![&x];
     let vars = m.vars();
     wrt.extend(vars.iter());
@@ -193,7 +188,7 @@ fn optimizer_backward_step_matches_plain_training() {
                 let pol = saving(&["attn.qkv", "attn.core"]);
                 h = b.region(&format!("b{i}"), &h, &mask, pol, enabled).unwrap();
             }
-            opt.backward_step(&weighted(&h)).unwrap();
+            opt.backward_step(&weighted_sum(&h, 77)).unwrap();
         }
         vars.iter().map(|v| v.as_tensor().copy().unwrap()).collect()
     };
@@ -217,7 +212,7 @@ fn parameter_used_by_several_units_sums_its_gradients() {
                 ctx.save("c", &[&b], |t| t[0].matmul(&wt))
             })
             .unwrap();
-        grads_of(&weighted(&y), &[&x, &w])
+        grads_of(&weighted_sum(&y, 77), &[&x, &w])
     };
     assert_close("shared parameter", &run(true), &run(false), 1e-6);
 }
@@ -243,7 +238,7 @@ fn regions_on_several_threads_at_once() {
                         h = b.region(&format!("b{i}"), &h, &mask, pol, enabled).unwrap();
                     }
                     let refs: Vec<&Var> = wrt.iter().collect();
-                    grads_of(&weighted(&h), &refs)
+                    grads_of(&weighted_sum(&h, 77), &refs)
                 };
                 let (on, plain) = (run(true), run(false));
                 assert_close(&format!("thread {k}"), &on, &plain, 1e-6);
@@ -273,7 +268,7 @@ fn saved_statements_chained_and_read_across_the_chain() {
                 ctx.save("e", &[&d, &ins[0]], |t| &t[0] * &t[1])
             })
             .unwrap();
-        grads_of(&weighted(&y), &[&x, &w])
+        grads_of(&weighted_sum(&y, 77), &[&x, &w])
     };
     assert_close("chain", &run(true), &run(false), 1e-6);
 }

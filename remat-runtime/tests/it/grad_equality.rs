@@ -21,11 +21,10 @@ struct Run {
 
 /// A loss that weighs every output element differently, so that each output
 /// gradient is a distinct non-trivial tensor.
-fn weighted_loss(outs: &[Tensor]) -> Tensor {
+fn weighted_outputs(outs: &[Tensor]) -> Tensor {
     let mut loss: Option<Tensor> = None;
     for (i, o) in outs.iter().enumerate() {
-        let w = tensor(o.dims(), 1000 + i as u64, 1.0, o.dtype());
-        let l = (o * w).unwrap().sum_all().unwrap();
+        let l = weighted_sum(o, 1000 + i as u64);
         loss = Some(match loss {
             None => l,
             Some(prev) => (prev + l).unwrap(),
@@ -35,7 +34,7 @@ fn weighted_loss(outs: &[Tensor]) -> Tensor {
 }
 
 fn run(outs: Vec<Tensor>, wrt: &[&Var]) -> Run {
-    let grads = weighted_loss(&outs).backward().unwrap();
+    let grads = weighted_outputs(&outs).backward().unwrap();
     Run {
         grads: wrt.iter().map(|v| grads.get(v).cloned()).collect(),
         out: outs,

@@ -266,13 +266,6 @@ fn five_plain(
     Ok((p, q2))
 }
 
-fn weighted(t: &Tensor, seed: u64) -> Tensor {
-    (t * tensor(t.dims(), seed, 1.0, t.dtype()))
-        .unwrap()
-        .sum_all()
-        .unwrap()
-}
-
 type FiveFn = fn(&Tensor, &Tensor, &Tensor, &Tensor, &Tensor, &Var) -> Result<(Tensor, Tensor)>;
 
 #[test]
@@ -284,7 +277,7 @@ fn five_inputs_two_outputs_through_the_macro() {
     let t: Vec<&Tensor> = ins.iter().map(|v| v.as_tensor()).collect();
     let run = |f: FiveFn| {
         let (p, q) = f(t[0], t[1], t[2], t[3], t[4], &w).unwrap();
-        let g = (weighted(&p, 1) + weighted(&q, 2))
+        let g = (weighted_sum(&p, 1) + weighted_sum(&q, 2))
             .unwrap()
             .backward()
             .unwrap();
@@ -302,11 +295,11 @@ fn nested_macro_blocks() {
     let x = var(&[4, 4], 60, 1.0, DType::F32);
     let w = var(&[4, 4], 61, 0.5, DType::F32);
     let y = outer(x.as_tensor(), &w).unwrap();
-    let g = weighted(&y, 3).backward().unwrap();
+    let g = weighted_sum(&y, 3).backward().unwrap();
     let h = x.as_tensor().matmul(&w).unwrap();
     let (p, q) = five_plain(&h, &h, x.as_tensor(), x.as_tensor(), &h, &w).unwrap();
     let y_ref = (p.sin().unwrap() + q).unwrap();
-    let g_ref = weighted(&y_ref, 3).backward().unwrap();
+    let g_ref = weighted_sum(&y_ref, 3).backward().unwrap();
     assert_eq!(rel_diff(&y, &y_ref), 0.0);
     for v in [&x, &w] {
         let d = rel_diff(g.get(v).unwrap(), g_ref.get(v).unwrap());
@@ -326,7 +319,7 @@ fn stack_of_macro_blocks() {
         for p in &layers {
             h = f(&h, p, &mask).unwrap();
         }
-        let g = weighted(&h, 4).backward().unwrap();
+        let g = weighted_sum(&h, 4).backward().unwrap();
         let mut vars = vec![x.clone()];
         vars.extend(layers.iter().flat_map(|p| p.vars()));
         (

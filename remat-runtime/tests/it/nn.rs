@@ -17,9 +17,7 @@ type Op = dyn Fn(&[Tensor]) -> Result<Tensor>;
 
 /// `sum(op(inputs) * W)` for a fixed `W`.
 fn weighted(op: &Op, inputs: &[Tensor]) -> Tensor {
-    let y = op(inputs).unwrap();
-    let w = tensor(y.dims(), 99, 1.0, y.dtype());
-    (&y * &w).unwrap().sum_all().unwrap()
+    weighted_sum(&op(inputs).unwrap(), 99)
 }
 
 /// The largest error of `op`'s analytic gradients against central

@@ -201,8 +201,8 @@ impl Optim {
     /// gradients' global norm before clipping.
     pub fn step(&mut self, step: usize, grads: &mut GradStore) -> Result<f64> {
         // Low-precision gradients in f32 before they are clipped (the
-        // masters take them in f32 anyway).
-        for v in &self.vars {
+        // masters take them in f32 anyway, one at a time when unclipped).
+        for v in self.vars.iter().filter(|_| self.opts.clip > 0.0) {
             if matches!(v.dtype(), DType::BF16 | DType::F16) {
                 if let Some(g) = grads.remove(v) {
                     grads.insert(v, g.to_dtype(DType::F32)?);

@@ -596,7 +596,7 @@ fn peaks(args: &Args, text: &str, dev: &Device) -> Result<(), Box<dyn std::error
     );
     if args.in_backward {
         println!(
-            "With the update in the backward (OptimizerInBackward, remat's AdamW): each case \
+            "With the update in the backward (OptimizerInBackward, remat's AdamW, f32 master weights of bf16 parameters): each case \
              runs two steps on freshly loaded weights and measures the second (AdamW's state, \
              made by the first, excluded; each parameter's gradient freed where its last \
              region applies it; under `none` no region runs, so every parameter is updated \
@@ -619,7 +619,10 @@ fn peaks(args: &Args, text: &str, dev: &Device) -> Result<(), Box<dyn std::error
                     weight_decay: 0.01,
                     ..Default::default()
                 };
-                let mut opt = OptimizerInBackward::<AdamW>::from_varmap(&loaded.varmap, config)?;
+                let mut opt = OptimizerInBackward::<MasterWeights<AdamW>>::from_varmap(
+                    &loaded.varmap,
+                    config,
+                )?;
                 let loss = plan.scope(|| loaded.model.loss(&x, &y))?;
                 opt.backward_step(&loss)?;
                 update = Some(opt);

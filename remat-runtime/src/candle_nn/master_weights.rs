@@ -9,10 +9,12 @@ use candle_nn::Optimizer;
 const BLOCK_BYTES: usize = 16 << 20;
 
 /// An optimizer `O` (candle-nn's `AdamW` or `SGD`, remat's
-/// [`AdamW`](super::AdamW), any [`Optimizer`]) that updates an `f32` copy of
-/// each `bf16` or `f16` parameter, its *master weight*, and writes the
-/// master back into the parameter rounded to the parameter's dtype after
-/// each step. The model computes in the low precision; the optimizer's
+/// [`AdamW`](super::AdamW): an [`Optimizer`] whose update of a parameter
+/// depends only on that parameter's gradient and state, and which changes
+/// only parameters that have a gradient) that updates an `f32` copy of
+/// each `bf16` or `f16` (or 8-bit float) parameter, its *master weight*,
+/// and writes the master back into the parameter rounded to the
+/// parameter's dtype after each step. The model computes in the low precision; the optimizer's
 /// state and the weights it updates stay in `f32`.
 ///
 /// Without it, an update smaller than half a `bf16` step of the weight is
@@ -32,14 +34,25 @@ const BLOCK_BYTES: usize = 16 << 20;
 /// * Each parameter has its own `O`, stepped every step whether it has a
 ///   gradient or not (candle-nn's `AdamW` counts steps per optimizer, so
 ///   its bias correction stays that of one optimizer over all of them).
-///   One parameter's `f32` gradient exists at a time.
+///   One parameter's `f32` gradient exists at a time. Every gradient's
+///   shape is checked before any parameter steps. A parameter passed twice
+///   is held once.
+/// * The masters are copied from the parameters when the optimizer is
+///   built: build it after loading the weights. A parameter changed
+///   afterwards by other code (`Var::set`, `VarMap::load`) is overwritten
+///   by its master at its next step; change the master instead
+///   (`opt.master(&w).unwrap().set(&values)`), which is also how a saved
+///   master is restored.
 /// * It costs 4 bytes per element of each low-precision parameter for the
 ///   master, and `O`'s state in `f32` (AdamW: 8 more).
 /// * `f16` training also needs loss scaling (its gradients underflow);
 ///   this type does not scale.
 ///
 /// Works with [`crate::OptimizerInBackward`]:
-/// `OptimizerInBackward::<MasterWeights<AdamW>>::from_varmap(&varmap, params)`.
+/// `OptimizerInBackward::<MasterWeights<AdamW>>::from_varmap(&varmap, params)`
+/// (one `MasterWeights` per parameter; as with any optimizer there, a
+/// parameter's optimizer steps only when it has a gradient, and its master
+/// is not reachable from outside).
 ///
 /// ```
 /// use candle_core::{DType, Device, Var};
@@ -75,7 +88,9 @@ struct Param<O> {
 
 impl<O: Optimizer> MasterWeights<O> {
     /// Writes each master back in blocks of rows of at most `bytes` of the
-    /// master (at least one row; 16 MiB by default).
+    /// master (at least one row; 16 MiB by default). It bounds the
+    /// write-back only: `O`'s step has its own temporaries (remat's `AdamW`
+    /// its own blocks), and a parameter's gradient is taken to `f32` whole.
     ///
     /// ```
     /// use candle_nn::{Optimizer, SGD};
@@ -132,15 +147,14 @@ where
     type Config = O::Config;
 
     fn new(vars: Vec<Var>, config: O::Config) -> Result<Self> {
+        let mut seen = std::collections::HashSet::new();
         let params = vars
             .into_iter()
-            .filter(|var| var.dtype().is_float())
+            .filter(|var| var.dtype().is_float() && seen.insert(var.id()))
             .map(|var| {
                 let master = match var.dtype() {
-                    DType::BF16 | DType::F16 => {
-                        Some(Var::from_tensor(&var.as_tensor().to_dtype(DType::F32)?)?)
-                    }
-                    _ => None,
+                    DType::F32 | DType::F64 => None,
+                    _ => Some(Var::from_tensor(&var.as_tensor().to_dtype(DType::F32)?)?),
                 };
                 let updated = master.as_ref().unwrap_or(&var).clone();
                 Ok(Param {
@@ -152,12 +166,26 @@ where
             .collect::<Result<Vec<_>>>()?;
         Ok(MasterWeights {
             params,
-            empty: O::new(Vec::new(), config)?,
+            empty: O::empty(config)?,
             block_bytes: BLOCK_BYTES,
         })
     }
 
     fn step(&mut self, grads: &GradStore) -> Result<()> {
+        // Every gradient's shape before any parameter steps: a step that
+        // failed half way would leave the parameters' step counts apart.
+        for p in &self.params {
+            if let Some(g) = grads.get(&p.var) {
+                if g.shape() != p.var.shape() {
+                    return Err(candle_core::Error::ShapeMismatchBinaryOp {
+                        lhs: p.var.shape().clone(),
+                        rhs: g.shape().clone(),
+                        op: "master weights",
+                    }
+                    .bt());
+                }
+            }
+        }
         for p in &mut self.params {
             let mut store = GradStore::default();
             let grad = grads.get(&p.var);
@@ -166,14 +194,6 @@ where
                     store.insert(p.var.as_tensor(), g.clone());
                 }
                 (Some(master), Some(g)) => {
-                    if g.shape() != master.shape() {
-                        return Err(candle_core::Error::ShapeMismatchBinaryOp {
-                            lhs: master.shape().clone(),
-                            rhs: g.shape().clone(),
-                            op: "master weights",
-                        }
-                        .bt());
-                    }
                     store.insert(master.as_tensor(), g.to_dtype(DType::F32)?);
                 }
                 (_, None) => {}

@@ -1139,3 +1139,67 @@ fn master_weights_against_copies<O>(
         assert_ne!(bits(v.as_tensor()), bits(&first), "{at}: {:?}", v.dims());
     }
 }
+
+/// `MasterWeights` refuses a gradient of another shape before any
+/// parameter steps (nothing written, no step counted), and holds a
+/// parameter passed twice once (an f32 one is updated once a step).
+#[test]
+fn master_weights_refuse_a_bad_gradient_first_and_hold_a_parameter_once() {
+    use candle_nn::{Optimizer, ParamsAdamW};
+    use dropin::MasterWeights;
+    let a = Var::from_tensor(&tensor(&[4, 2], 81, 1.0, DType::BF16)).unwrap();
+    let b = Var::from_tensor(&tensor(&[3, 2], 82, 1.0, DType::BF16)).unwrap();
+    let c = Var::from_tensor(&tensor(&[5], 83, 1.0, DType::F32)).unwrap();
+    let vars = vec![a.clone(), b.clone(), c.clone(), a.clone(), c.clone()];
+    let mut opt = MasterWeights::<dropin::AdamW>::new(vars, ParamsAdamW::default()).unwrap();
+    let f32s = |t: &Tensor| -> Vec<f32> {
+        let t = t.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+        t.to_vec1().unwrap()
+    };
+    let start: Vec<Vec<f32>> = [&a, &b, &c].iter().map(|v| f32s(v.as_tensor())).collect();
+    let loss = || {
+        let terms = [&a, &b, &c].map(|v| {
+            v.as_tensor()
+                .to_dtype(DType::F32)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+        });
+        Tensor::stack(&terms, 0).unwrap().sum_all().unwrap()
+    };
+    // `b`'s gradient with a row too few, after `a`'s good one.
+    let mut grads = loss().backward().unwrap();
+    let wrong = Tensor::ones((2, 2), DType::BF16, &Device::Cpu).unwrap();
+    grads.insert(b.as_tensor(), wrong);
+    assert!(opt.step(&grads).is_err());
+    let now: Vec<Vec<f32>> = [&a, &b, &c].iter().map(|v| f32s(v.as_tensor())).collect();
+    assert_eq!(now, start);
+    assert_eq!(f32s(opt.master(&a).unwrap().as_tensor()), start[0]);
+    // Then a good step moves each as the first step of one AdamW over
+    // copies of them does (a step count of one, each updated once).
+    let copies: Vec<Var> = [opt.master(&a).unwrap(), opt.master(&b).unwrap(), &c]
+        .iter()
+        .map(|v| Var::from_tensor(&v.as_tensor().copy().unwrap()).unwrap())
+        .collect();
+    let mut plain = candle_nn::AdamW::new(copies.clone(), ParamsAdamW::default()).unwrap();
+    let sum = Tensor::stack(
+        &copies
+            .iter()
+            .map(|v| v.as_tensor().sum_all().unwrap())
+            .collect::<Vec<_>>(),
+        0,
+    );
+    plain
+        .backward_step(&sum.unwrap().sum_all().unwrap())
+        .unwrap();
+    opt.backward_step(&loss()).unwrap();
+    assert_eq!(
+        f32s(opt.master(&a).unwrap().as_tensor()),
+        f32s(copies[0].as_tensor())
+    );
+    assert_eq!(
+        f32s(opt.master(&b).unwrap().as_tensor()),
+        f32s(copies[1].as_tensor())
+    );
+    assert_eq!(f32s(c.as_tensor()), f32s(copies[2].as_tensor()));
+}

@@ -147,8 +147,10 @@ pub(crate) fn uniform_keyed(
 }
 
 /// Inverted dropout: zeroes each element with probability `p` and scales
-/// the others by `1 / (1 - p)`. The mask comes from [`uniform`], so a
-/// recomputed statement drops the same elements in its replay.
+/// the others by `1 / (1 - p)`, with a mask from [`uniform`], so a
+/// recomputed statement drops the same elements in its replay. It is
+/// [`nn::dropout`](crate::nn::dropout) (whose graph keeps no mask), with
+/// remat's error type.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
@@ -160,16 +162,7 @@ pub(crate) fn uniform_keyed(
 /// # Ok::<(), remat_runtime::RematError>(())
 /// ```
 pub fn dropout(x: &Tensor, p: f64) -> Result<Tensor> {
-    if !(0.0..1.0).contains(&p) {
-        let msg = format!("dropout probability {p} is outside [0, 1)");
-        return Err(candle_core::Error::Msg(msg).into());
-    }
-    if p == 0.0 {
-        return Ok(x.clone());
-    }
-    let keep = uniform(x.shape(), x.device())?.ge(p)?.to_dtype(x.dtype())?;
-    let scaled = (keep * (1.0 / (1.0 - p)))?;
-    Ok((x * scaled)?)
+    Ok(crate::nn::dropout(x, p)?)
 }
 
 /// Uniform values of `dtype` (a float type) in `[lo, hi)`; see [`uniform`].

@@ -788,7 +788,7 @@ fn nn_residual_bytes() {
             "dropout",
             norm,
             &|t| nn::dropout(&t[0], 0.5),
-            &|t| Ok(remat_runtime::random::dropout(&t[0], 0.5)?),
+            &|t| common::composed_dropout(&t[0], 0.5),
             8 * 16 * 4, // the output
         ),
         (

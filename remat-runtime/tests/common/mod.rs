@@ -58,6 +58,15 @@ pub fn weighted_sum(y: &Tensor, seed: u64) -> Tensor {
         .unwrap()
 }
 
+/// Dropout composed of candle ops from `remat_runtime::random::uniform`'s
+/// draw (the mask kept in the graph): the reference of `nn::dropout`.
+pub fn composed_dropout(x: &Tensor, p: f64) -> candle_core::Result<Tensor> {
+    let u =
+        remat_runtime::random::uniform(x.shape(), x.device()).map_err(candle_core::Error::wrap)?;
+    let keep = u.ge(p)?.to_dtype(x.dtype())?;
+    x * (keep * (1.0 / (1.0 - p)))?
+}
+
 /// Largest absolute element.
 pub fn max_abs(t: &Tensor) -> f64 {
     t.abs()

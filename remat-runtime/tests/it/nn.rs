@@ -981,14 +981,14 @@ fn qkv_attention_equals_its_ops_bit_for_bit() {
 fn dropout() {
     // Seeded before each call: the same mask every time, so the op is a
     // fixed linear map that finite differences can check, and the same
-    // draws as `random::dropout`.
+    // draws as the composed one.
     let op: &Op = &|t| {
         remat_runtime::random::seed(11);
         nn::dropout(&t[0], 0.3)
     };
     let composed: &Op = &|t| {
         remat_runtime::random::seed(11);
-        Ok(remat_runtime::random::dropout(&t[0], 0.3)?)
+        composed_dropout(&t[0], 0.3)
     };
     check(op, composed, &[&[4, 3, 8]], &[true], &none);
 }

@@ -914,6 +914,17 @@ fn a_model_file_trains_once_its_use_lines_name_the_drop_ins() {
     }
 }
 
+/// The bits of every element of `t`, through `f64` (exact for every float
+/// dtype).
+fn bits(t: &Tensor) -> Vec<u64> {
+    let t = t.flatten_all().unwrap().to_dtype(DType::F64).unwrap();
+    t.to_vec1::<f64>()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
+}
+
 /// The drop-in `AdamW` against candle-nn's: the same parameters, bit for
 /// bit, after three steps, for a scalar, a vector, matrices whose rows do
 /// not divide into the blocks and a 3-d tensor, in f32, f64, bf16 and f16,
@@ -969,14 +980,6 @@ fn adamw_steps_as_candle_nn_s_bit_for_bit_in_blocks_of_rows() {
                 b.backward_step(&loss(&theirs)).unwrap();
             }
             for (x, y) in ours.iter().zip(&theirs) {
-                let bits = |t: &Tensor| -> Vec<u64> {
-                    let t = t.flatten_all().unwrap().to_dtype(DType::F64).unwrap();
-                    t.to_vec1::<f64>()
-                        .unwrap()
-                        .iter()
-                        .map(|v| v.to_bits())
-                        .collect()
-                };
                 assert_eq!(
                     bits(x.as_tensor()),
                     bits(y.as_tensor()),
@@ -1062,14 +1065,6 @@ fn master_weights_against_copies<O>(
         lr: 0.01,
         weight_decay: 0.1,
         ..Default::default()
-    };
-    let bits = |t: &Tensor| -> Vec<u64> {
-        let t = t.flatten_all().unwrap().to_dtype(DType::F64).unwrap();
-        t.to_vec1::<f64>()
-            .unwrap()
-            .iter()
-            .map(|v| v.to_bits())
-            .collect()
     };
     // The low-precision parameters, then one in f32.
     let ours: Vec<Var> = shapes

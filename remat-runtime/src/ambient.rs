@@ -16,7 +16,7 @@
 //! | `PLAN_SCOPES` | `plan/mod.rs` | the stack of `Plan::scope`s | `Plan::scope`, and `Plan::inherit` for a region's block | [`scoped`] pops | a user's scope reaches the regions of model code that takes no plan |
 //! | `SWITCHES` | here | the forward's switches: no fingerprints (`without_fingerprints`), offloaded residuals moved on a CPU (`offload::swap_on_cpu`) | [`switched`] | [`scoped`] restores | the same: set around model code |
 //! | `TRACES` | `inspect/trace.rs` | the stack of traces being recorded | `Trace::record` | [`scoped`] pops | the same |
-//! | `RANDOM_BASE`, `RANDOM_OUTSIDE` | `random.rs` | the seed and counter of draws outside statements | `random::seed` | reseeded only | `random::dropout` and `uniform` take no context |
+//! | `RANDOM_BASE`, `RANDOM_OUTSIDE` | `random.rs` | the seed and counter of draws outside statements | `random::seed` | reseeded only | `nn::dropout` and `random::uniform` take no context |
 //! | `RANDOM_STREAMS` | `random.rs` | the stack of statements drawing random numbers | every statement | [`scoped`] pops | the same, inside a statement's closure |
 //! | `WATCHES` | `tape/unread.rs` | per running statement, its `nn` op calls and the one to leave uncomputed | every statement, in every mode | [`scoped`] pops | `nn`'s ops take no context |
 //! | `FIRST_RUNS` | `tape/recorder.rs` | the regions whose first recorded, generated or plain run on this thread checked what it reads, with the outputs it found to be constants | every region call | only grows (one name per region) | a cache per thread, as the first forward's leaf copies are |

@@ -50,7 +50,7 @@
 //!   [`retain_tape`] and [`backward`];
 //! * [`offload`]: [`Policy::Offload`], residuals in host memory between the
 //!   forward and the backward on CUDA;
-//! * [`random`]: dropout and random draws that replay identically;
+//! * [`random`]: random draws that replay identically (dropout: [`nn::dropout`]);
 //! * [`inspect`]: [`MemoryReport`], [`Trace`](inspect::Trace), the counting
 //!   allocator and device memory, [`check_gradients`];
 //! * `ambient.rs`: the list of every piece of per-thread state, each kept

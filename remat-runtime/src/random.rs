@@ -146,25 +146,6 @@ pub(crate) fn uniform_keyed(
     Tensor::from_vec(values, shape.clone(), &Device::Cpu)?.to_device(device)
 }
 
-/// Inverted dropout: zeroes each element with probability `p` and scales
-/// the others by `1 / (1 - p)`, with a mask from [`uniform`], so a
-/// recomputed statement drops the same elements in its replay. It is
-/// [`nn::dropout`](crate::nn::dropout) (whose graph keeps no mask), with
-/// remat's error type.
-///
-/// ```
-/// use candle_core::{Device, Tensor};
-/// let x = Tensor::ones(1000, candle_core::DType::F32, &Device::Cpu)?;
-/// let y = remat_runtime::random::dropout(&x, 0.25)?.to_vec1::<f32>()?;
-/// let kept = y.iter().filter(|&&v| v > 0.0).count();
-/// assert!((700..800).contains(&kept));
-/// assert!(y.iter().all(|&v| v == 0.0 || (v - 4.0 / 3.0).abs() < 1e-6));
-/// # Ok::<(), remat_runtime::RematError>(())
-/// ```
-pub fn dropout(x: &Tensor, p: f64) -> Result<Tensor> {
-    Ok(crate::nn::dropout(x, p)?)
-}
-
 /// Uniform values of `dtype` (a float type) in `[lo, hi)`; see [`uniform`].
 ///
 /// ```

@@ -14,8 +14,7 @@ struct Dropout {
 
 /// `x * mask / (1 - p)` with a mask drawn from
 /// [`remat_runtime::random`](crate::random) (the running statement's stream,
-/// so a replay draws the same mask; the same draws as
-/// [`random::dropout`](crate::random::dropout)). The graph keeps no mask:
+/// so a replay draws the same mask). The graph keeps no mask:
 /// the backward draws it again from its key.
 ///
 /// ```

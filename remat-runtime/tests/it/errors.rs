@@ -224,7 +224,7 @@ fn replay_returning_another_number_of_outputs() {
 fn dropout_probability_out_of_range() {
     let x = x();
     for p in [-0.1, 1.0, 2.0] {
-        let e = remat_runtime::random::dropout(x.as_tensor(), p).unwrap_err();
+        let e = remat_runtime::nn::dropout(x.as_tensor(), p).unwrap_err();
         assert!(e.to_string().contains("outside [0, 1)"), "{e}");
     }
 }

@@ -16,10 +16,10 @@ pub struct P {
 remat! {
     fn dropout_block(x: &Tensor, p: &P) -> Result<Tensor> {
         let h = x.matmul(&p.w1)?;
-        let d = random::dropout(&h, 0.3)?;
+        let d = remat_runtime::nn::dropout(&h, 0.3)?;
         let g = d.tanh()?;
         let o = g.matmul(&p.w2)?;
-        let e = random::dropout(&o, 0.5)?;
+        let e = remat_runtime::nn::dropout(&o, 0.5)?;
         Ok((x + e)?)
     }
 }
@@ -85,8 +85,10 @@ fn masks_differ_between_statements_calls_and_seeds() {
         let run = || {
             Region::new("r")
                 .run(&[&x], |ctx, ins| {
-                    let a = ctx.open("a", &[&ins[0]], |t| random::dropout(&t[0], 0.5))?;
-                    let b = ctx.open("b", &[&ins[0]], |t| random::dropout(&t[0], 0.5))?;
+                    let a =
+                        ctx.open("a", &[&ins[0]], |t| remat_runtime::nn::dropout(&t[0], 0.5))?;
+                    let b =
+                        ctx.open("b", &[&ins[0]], |t| remat_runtime::nn::dropout(&t[0], 0.5))?;
                     Ok((a, b))
                 })
                 .unwrap()

@@ -6,11 +6,10 @@ use proc_macro2::Span;
 use syn::{Expr, Ident};
 
 use crate::errors::Errors;
+use crate::host::{into_tensors, read_as_data, reads_to_host};
 use crate::model::{AnnotationKind, Block, StmtKind};
 use crate::scopes::outer_view;
-use crate::usage::{
-    assigned, bound, into_tensors, locals, mentions, moved, read_for_value, single,
-};
+use crate::usage::{assigned, bound, locals, mentions, moved, read_for_value, single};
 
 /// A binding a statement reads.
 #[derive(Debug, Clone)]
@@ -158,6 +157,11 @@ struct Reads {
     /// Per statement, then the tail: the names it turns into tensors
     /// ([`into_tensors`]).
     into_tensors: Vec<Vec<String>>,
+    /// Per statement, then the tail: the names whose values flow into its
+    /// value ([`read_as_data`]).
+    data: Vec<Vec<String>>,
+    /// Per statement: it reads a tensor to the host ([`reads_to_host`]).
+    to_host: Vec<bool>,
     tail: Vec<(usize, Span)>,
 }
 
@@ -206,6 +210,8 @@ impl<'a> Analyser<'a> {
         let mut inouts = Vec::new();
         let mut for_value = Vec::new();
         let mut into = Vec::new();
+        let mut data = Vec::new();
+        let mut to_host = Vec::new();
         for (i, stmt) in block.statements.iter().enumerate() {
             let forward_only = self.kinds[i] == Some(AnnotationKind::ForwardOnly);
             let (expr, pat) = match &stmt.kind {
@@ -216,6 +222,8 @@ impl<'a> Analyser<'a> {
                     inouts.push(Vec::new());
                     for_value.push(Vec::new());
                     into.push(Vec::new());
+                    data.push(Vec::new());
+                    to_host.push(false);
                     continue;
                 }
             };
@@ -223,6 +231,8 @@ impl<'a> Analyser<'a> {
             let expr = &outer_view(expr);
             for_value.push(read_for_value(expr));
             into.push(into_tensors(expr));
+            data.push(read_as_data(expr));
+            to_host.push(reads_to_host(expr));
             let alias = match pat {
                 Some(p) if self.kinds[i].is_none() => single(p).and(self.alias(expr)),
                 _ => None,
@@ -275,6 +285,7 @@ impl<'a> Analyser<'a> {
                 self.check_assignments(t, &assigned(t));
                 for_value.push(read_for_value(t));
                 into.push(into_tensors(t));
+                data.push(read_as_data(t));
                 self.resolve(t, n, false)
             }
             None => Vec::new(),
@@ -284,6 +295,8 @@ impl<'a> Analyser<'a> {
             inouts,
             for_value,
             into_tensors: into,
+            data,
+            to_host,
             tail,
         }
     }
@@ -489,11 +502,14 @@ impl<'a> Analyser<'a> {
         }
     }
 
-    /// The plain values statement `i` (the tail: `n`) turns into tensors,
-    /// each with the names of the statements it was computed from
-    /// ([`host_sources`]).
+    /// The plain values statement `i` (the tail: `n`) may make a tensor
+    /// from, each with the names of the statements it was computed from
+    /// ([`host_sources`]): the values it reads as data that a statement
+    /// reading a tensor to the host computed, and those it hands to a
+    /// constructor (`Tensor::new`) that any statement computed. The run
+    /// time tells which hold floats and which statements were host reads.
     fn made_tensors(&self, reads: &Reads, names: &[String], i: usize) -> Vec<(Ident, Vec<String>)> {
-        let Some(into) = reads.into_tensors.get(i) else {
+        let (Some(data), Some(into)) = (reads.data.get(i), reads.into_tensors.get(i)) else {
             return Vec::new();
         };
         reads
@@ -501,20 +517,27 @@ impl<'a> Analyser<'a> {
             .get(i)
             .unwrap_or(&reads.tail)
             .iter()
-            .filter(|&&(b, _)| into.contains(&self.bindings[b].ident.to_string()))
             .filter_map(|&(b, span)| {
-                let sources = self.host_sources(reads, names, b);
-                let ident = Ident::new(&self.bindings[b].ident.to_string(), span);
-                (!sources.is_empty()).then_some((ident, sources))
+                let name = self.bindings[b].ident.to_string();
+                if !data.contains(&name) {
+                    return None;
+                }
+                let (sources, to_host) = self.host_sources(reads, names, b);
+                let ident = Ident::new(&name, span);
+                (to_host || into.contains(&name) && !sources.is_empty()).then_some((ident, sources))
             })
             .collect()
     }
 
     /// The statements binding `b` was computed from: its producer and,
-    /// through the bindings each reads for their values, theirs (not
-    /// through reads of a shape: `x.dim(1)? as f32` is no value of `x`).
-    fn host_sources(&self, reads: &Reads, names: &[String], b: usize) -> Vec<String> {
+    /// through the bindings each reads as data, theirs (not through a read
+    /// of a shape, `x.dim(1)? as f32`, a condition or a count, nor through
+    /// a statement that turns bindings into a tensor: that one checks what
+    /// it reads itself); and whether one of them reads a tensor to the
+    /// host.
+    fn host_sources(&self, reads: &Reads, names: &[String], b: usize) -> (Vec<String>, bool) {
         let mut out = Vec::new();
+        let mut to_host = false;
         let mut seen = Vec::new();
         let mut todo: Vec<usize> = self.bindings[b].producer.into_iter().collect();
         while let Some(p) = todo.pop() {
@@ -522,17 +545,21 @@ impl<'a> Analyser<'a> {
                 continue;
             }
             seen.push(p);
+            if !reads.into_tensors[p].is_empty() {
+                continue;
+            }
+            to_host |= reads.to_host[p];
             if !names[p].is_empty() {
                 out.push(names[p].clone());
             }
             for &(r, _) in &reads.statements[p] {
                 let binding = &self.bindings[r];
-                if reads.for_value[p].contains(&binding.ident.to_string()) {
+                if reads.data[p].contains(&binding.ident.to_string()) {
                     todo.extend(binding.producer);
                 }
             }
         }
-        out
+        (out, to_host)
     }
 
     /// The analysis: reads, names, and the owned bindings each statement

@@ -171,17 +171,17 @@ fn declared(statement: &StatementAnalysis) -> TokenStream {
     }
 }
 
-/// Before a statement that turns plain values into tensors
-/// (`Tensor::new(&w, ..)`): for each, `ctx.host_data(name, "w", &w,
-/// sources)?;`, which refuses floats computed on the host from values that
-/// need gradients.
+/// Before a statement that reads plain values computed on the host
+/// (`Tensor::new(&w, ..)`, `(h * w as f64)?`): for each, `ctx.host_data(name,
+/// "w", &w, sources);`, which refuses floats computed on the host from
+/// values that need gradients, should the statement make a float tensor.
 fn host_data(name: &str, values: &[(Ident, Vec<String>)]) -> TokenStream {
     let ctx = own("ctx");
     values
         .iter()
         .map(|(ident, sources)| {
             let value = ident.to_string();
-            quote! { #ctx.host_data(#name, #value, &#ident, &[#(#sources),*])?; }
+            quote! { #ctx.host_data(#name, #value, &#ident, &[#(#sources),*]); }
         })
         .collect()
 }

@@ -24,6 +24,7 @@ mod attributes;
 mod checks;
 mod errors;
 mod generate;
+mod host;
 mod model;
 mod parse;
 mod receiver;

@@ -176,10 +176,11 @@ fn method_with_self() {
     }));
 }
 
-/// Floats read to the host and made a tensor again: the statement that
-/// makes the tensor checks first that they carry no gradient that would
-/// stop there (`ctx.host_data`, with the statements they came from); the
-/// indices (`top`) are checked too, and pass as integers at run time.
+/// Floats read to the host and made a tensor again: each statement that
+/// reads them as data is checked (`ctx.host_data`, with the statements they
+/// came from): the helper `route` could make a tensor of them, the
+/// constructor does; the error comes if the statement gives a float tensor.
+/// The indices (`top`) are checked too, and pass as integers at run time.
 #[test]
 fn host_data_made_a_tensor() {
     insta::assert_snapshot!(pretty(quote! {

@@ -71,7 +71,7 @@ pub struct Ctx {
     /// In a plain run, the host reads (hashes of their names): statements
     /// that read values needing gradients for their values and whose value
     /// holds no tensor. A plain value computed from one carries no gradient
-    /// ([`Ctx::check_host_data`]; the forward asks its records).
+    /// ([`Ctx::host_cut`]; the forward asks its records).
     host_reads: HashSet<u64>,
 }
 
@@ -247,36 +247,34 @@ impl Ctx {
         }
     }
 
-    /// Refuses statement `statement` turning the plain value `value` into a
-    /// tensor when `value` holds floats (`floats`) and was computed from a
+    /// The cut of statement `statement` reading the plain value `value` as
+    /// data, if `value` holds floats (`floats`) and was computed from a
     /// statement among `sources` that read values needing gradients for
     /// their values and gave no tensor (a host read): those floats left
-    /// candle's graph through the host
-    /// (`to_vec2`, `to_scalar`), and the tensor made of them is a constant
-    /// that no gradient flows back through ([`RematError::HostCut`]).
-    /// Checked in the forward and in a plain run; the replay runs what the
-    /// forward checked.
-    pub(crate) fn check_host_data(
+    /// candle's graph through the host (`to_vec2`, `to_scalar`), and a
+    /// tensor made of them is a constant that no gradient flows back
+    /// through ([`RematError::HostCut`], raised by the block if the
+    /// statement gives a floating-point tensor). Found in the forward and in
+    /// a plain run; the replay runs what the forward checked.
+    pub(crate) fn host_cut(
         &self,
         statement: &str,
         value: &str,
         floats: bool,
         sources: &[&str],
-    ) -> Result<()> {
+    ) -> Option<RematError> {
         let read = |source: &str| match &self.mode {
             Mode::Plain { .. } => self.host_reads.contains(&name_hash(source)),
             Mode::Record(recorder) => recorder.host_read(source),
             Mode::Replay(_) => false,
         };
-        match sources.iter().find(|s| floats && read(s)) {
-            Some(source) => Err(RematError::HostCut {
-                region: self.region.clone(),
-                statement: statement.to_string(),
-                value: value.to_string(),
-                from: source.to_string(),
-            }),
-            None => Ok(()),
-        }
+        let source = sources.iter().find(|s| floats && read(s))?;
+        Some(RematError::HostCut {
+            region: self.region.clone(),
+            statement: statement.to_string(),
+            value: value.to_string(),
+            from: source.to_string(),
+        })
     }
 
     /// Runs a statement whose backward residuals are kept from the forward:

@@ -253,22 +253,24 @@ pub enum RematError {
         /// Its shape.
         shape: Vec<usize>,
     },
-    /// A statement turned into a tensor (`Tensor::new(&w, ..)`) floats that
-    /// an earlier statement computed on the host from values that need
-    /// gradients (`to_vec2`, `to_scalar`): the tensor is a constant, so the
+    /// A statement made a floating-point tensor from floats that an earlier
+    /// statement computed on the host from values that need gradients
+    /// (`to_vec2`, `to_scalar`): through a constructor (`Tensor::new(&w,
+    /// ..)`), as a scalar (`(h * w as f64)?`), in a loop or a helper
+    /// function. What it made is a constant in those floats, so the
     /// gradient stops there without a word (a mixture of experts' routing
     /// weights read to the host, normalised and multiplied back in: its
     /// router gets none). Read the tensors detached in the source statement
     /// (`probs.detach().to_vec2()`), or wrap the data in
     /// [`rules::constant`](crate::rules::constant), where that is meant.
     #[error(
-        "region `{region}`, statement `{statement}`: turns `{value}` into a tensor, but `{value}` \
+        "region `{region}`, statement `{statement}`: makes a tensor from `{value}`, but `{value}` \
          holds floats computed on the host from statement `{from}`, which read values that \
-         need gradients: the new tensor is a constant, so their gradient would stop there; \
-         compute `{value}` with tensor ops to keep it (top-k routing: `arg_sort_last_dim`, \
-         `gather`, `softmax`); if no gradient is meant to flow, read the tensor in `{from}` \
-         detached (`probs.detach().to_vec2()`), or wrap the data in \
-         `remat_runtime::rules::constant(..)` where it is made a tensor"
+         need gradients: they reach the tensor as constants, so their gradient would stop \
+         there; compute `{value}` with tensor ops to keep it (top-k routing: \
+         `arg_sort_last_dim`, `gather`, `softmax`); if no gradient is meant to flow, read the \
+         tensor in `{from}` detached (`probs.detach().to_vec2()`), or wrap the value in \
+         `remat_runtime::rules::constant(..)` where the statement reads it"
     )]
     HostCut {
         /// The region's name.

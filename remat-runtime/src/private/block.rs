@@ -65,6 +65,7 @@ impl<R: ResultError> BlockRegion<R> {
             body(
                 &mut Block {
                     ctx,
+                    host_cut: None,
                     error: PhantomData,
                 },
                 values,
@@ -77,6 +78,9 @@ impl<R: ResultError> BlockRegion<R> {
 /// block's error type `E`.
 pub struct Block<'a, E> {
     pub(crate) ctx: &'a mut Ctx,
+    /// A cut [`Block::host_data`] found in what the named statement reads:
+    /// raised if the statement gives a floating-point tensor.
+    host_cut: Option<(String, RematError)>,
     error: PhantomData<fn() -> E>,
 }
 
@@ -87,19 +91,27 @@ impl<E> Block<'_, E> {
         self.ctx.is_replay()
     }
 
-    /// Checks that statement `statement`, which turns the plain value
-    /// `value` (`data`) into a tensor, does not turn floats computed from
-    /// values that need gradients into one: `sources` are the statements
-    /// `value` was computed from. See `Ctx::check_host_data`.
+    /// Checks that statement `statement`, which reads the plain value
+    /// `value` (`data`) as data, makes no floating-point tensor from floats
+    /// computed on the host from values that need gradients: `sources` are
+    /// the statements `value` was computed from. Called before the
+    /// statement; its cut, if any, is raised once the statement has given a
+    /// floating-point tensor (a statement that only computes on the host,
+    /// or makes integer indices, passes). See `Ctx::host_cut`.
     pub fn host_data<T: ?Sized>(
         &mut self,
         statement: &str,
         value: &str,
         data: &T,
         sources: &[&str],
-    ) -> Result<()> {
-        self.ctx
-            .check_host_data(statement, value, holds_floats(data), sources)
+    ) {
+        if self.host_cut.as_ref().is_some_and(|(s, _)| s == statement) {
+            return;
+        }
+        let cut = self
+            .ctx
+            .host_cut(statement, value, holds_floats(data), sources);
+        self.host_cut = cut.map(|cut| (statement.to_string(), cut));
     }
 
     /// Runs a statement: see [`crate::rules::StatementValue`].
@@ -114,7 +126,8 @@ impl<E> Block<'_, E> {
         E: Into<RematError>,
     {
         let (inputs, n_values) = args.tensors();
-        self.ctx.run(
+        let cut = self.host_cut.take().filter(|(s, _)| s == name);
+        let out = self.ctx.run(
             name,
             declared.policy(),
             false,
@@ -124,7 +137,18 @@ impl<E> Block<'_, E> {
                 Ok(values) => f(values).map_err(Into::into),
                 Err(e) => Err(e),
             },
-        )
+        )?;
+        match cut {
+            Some((_, cut)) => {
+                let mut tensors = Vec::new();
+                let skeleton = out.split_into(&mut tensors);
+                if tensors.iter().any(|t| t.dtype().is_float()) {
+                    return Err(cut);
+                }
+                O::join(&mut tensors.into_iter(), &skeleton)
+            }
+            None => Ok(out),
+        }
     }
 }
 

@@ -141,7 +141,7 @@ pub(crate) struct Record {
     pub unread: bool,
     /// A host read: it read a value that needs gradients for its value,
     /// and its value holds no tensor; a plain value computed from it
-    /// carries no gradient (`Ctx::check_host_data`).
+    /// carries no gradient (`Ctx::host_cut`).
     pub host_read: bool,
     /// `Some` exactly for `Save` and `Offload` statements (boxed: most
     /// records of a recomputing tape have none, and every byte of a record

@@ -121,7 +121,7 @@ fn routing_weights_through_the_host_are_a_cut_under_every_plan() {
             let text = e.to_string();
             assert!(
                 text.contains(
-                    "region `SparseMoe::forward`, statement `ys#2`: turns `weights` into a tensor"
+                    "region `SparseMoe::forward`, statement `ys#2`: makes a tensor from `weights`"
                 ) && text.contains("from statement `routing`")
                     && text.contains(".detach()"),
                 "{plan} {dtype:?}: {text}"
@@ -203,7 +203,7 @@ fn routing_weights_through_the_host_in_the_return_expression_are_a_cut() {
             let text = e.to_string();
             assert!(
                 text.contains(
-                    "region `Switch::forward`, statement `(return)`: turns `top` into a tensor"
+                    "region `Switch::forward`, statement `(return)`: makes a tensor from `top`"
                 ) && text.contains("from statement `top`"),
                 "{plan} {dtype:?}: {text}"
             );
@@ -356,6 +356,251 @@ fn counts_made_constants_and_host_accumulators_beside_tensors_are_no_cut() {
         for v in moe.experts.iter().chain([&moe.router, &x]) {
             let r = rel_diff(g.get(v).unwrap(), g_ref.get(v).unwrap());
             assert!(r < 1e-6, "{plan}: {r:e}");
+        }
+    }
+}
+
+/// Layers whose floats leave through the host and come back other than
+/// through a constructor in the statement: as a scalar (`/ top`,
+/// `affine`), through a helper function, or bound by a loop.
+#[derive(Clone)]
+struct Gated {
+    proj: Var,
+    gate: Var,
+}
+
+/// Makes one row's weights a tensor: the constructor the statement calls
+/// is out of the macro's sight.
+fn row_weights(row: &[f32], like: &Tensor) -> Result<Tensor> {
+    Tensor::new(row, like.device())?.to_dtype(like.dtype())
+}
+
+impl Gated {
+    fn new(c: usize, dtype: DType, seed: u64) -> Self {
+        Gated {
+            proj: var(&[c, c], seed, 0.4, dtype),
+            gate: var(&[c, c], seed + 1, 0.4, dtype),
+        }
+    }
+
+    remat! {
+        /// Scaled by the largest gate value, read on the host.
+        fn by_host_max(&self, xs: &Tensor) -> Result<Tensor> {
+            let g = xs.matmul(self.gate.as_tensor())?.tanh()?;
+            let top = g.abs()?.max_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            let h = xs.matmul(self.proj.as_tensor())?;
+            let y = ((h * g)? / top)?;
+            Ok(y)
+        }
+    }
+
+    remat! {
+        /// Centred on a mean read on the host (`affine`).
+        fn centred_on_host(&self, xs: &Tensor) -> Result<Tensor> {
+            let h = xs.matmul(self.proj.as_tensor())?;
+            let mean = h.mean_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            let centred = h.affine(1.0, -mean)?;
+            let y = centred.tanh()?;
+            Ok(y)
+        }
+    }
+
+    remat! {
+        /// Each row scaled by its gate weights, read on the host and made a
+        /// tensor by a helper function, in a loop.
+        fn rows_by_helper(&self, xs: &Tensor) -> Result<Tensor> {
+            let g = candle_nn::ops::softmax(&xs.matmul(self.gate.as_tensor())?, D::Minus1)?;
+            let rows = g.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+            let h = xs.matmul(self.proj.as_tensor())?;
+            let mut out = Vec::new();
+            for (i, row) in rows.iter().enumerate() {
+                out.push(h.narrow(0, i, 1)?.broadcast_mul(&row_weights(row, &h)?)?);
+            }
+            let y = Tensor::cat(&out, 0)?;
+            Ok(y)
+        }
+    }
+
+    remat! {
+        /// The same with the constructor in the loop, on the loop's name.
+        fn rows_in_loop(&self, xs: &Tensor) -> Result<Tensor> {
+            let g = candle_nn::ops::softmax(&xs.matmul(self.gate.as_tensor())?, D::Minus1)?;
+            let rows = g.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+            let h = xs.matmul(self.proj.as_tensor())?;
+            let mut out = Vec::new();
+            for (i, row) in rows.iter().enumerate() {
+                let w = Tensor::new(row.as_slice(), h.device())?.to_dtype(h.dtype())?;
+                out.push(h.narrow(0, i, 1)?.broadcast_mul(&w)?);
+            }
+            let y = Tensor::cat(&out, 0)?;
+            Ok(y)
+        }
+    }
+
+    remat! {
+        /// `rows_by_helper` with the rows read detached: no gradient to the
+        /// gate is meant.
+        fn rows_detached(&self, xs: &Tensor) -> Result<Tensor> {
+            let g = candle_nn::ops::softmax(&xs.matmul(self.gate.as_tensor())?, D::Minus1)?;
+            let rows = g.to_dtype(DType::F32)?.detach().to_vec2::<f32>()?;
+            let h = xs.matmul(self.proj.as_tensor())?;
+            let mut out = Vec::new();
+            for (i, row) in rows.iter().enumerate() {
+                out.push(h.narrow(0, i, 1)?.broadcast_mul(&row_weights(row, &h)?)?);
+            }
+            let y = Tensor::cat(&out, 0)?;
+            Ok(y)
+        }
+    }
+
+    remat! {
+        /// `by_host_max` with the scale wrapped in `constant`.
+        fn by_constant_max(&self, xs: &Tensor) -> Result<Tensor> {
+            let g = xs.matmul(self.gate.as_tensor())?.tanh()?;
+            let top = g.abs()?.max_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            let h = xs.matmul(self.proj.as_tensor())?;
+            let y = ((h * g)? / constant(top))?;
+            Ok(y)
+        }
+    }
+
+    remat! {
+        /// A host read that chooses a constant and a branch, is formatted,
+        /// is compared with the values, picks a row by an index and sets a length: none
+        /// of its floats reaches a float tensor.
+        fn host_control(&self, xs: &Tensor) -> Result<Tensor> {
+            let g = xs.matmul(self.gate.as_tensor())?.tanh()?;
+            let conf = g.abs()?.mean_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            let s = if conf > 0.5 { 0.5f64 } else { 2.0 };
+            let h = xs.matmul(self.proj.as_tensor())?;
+            let note = format!("confidence {conf:.3}");
+            let y = if conf.is_nan() || note.is_empty() { h.clone() } else { ((h * g)? * s)? };
+            let keep = y.ge(-conf)?.to_dtype(y.dtype())?;
+            let first = Tensor::new(&[(conf * 0.0) as u32], xs.device())?;
+            let z = (y * keep)?.broadcast_add(&xs.index_select(&first, 0)?)?;
+            let rows = z.narrow(0, 0, 2 + (conf * 0.0) as usize)?;
+            Ok(rows)
+        }
+    }
+}
+
+/// `Gated::host_control` as plain candle code, written out.
+fn host_control_by_hand(layer: &Gated, xs: &Tensor) -> Result<Tensor> {
+    let g = xs.matmul(layer.gate.as_tensor())?.tanh()?;
+    let conf = g
+        .abs()?
+        .mean_all()?
+        .to_dtype(DType::F64)?
+        .to_scalar::<f64>()?;
+    let s = if conf > 0.5 { 0.5f64 } else { 2.0 };
+    let y = ((xs.matmul(layer.proj.as_tensor())? * g)? * s)?;
+    let keep = y.ge(-conf)?.to_dtype(y.dtype())?;
+    (y * keep)?
+        .broadcast_add(&xs.narrow(0, 0, 1)?)?
+        .narrow(0, 0, 2)
+}
+
+/// `Gated::rows_detached` and `by_constant_max` as plain candle code: the
+/// host's values are constants.
+fn rows_by_hand(layer: &Gated, xs: &Tensor) -> Result<Tensor> {
+    let g = candle_nn::ops::softmax(&xs.matmul(layer.gate.as_tensor())?, D::Minus1)?;
+    // The rows went to the host in f32.
+    let rows = g.to_dtype(DType::F32)?.to_dtype(xs.dtype())?.detach();
+    xs.matmul(layer.proj.as_tensor())?.mul(&rows)
+}
+
+fn by_constant_max_by_hand(layer: &Gated, xs: &Tensor) -> Result<Tensor> {
+    let g = xs.matmul(layer.gate.as_tensor())?.tanh()?;
+    let top = g
+        .abs()?
+        .max_all()?
+        .to_dtype(DType::F64)?
+        .to_scalar::<f64>()?;
+    (xs.matmul(layer.proj.as_tensor())? * g)? / top
+}
+
+#[test]
+fn host_floats_as_scalars_through_helpers_and_loops_are_a_cut() {
+    type Forward = fn(&Gated, &Tensor) -> Result<Tensor>;
+    let cases: [(&str, Forward, &str, &str, &str); 4] = [
+        ("by_host_max", Gated::by_host_max, "y", "top", "top"),
+        (
+            "centred_on_host",
+            Gated::centred_on_host,
+            "centred",
+            "mean",
+            "mean",
+        ),
+        (
+            "rows_by_helper",
+            Gated::rows_by_helper,
+            "out#2",
+            "rows",
+            "rows",
+        ),
+        ("rows_in_loop", Gated::rows_in_loop, "out#2", "rows", "rows"),
+    ];
+    for dtype in [DType::F32, DType::F64] {
+        let layer = Gated::new(6, dtype, 40);
+        let x = var(&[5, 6], 41, 1.0, dtype);
+        for (method, forward, statement, value, from) in cases {
+            for plan in plans() {
+                let e = plan.scope(|| forward(&layer, x.as_tensor())).unwrap_err();
+                let text = e.to_string();
+                let expected = format!(
+                    "region `Gated::{method}`, statement `{statement}`: makes a tensor from \
+                     `{value}`, but `{value}` holds floats computed on the host from statement \
+                     `{from}`"
+                );
+                assert!(text.contains(&expected), "{plan} {dtype:?}: {text}");
+            }
+        }
+    }
+}
+
+#[test]
+fn host_floats_meant_as_constants_or_used_for_control_give_plain_candles_gradients() {
+    type Forward = fn(&Gated, &Tensor) -> Result<Tensor>;
+    let cases: [(&str, Forward, Forward); 3] = [
+        ("host_control", Gated::host_control, host_control_by_hand),
+        ("rows_detached", Gated::rows_detached, rows_by_hand),
+        (
+            "by_constant_max",
+            Gated::by_constant_max,
+            by_constant_max_by_hand,
+        ),
+    ];
+    for dtype in [DType::F32, DType::F64] {
+        let tolerance = if dtype == DType::F32 { 1e-6 } else { 1e-12 };
+        for (seed, scale) in [(50, 1.0), (60, 0.05)] {
+            let layer = Gated::new(6, dtype, seed);
+            let x = var(&[5, 6], seed + 2, scale, dtype);
+            for (method, forward, by_hand) in cases {
+                let reference = by_hand(&layer, x.as_tensor()).unwrap();
+                let g_ref = weighted_loss(&reference).backward().unwrap();
+                for plan in plans() {
+                    let y = plan
+                        .scope(|| forward(&layer, x.as_tensor()))
+                        .unwrap_or_else(|e| panic!("{method} {plan} {dtype:?}: {e}"));
+                    let r = rel_diff(&y, &reference);
+                    assert!(r < tolerance, "{method} {plan} {dtype:?}: output {r:e}");
+                    let g = backward(&weighted_loss(&y)).unwrap();
+                    for v in [&layer.proj, &layer.gate, &x] {
+                        match (g.get(v), g_ref.get(v)) {
+                            (Some(a), Some(b)) => {
+                                let r = rel_diff(a, b);
+                                assert!(r < tolerance, "{method} {plan} {dtype:?}: {r:e}");
+                            }
+                            (None, None) => {}
+                            (a, b) => panic!(
+                                "{method} {plan} {dtype:?}: gradient {} here, {} by hand",
+                                a.is_some(),
+                                b.is_some()
+                            ),
+                        }
+                    }
+                }
+            }
         }
     }
 }

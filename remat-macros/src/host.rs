@@ -1,0 +1,252 @@
+//! Floats that leave candle's graph through the host and come back: which
+//! names a statement reads as data (their values flow into its value), which
+//! it hands to one of candle's constructors, and whether it reads a tensor
+//! to the host (`to_vec2`, `to_scalar`). The analysis turns these into the
+//! run-time check of `HostCut` (`ctx.host_data(..)` before a statement).
+
+use syn::punctuated::Punctuated;
+use syn::visit::Visit;
+use syn::Expr;
+
+use crate::usage::{mentions, read_for_value};
+
+/// candle's constructors of a tensor from host data: `Tensor::new(&data,
+/// ..)`, `Tensor::from_vec(..)`, ...
+const FROM_HOST: &[&str] = &["new", "from_vec", "from_slice", "from_iter", "full"];
+
+/// candle's reads of a tensor's values to the host.
+const TO_HOST: &[&str] = &["to_vec0", "to_vec1", "to_vec2", "to_vec3", "to_scalar"];
+
+/// Macros whose arguments are printed, formatted or asserted: no part of a
+/// value (`println!("{w}")`, `assert!(w > 0.0)`, `tracing::info!(..)`).
+const REPORTING: &[&str] = &[
+    "print",
+    "println",
+    "eprint",
+    "eprintln",
+    "format",
+    "format_args",
+    "write",
+    "writeln",
+    "assert",
+    "assert_eq",
+    "assert_ne",
+    "debug_assert",
+    "debug_assert_eq",
+    "debug_assert_ne",
+    "panic",
+    "unreachable",
+    "todo",
+    "unimplemented",
+    "trace",
+    "debug",
+    "info",
+    "warn",
+    "error",
+    "event",
+    "bail",
+    "ensure",
+    "anyhow",
+];
+
+/// Methods whose value is a count, an order or a truth value, whatever they
+/// are called on and with (`w.len()`, `a.total_cmp(&b)`, `x.ge(t)?`): what
+/// they read gives no float to a value.
+const COUNTS_AND_TESTS: &[&str] = &[
+    "len",
+    "is_empty",
+    "cmp",
+    "partial_cmp",
+    "total_cmp",
+    "eq",
+    "ne",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "is_nan",
+    "is_finite",
+    "is_infinite",
+    "is_sign_positive",
+    "is_sign_negative",
+    "contains",
+];
+
+/// Whether `ty` is an integer type or `bool`: a cast to it (`top as usize`)
+/// gives no float.
+fn integral(ty: &syn::Type) -> bool {
+    const INTEGRAL: &[&str] = &[
+        "u8", "u16", "u32", "u64", "u128", "usize", "i8", "i16", "i32", "i64", "i128", "isize",
+        "bool",
+    ];
+    matches!(ty, syn::Type::Path(p)
+        if p.path.get_ident().is_some_and(|i| INTEGRAL.contains(&i.to_string().as_str())))
+}
+
+/// Whether `call` is `constant(..)` (`remat_runtime::rules::constant`): the
+/// user says its argument carries no gradient.
+fn is_constant(call: &syn::ExprCall) -> bool {
+    matches!(&*call.func, Expr::Path(f)
+        if f.path.segments.last().is_some_and(|s| s.ident == "constant"))
+}
+
+/// The identifiers `expr` reads as data: those read for their values
+/// ([`read_for_value`]) in a place where their values can flow into the
+/// statement's value. Not data: a condition (`if w > 0.5`, a `while`, a
+/// match guard), the operands of a comparison or of `&&`/`||`, an index
+/// (`v[i]`), a cast to an integer (`top as usize`), what a count or a test reads (`w.len()`, `a.total_cmp(&b)`,
+/// `x.ge(t)?`), a printed or asserted argument (`println!`, `assert!`,
+/// `tracing::info!`), and what `constant(..)` wraps.
+pub(crate) fn read_as_data(expr: &Expr) -> Vec<String> {
+    struct Collect(Vec<String>);
+    impl Collect {
+        fn push(&mut self, name: String) {
+            if !self.0.contains(&name) {
+                self.0.push(name);
+            }
+        }
+    }
+    impl<'ast> Visit<'ast> for Collect {
+        fn visit_expr_path(&mut self, p: &'ast syn::ExprPath) {
+            if p.qself.is_none() && p.path.segments.len() == 1 {
+                self.push(p.path.segments[0].ident.to_string());
+            }
+        }
+        fn visit_expr_if(&mut self, e: &'ast syn::ExprIf) {
+            if let Expr::Let(l) = &*e.cond {
+                self.visit_expr(&l.expr);
+            }
+            self.visit_block(&e.then_branch);
+            if let Some((_, other)) = &e.else_branch {
+                self.visit_expr(other);
+            }
+        }
+        fn visit_expr_while(&mut self, e: &'ast syn::ExprWhile) {
+            if let Expr::Let(l) = &*e.cond {
+                self.visit_expr(&l.expr);
+            }
+            self.visit_block(&e.body);
+        }
+        fn visit_arm(&mut self, arm: &'ast syn::Arm) {
+            self.visit_expr(&arm.body);
+        }
+        fn visit_expr_binary(&mut self, b: &'ast syn::ExprBinary) {
+            use syn::BinOp::*;
+            if !matches!(
+                b.op,
+                Eq(_) | Ne(_) | Lt(_) | Le(_) | Gt(_) | Ge(_) | And(_) | Or(_)
+            ) {
+                syn::visit::visit_expr_binary(self, b);
+            }
+        }
+        fn visit_expr_cast(&mut self, c: &'ast syn::ExprCast) {
+            if !integral(&c.ty) {
+                self.visit_expr(&c.expr);
+            }
+        }
+        fn visit_expr_index(&mut self, i: &'ast syn::ExprIndex) {
+            self.visit_expr(&i.expr);
+        }
+        fn visit_expr_method_call(&mut self, m: &'ast syn::ExprMethodCall) {
+            if !COUNTS_AND_TESTS.contains(&m.method.to_string().as_str()) {
+                syn::visit::visit_expr_method_call(self, m);
+            }
+        }
+        fn visit_expr_call(&mut self, call: &'ast syn::ExprCall) {
+            if !is_constant(call) {
+                syn::visit::visit_expr_call(self, call);
+            }
+        }
+        fn visit_macro(&mut self, m: &'ast syn::Macro) {
+            let name = m.path.segments.last().map(|s| s.ident.to_string());
+            if name.is_some_and(|n| REPORTING.contains(&n.as_str())) {
+                return;
+            }
+            let args = Punctuated::<Expr, syn::Token![,]>::parse_terminated;
+            match syn::parse::Parser::parse2(args, m.tokens.clone()) {
+                Ok(args) => args.iter().for_each(|a| self.visit_expr(a)),
+                Err(_) => {
+                    let whole = Expr::Macro(syn::ExprMacro {
+                        attrs: Vec::new(),
+                        mac: m.clone(),
+                    });
+                    mentions(&whole).into_iter().for_each(|(n, _)| self.push(n));
+                }
+            }
+        }
+    }
+    let for_value = read_for_value(expr);
+    let mut c = Collect(Vec::new());
+    c.visit_expr(expr);
+    c.0.retain(|name| for_value.contains(name));
+    c.0
+}
+
+/// Whether `expr` reads a tensor's values to the host (`to_vec2`,
+/// `to_scalar`, ...): a statement that may be a host read.
+pub(crate) fn reads_to_host(expr: &Expr) -> bool {
+    struct Find(bool);
+    impl<'ast> Visit<'ast> for Find {
+        fn visit_expr_method_call(&mut self, m: &'ast syn::ExprMethodCall) {
+            self.0 |= TO_HOST.contains(&m.method.to_string().as_str());
+            syn::visit::visit_expr_method_call(self, m);
+        }
+    }
+    let mut f = Find(false);
+    f.visit_expr(expr);
+    f.0
+}
+
+/// The names `expr` mentions inside the arguments of a call of one of
+/// candle's constructors of a tensor from host data ([`FROM_HOST`] on a
+/// path ending in `Tensor::`), but not inside `constant(..)`: the plain
+/// values it turns into a tensor.
+pub(crate) fn into_tensors(expr: &Expr) -> Vec<String> {
+    struct Collect(Vec<String>);
+    impl<'ast> Visit<'ast> for Collect {
+        fn visit_expr_call(&mut self, call: &'ast syn::ExprCall) {
+            if let Expr::Path(f) = &*call.func {
+                let segments: Vec<String> = f
+                    .path
+                    .segments
+                    .iter()
+                    .map(|s| s.ident.to_string())
+                    .collect();
+                let constructor = matches!(segments.as_slice(),
+                    [.., ty, ctor] if ty == "Tensor" && FROM_HOST.contains(&ctor.as_str()));
+                if constructor {
+                    for arg in &call.args {
+                        let meant = constants(arg);
+                        for (name, _) in mentions(arg) {
+                            if !self.0.contains(&name) && !meant.contains(&name) {
+                                self.0.push(name);
+                            }
+                        }
+                    }
+                }
+            }
+            syn::visit::visit_expr_call(self, call);
+        }
+    }
+    /// The names mentioned inside `constant(..)` calls.
+    fn constants(expr: &Expr) -> Vec<String> {
+        struct Meant(Vec<String>);
+        impl<'ast> Visit<'ast> for Meant {
+            fn visit_expr_call(&mut self, call: &'ast syn::ExprCall) {
+                if is_constant(call) {
+                    for arg in &call.args {
+                        self.0.extend(mentions(arg).into_iter().map(|(n, _)| n));
+                    }
+                } else {
+                    syn::visit::visit_expr_call(self, call);
+                }
+            }
+        }
+        let mut m = Meant(Vec::new());
+        m.visit_expr(expr);
+        m.0
+    }
+    let mut c = Collect(Vec::new());
+    c.visit_expr(expr);
+    c.0
+}

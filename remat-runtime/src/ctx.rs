@@ -149,7 +149,7 @@ impl Ctx {
         inputs: impl Inputs,
         f: impl FnOnce(&[Tensor]) -> std::result::Result<O, E>,
     ) -> Result<O> {
-        self.run(name, Some(policy), false, inputs, usize::MAX, f)
+        self.run(name, Some(policy), inputs, usize::MAX, f)
     }
 
     /// Runs an *open* statement: one whose policy the region's [`Plan`]
@@ -173,12 +173,11 @@ impl Ctx {
         inputs: impl Inputs,
         f: impl FnOnce(&[Tensor]) -> std::result::Result<O, E>,
     ) -> Result<O> {
-        self.run(name, None, false, inputs, usize::MAX, f)
+        self.run(name, None, inputs, usize::MAX, f)
     }
 
     /// Every statement method ends here. `declared`: the policy written in
-    /// the code, if any; `ferry`: the outputs of a saved statement are
-    /// ferried to the replay; `value_inputs`: the first this many inputs are
+    /// the code, if any; `value_inputs`: the first this many inputs are
     /// read for their values, the rest only for their shapes or detached
     /// (the `remat!` macro sees which), so that only the first can make an
     /// untracked output a cut ([`RematError::GradientCut`]).
@@ -186,7 +185,6 @@ impl Ctx {
         &mut self,
         name: &str,
         declared: Option<Policy>,
-        ferry: bool,
         inputs: impl Inputs,
         value_inputs: usize,
         f: impl FnOnce(&[Tensor]) -> std::result::Result<O, E>,
@@ -236,7 +234,6 @@ impl Ctx {
                     name,
                     declared,
                     policy,
-                    ferry: ferry && policy.keeps_residuals(),
                     value_inputs,
                 };
                 recorder.statement(statement, inputs, f)
@@ -297,34 +294,6 @@ impl Ctx {
         f: impl FnOnce(&[Tensor]) -> std::result::Result<O, E>,
     ) -> Result<O> {
         self.statement(name, Policy::Save, inputs, f)
-    }
-
-    /// Runs a saved statement whose outputs are also ferried to the replay
-    /// (kept on the tape), because a recomputed statement reads them.
-    ///
-    /// [`Ctx::save`] finds this out by itself when the reader declares the
-    /// output as an input; this method says it up front, for a caller that
-    /// knows the dataflow (the `remat!` macro's expansion does not call it:
-    /// it reaches the same through its own entry points).
-    ///
-    /// ```
-    /// # use candle_core::{Device, Var};
-    /// # use remat_runtime::Region;
-    /// let x = Var::ones(2, candle_core::DType::F32, &Device::Cpu)?;
-    /// let y = Region::new("r").run(&[x.as_tensor()], |ctx, ins| {
-    ///     let e = ctx.save_ferried("e", &[&ins[0]], |t| t[0].exp())?;
-    ///     ctx.recompute("s", &[&e], |t| t[0].sum_all())
-    /// })?;
-    /// assert_eq!(y.backward()?.get(&x).unwrap().to_vec1::<f32>()?, vec![1f32.exp(); 2]);
-    /// # Ok::<(), remat_runtime::RematError>(())
-    /// ```
-    pub fn save_ferried<O: Outputs, E: Into<RematError>>(
-        &mut self,
-        name: &str,
-        inputs: impl Inputs,
-        f: impl FnOnce(&[Tensor]) -> std::result::Result<O, E>,
-    ) -> Result<O> {
-        self.run(name, Some(Policy::Save), true, inputs, usize::MAX, f)
     }
 
     /// Runs a statement whose backward residuals are kept from the forward

@@ -130,7 +130,6 @@ impl<E> Block<'_, E> {
         let out = self.ctx.run(
             name,
             declared.policy(),
-            false,
             inputs,
             n_values,
             |tensors| match args.values_from(tensors, n_values) {

@@ -96,9 +96,6 @@ pub(crate) struct Statement<'a> {
     pub declared: Option<Policy>,
     /// The policy the plan gave it.
     pub policy: Policy,
-    /// The outputs of a saved statement are ferried to the replay whatever
-    /// reads them (`Ctx::save_ferried`).
-    pub ferry: bool,
     /// The first this many inputs are read for their values (`Ctx::run`).
     pub value_inputs: usize,
 }
@@ -485,9 +482,6 @@ impl Recorder {
             self.saved_outputs.insert(visible.id(), (index, j));
             outputs.push(visible);
             detached.push(d);
-        }
-        if s.ferry {
-            self.ferried.extend((0..outputs.len()).map(|j| (index, j)));
         }
         let any_tracked = tracked.iter().any(|t| t.track_op());
         if any_tracked {

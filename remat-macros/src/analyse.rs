@@ -6,7 +6,7 @@ use proc_macro2::Span;
 use syn::{Expr, Ident};
 
 use crate::errors::Errors;
-use crate::host::{into_tensors, read_as_data, reads_to_host};
+use crate::host::{into_tensors, read_as_data, reads_to_host, HostValue, Place};
 use crate::model::{AnnotationKind, Block, StmtKind};
 use crate::scopes::outer_view;
 use crate::usage::{assigned, bound, locals, mentions, moved, read_for_value, single};
@@ -61,11 +61,12 @@ pub(crate) struct StatementAnalysis {
     /// Those of `changes` read again later: given back as outputs after its
     /// value.
     pub inouts: Vec<Ident>,
-    /// Plain values it turns into a tensor (`Tensor::new(&w, ..)`), each
-    /// with the statements it was computed from (through reads for their
-    /// values): if one of those read values that need gradients, the
-    /// gradient stops at the host ([`host_sources`](Analyser::host_sources)).
-    pub host_data: Vec<(Ident, Vec<String>)>,
+    /// Plain values (or their fields) it reads as data that a host read
+    /// may have computed, each with the statements it was computed from:
+    /// if one of those read values that need gradients and the statement
+    /// gives a float tensor, the gradient stops at the host
+    /// ([`made_tensors`](Analyser::made_tensors)).
+    pub host_data: Vec<HostValue>,
 }
 
 /// What the analysis found for a block: per statement, and for the tail.
@@ -77,7 +78,7 @@ pub(crate) struct Analysis {
     pub tail_passthrough: Option<Ident>,
     /// What the tail turns into tensors from the host (as
     /// [`StatementAnalysis::host_data`]).
-    pub tail_host_data: Vec<(Ident, Vec<String>)>,
+    pub tail_host_data: Vec<HostValue>,
 }
 
 /// `Ok(x)` with `x` bound by a statement of the block.
@@ -157,9 +158,9 @@ struct Reads {
     /// Per statement, then the tail: the names it turns into tensors
     /// ([`into_tensors`]).
     into_tensors: Vec<Vec<String>>,
-    /// Per statement, then the tail: the names whose values flow into its
-    /// value ([`read_as_data`]).
-    data: Vec<Vec<String>>,
+    /// Per statement, then the tail: the bindings (or their fields) whose
+    /// values flow into its value ([`read_as_data`]).
+    data: Vec<Vec<Place>>,
     /// Per statement: it reads a tensor to the host ([`reads_to_host`]).
     to_host: Vec<bool>,
     tail: Vec<(usize, Span)>,
@@ -508,25 +509,35 @@ impl<'a> Analyser<'a> {
     /// reading a tensor to the host computed, and those it hands to a
     /// constructor (`Tensor::new`) that any statement computed. The run
     /// time tells which hold floats and which statements were host reads.
-    fn made_tensors(&self, reads: &Reads, names: &[String], i: usize) -> Vec<(Ident, Vec<String>)> {
+    fn made_tensors(&self, reads: &Reads, names: &[String], i: usize) -> Vec<HostValue> {
         let (Some(data), Some(into)) = (reads.data.get(i), reads.into_tensors.get(i)) else {
             return Vec::new();
         };
-        reads
-            .statements
-            .get(i)
-            .unwrap_or(&reads.tail)
-            .iter()
-            .filter_map(|&(b, span)| {
-                let name = self.bindings[b].ident.to_string();
-                if !data.contains(&name) {
-                    return None;
-                }
-                let (sources, to_host) = self.host_sources(reads, names, b);
-                let ident = Ident::new(&name, span);
-                (to_host || into.contains(&name) && !sources.is_empty()).then_some((ident, sources))
-            })
-            .collect()
+        let mut out = Vec::new();
+        for &(b, span) in reads.statements.get(i).unwrap_or(&reads.tail) {
+            let name = self.bindings[b].ident.to_string();
+            let places: Vec<&Place> = data.iter().filter(|p| p.name == name).collect();
+            if places.is_empty() {
+                continue;
+            }
+            let (sources, to_host) = self.host_sources(reads, names, b);
+            if !(to_host || into.contains(&name) && !sources.is_empty()) {
+                continue;
+            }
+            // The whole value if the statement reads it whole, else each
+            // field it reads.
+            let whole = places.iter().any(|p| p.fields.is_empty());
+            let fields = match whole {
+                true => vec![Vec::new()],
+                false => places.iter().map(|p| p.fields.clone()).collect(),
+            };
+            out.extend(fields.into_iter().map(|fields| HostValue {
+                ident: Ident::new(&name, span),
+                fields,
+                sources: sources.clone(),
+            }));
+        }
+        out
     }
 
     /// The statements binding `b` was computed from: its producer and,
@@ -554,7 +565,8 @@ impl<'a> Analyser<'a> {
             }
             for &(r, _) in &reads.statements[p] {
                 let binding = &self.bindings[r];
-                if reads.data[p].contains(&binding.ident.to_string()) {
+                let name = binding.ident.to_string();
+                if reads.data[p].iter().any(|place| place.name == name) {
                     todo.extend(binding.producer);
                 }
             }

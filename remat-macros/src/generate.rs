@@ -17,6 +17,7 @@ use syn::spanned::Spanned;
 use syn::{Ident, Type};
 
 use crate::analyse::{Analysis, Borrowed, Read, StatementAnalysis};
+use crate::host::HostValue;
 use crate::model::{AnnotationKind, Block, Param, Passing, Statement, StmtKind};
 
 /// A name of the expansion's own, invisible to the user's code.
@@ -175,13 +176,14 @@ fn declared(statement: &StatementAnalysis) -> TokenStream {
 /// (`Tensor::new(&w, ..)`, `(h * w as f64)?`): for each, `ctx.host_data(name,
 /// "w", &w, sources);`, which refuses floats computed on the host from
 /// values that need gradients, should the statement make a float tensor.
-fn host_data(name: &str, values: &[(Ident, Vec<String>)]) -> TokenStream {
+fn host_data(name: &str, values: &[HostValue]) -> TokenStream {
     let ctx = own("ctx");
     values
         .iter()
-        .map(|(ident, sources)| {
-            let value = ident.to_string();
-            quote! { #ctx.host_data(#name, #value, &#ident, &[#(#sources),*]); }
+        .map(|v| {
+            let (ident, fields, sources) = (&v.ident, &v.fields, &v.sources);
+            let label = v.label();
+            quote! { #ctx.host_data(#name, #label, &#ident #(.#fields)*, &[#(#sources),*]); }
         })
         .collect()
 }

@@ -4,9 +4,10 @@
 //! to the host (`to_vec2`, `to_scalar`). The analysis turns these into the
 //! run-time check of `HostCut` (`ctx.host_data(..)` before a statement).
 
+use proc_macro2::Ident;
 use syn::punctuated::Punctuated;
 use syn::visit::Visit;
-use syn::Expr;
+use syn::{Expr, Member};
 
 use crate::usage::{mentions, read_for_value};
 
@@ -90,26 +91,74 @@ fn is_constant(call: &syn::ExprCall) -> bool {
         if f.path.segments.last().is_some_and(|s| s.ident == "constant"))
 }
 
-/// The identifiers `expr` reads as data: those read for their values
+/// A binding, or a field of it (`routed.0`, `r.weights`), read as data.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Place {
+    pub name: String,
+    pub fields: Vec<Member>,
+}
+
+/// A plain value a statement reads as data, checked before it runs
+/// (`ctx.host_data(..)`): the binding, the fields read (none: the whole
+/// value) and the statements it was computed from.
+#[derive(Debug, Clone)]
+pub(crate) struct HostValue {
+    pub ident: Ident,
+    pub fields: Vec<Member>,
+    pub sources: Vec<String>,
+}
+
+impl HostValue {
+    /// How the error names it: `weights`, `routed.1`, `r.weights`.
+    pub(crate) fn label(&self) -> String {
+        let mut label = self.ident.to_string();
+        for field in &self.fields {
+            label.push('.');
+            label.push_str(&match field {
+                Member::Named(name) => name.to_string(),
+                Member::Unnamed(index) => index.index.to_string(),
+            });
+        }
+        label
+    }
+}
+
+/// The bindings `expr` reads as data, or the fields of them it reads
+/// (`routed.1`, so that the check looks at that field's type): those read for their values
 /// ([`read_for_value`]) in a place where their values can flow into the
 /// statement's value. Not data: a condition (`if w > 0.5`, a `while`, a
 /// match guard), the operands of a comparison or of `&&`/`||`, an index
 /// (`v[i]`), a cast to an integer (`top as usize`), what a count or a test reads (`w.len()`, `a.total_cmp(&b)`,
 /// `x.ge(t)?`), a printed or asserted argument (`println!`, `assert!`,
 /// `tracing::info!`), and what `constant(..)` wraps.
-pub(crate) fn read_as_data(expr: &Expr) -> Vec<String> {
-    struct Collect(Vec<String>);
+pub(crate) fn read_as_data(expr: &Expr) -> Vec<Place> {
+    struct Collect(Vec<Place>);
     impl Collect {
-        fn push(&mut self, name: String) {
-            if !self.0.contains(&name) {
-                self.0.push(name);
+        fn push(&mut self, name: String, fields: Vec<Member>) {
+            let place = Place { name, fields };
+            if !self.0.contains(&place) {
+                self.0.push(place);
             }
         }
     }
     impl<'ast> Visit<'ast> for Collect {
         fn visit_expr_path(&mut self, p: &'ast syn::ExprPath) {
             if p.qself.is_none() && p.path.segments.len() == 1 {
-                self.push(p.path.segments[0].ident.to_string());
+                self.push(p.path.segments[0].ident.to_string(), Vec::new());
+            }
+        }
+        fn visit_expr_field(&mut self, f: &'ast syn::ExprField) {
+            let mut fields = vec![f.member.clone()];
+            let mut base = &*f.base;
+            while let Expr::Field(inner) = base {
+                fields.insert(0, inner.member.clone());
+                base = &inner.base;
+            }
+            match base {
+                Expr::Path(p) if p.qself.is_none() && p.path.segments.len() == 1 => {
+                    self.push(p.path.segments[0].ident.to_string(), fields)
+                }
+                other => self.visit_expr(other),
             }
         }
         fn visit_expr_if(&mut self, e: &'ast syn::ExprIf) {
@@ -170,7 +219,8 @@ pub(crate) fn read_as_data(expr: &Expr) -> Vec<String> {
                         attrs: Vec::new(),
                         mac: m.clone(),
                     });
-                    mentions(&whole).into_iter().for_each(|(n, _)| self.push(n));
+                    let names = mentions(&whole).into_iter();
+                    names.for_each(|(n, _)| self.push(n, Vec::new()));
                 }
             }
         }
@@ -178,7 +228,7 @@ pub(crate) fn read_as_data(expr: &Expr) -> Vec<String> {
     let for_value = read_for_value(expr);
     let mut c = Collect(Vec::new());
     c.visit_expr(expr);
-    c.0.retain(|name| for_value.contains(name));
+    c.0.retain(|place| for_value.contains(&place.name));
     c.0
 }
 

@@ -604,3 +604,111 @@ fn host_floats_meant_as_constants_or_used_for_control_give_plain_candles_gradien
         }
     }
 }
+
+#[derive(Clone)]
+struct RoutedMoe {
+    router: Var,
+    experts: Vec<Var>,
+}
+
+impl RoutedMoe {
+    remat! {
+        /// The routing weights reach the experts through a field of a
+        /// tuple: a cut.
+        fn through_a_tuple(&self, xs: &Tensor) -> Result<Tensor> {
+            let probs = candle_nn::ops::softmax(&xs.matmul(self.router.as_tensor())?, D::Minus1)?;
+            let rows = probs.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+            let routed = route(&rows, self.experts.len(), 1);
+            let mut ys = xs.zeros_like()?;
+            for (e, expert) in self.experts.iter().enumerate() {
+                if routed.0[e].is_empty() {
+                    continue;
+                }
+                let index = Tensor::new(routed.0[e].as_slice(), xs.device())?;
+                let w = Tensor::new(routed.1[e].as_slice(), xs.device())?
+                    .to_dtype(xs.dtype())?
+                    .reshape(((), 1))?;
+                let h = xs.index_select(&index, 0)?.matmul(expert.as_tensor())?;
+                ys = ys.index_add(&index, &h.broadcast_mul(&w)?, 0)?;
+            }
+            Ok(ys)
+        }
+    }
+
+    remat! {
+        /// Only the indices of a tuple that also holds the weights are
+        /// used; the weights stay tensors: no cut.
+        fn tuple_indices(&self, xs: &Tensor) -> Result<Tensor> {
+            let probs = candle_nn::ops::softmax(&xs.matmul(self.router.as_tensor())?, D::Minus1)?;
+            let rows = probs.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+            let routed = route(&rows, self.experts.len(), 1);
+            let mut ys = xs.zeros_like()?;
+            for (e, expert) in self.experts.iter().enumerate() {
+                if routed.0[e].is_empty() {
+                    continue;
+                }
+                let index = Tensor::new(routed.0[e].as_slice(), xs.device())?;
+                let p = probs.index_select(&index, 0)?.narrow(1, e, 1)?;
+                let h = xs.index_select(&index, 0)?.matmul(expert.as_tensor())?;
+                ys = ys.index_add(&index, &h.broadcast_mul(&p)?, 0)?;
+            }
+            Ok(ys)
+        }
+    }
+}
+
+/// `RoutedMoe::tuple_indices` as plain candle code, written out.
+fn tuple_indices_by_hand(moe: &RoutedMoe, xs: &Tensor) -> Result<Tensor> {
+    let probs = candle_nn::ops::softmax(&xs.matmul(moe.router.as_tensor())?, D::Minus1)?;
+    let rows = probs.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    let (tokens, _) = route(&rows, moe.experts.len(), 1);
+    let mut ys = xs.zeros_like()?;
+    for (e, expert) in moe.experts.iter().enumerate() {
+        if tokens[e].is_empty() {
+            continue;
+        }
+        let index = Tensor::new(tokens[e].as_slice(), xs.device())?;
+        let p = probs.index_select(&index, 0)?.narrow(1, e, 1)?;
+        let h = xs.index_select(&index, 0)?.matmul(expert.as_tensor())?;
+        ys = ys.index_add(&index, &h.broadcast_mul(&p)?, 0)?;
+    }
+    Ok(ys)
+}
+
+#[test]
+fn fields_of_a_tuple_are_checked_by_their_own_type() {
+    for dtype in [DType::F32, DType::F64] {
+        let moe = RoutedMoe {
+            router: var(&[6, 3], 70, 0.5, dtype),
+            experts: (0..3).map(|e| var(&[6, 6], 71 + e, 0.3, dtype)).collect(),
+        };
+        let x = var(&[7, 6], 75, 1.0, dtype);
+        for plan in plans() {
+            let e = plan
+                .scope(|| moe.through_a_tuple(x.as_tensor()))
+                .unwrap_err();
+            let text = e.to_string();
+            assert!(
+                text.contains(
+                    "region `RoutedMoe::through_a_tuple`, statement `ys#2`: makes a tensor from \
+                     `routed.1`, but `routed.1` holds floats computed on the host from \
+                     statement `rows`"
+                ),
+                "{plan} {dtype:?}: {text}"
+            );
+        }
+        let reference = tuple_indices_by_hand(&moe, x.as_tensor()).unwrap();
+        let g_ref = weighted_loss(&reference).backward().unwrap();
+        let tolerance = if dtype == DType::F32 { 1e-6 } else { 1e-12 };
+        for plan in plans() {
+            let y = plan
+                .scope(|| moe.tuple_indices(x.as_tensor()))
+                .unwrap_or_else(|e| panic!("{plan} {dtype:?}: {e}"));
+            let g = backward(&weighted_loss(&y)).unwrap();
+            for v in moe.experts.iter().chain([&moe.router, &x]) {
+                let r = rel_diff(g.get(v).unwrap(), g_ref.get(v).unwrap());
+                assert!(r < tolerance, "{plan} {dtype:?}: {r:e}");
+            }
+        }
+    }
+}

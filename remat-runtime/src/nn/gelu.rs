@@ -49,12 +49,16 @@ impl CustomOp1 for Gelu {
     }
 }
 
-/// `dy * gelu'(x)`: one pass on a CPU in f32 and f64, tensor ops elsewhere.
+/// `dy * gelu'(x)`: one pass on a CPU (computed in f64, rounded once to the
+/// dtype) and on CUDA, tensor ops elsewhere.
 pub(super) fn backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
     let _profile = crate::inspect::profile::backward("(inside an op) gelu");
     let (x, dy) = (x.detach().contiguous()?, dy.detach().contiguous()?);
     let fused = match x.device() {
-        candle_core::Device::Cpu => matches!(x.dtype(), DType::F32 | DType::F64),
+        candle_core::Device::Cpu => matches!(
+            x.dtype(),
+            DType::F32 | DType::F64 | DType::F16 | DType::BF16
+        ),
         candle_core::Device::Cuda(_) => {
             super::kernels::kernels_on()
                 && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
@@ -107,7 +111,13 @@ impl CustomOp2 for GeluGrad {
             (CpuStorage::F64(x), CpuStorage::F64(dy)) => {
                 CpuStorage::F64(grad_pass(&x[a1..b1], &dy[a2..b2]))
             }
-            _ => candle_core::bail!("remat nn: gelu's one-pass backward is for f32 and f64"),
+            (CpuStorage::BF16(x), CpuStorage::BF16(dy)) => {
+                CpuStorage::BF16(grad_pass(&x[a1..b1], &dy[a2..b2]))
+            }
+            (CpuStorage::F16(x), CpuStorage::F16(dy)) => {
+                CpuStorage::F16(grad_pass(&x[a1..b1], &dy[a2..b2]))
+            }
+            _ => candle_core::bail!("remat nn: gelu's one-pass backward is for float tensors"),
         };
         Ok((out, l1.shape().clone()))
     }

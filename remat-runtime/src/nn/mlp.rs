@@ -319,13 +319,13 @@ const MIN_CHUNK: usize = 256;
 /// `(rows, hidden)`, the output's gradient `g` `(rows, out)` and `W2`
 /// `(out, hidden)`.
 ///
-/// On a CPU in f32 and f64, `dh` is written over `h` a chunk of rows at a
-/// time: each chunk's `gelu(h)` and `g W2` are the only other wide tensors,
-/// a quarter of `h` each, where the whole `g W2` beside `h` would double
-/// it. `dW2` then sums the chunks' products (the same terms summed in
-/// another order: a few ulps from one product; one chunk below
-/// [`MIN_CHUNK`] rows, as `gelu_linear_add` computes it). Elsewhere, as
-/// `gelu_linear_add` computes it.
+/// On a CPU, `dh` is written over `h` a chunk of rows at a time: each
+/// chunk's `gelu(h)` and `g W2` are the only other wide tensors, a quarter
+/// of `h` each, where the whole `g W2` beside `h` would double it. `dW2`
+/// then sums the chunks' products (the same terms summed in another order:
+/// a few ulps from one product; in f32 for bf16 and f16, rounded once; one
+/// chunk below [`MIN_CHUNK`] rows, as `gelu_linear_add` computes it).
+/// Elsewhere, as `gelu_linear_add` computes it.
 fn gelu_grads(h: Tensor, g: &Tensor, w2: &Tensor) -> Result<(Tensor, Tensor)> {
     let rows = h.dim(0)?;
     if rows == 0 || !(one_pass(&h) && g.dtype() == h.dtype()) {
@@ -335,31 +335,54 @@ fn gelu_grads(h: Tensor, g: &Tensor, w2: &Tensor) -> Result<(Tensor, Tensor)> {
         return Ok((dw2, dh));
     }
     let chunk = chunk_rows(rows);
-    let mut dw2: Option<Tensor> = None;
+    let mut dw2 = Sum::default();
     for start in (0..rows).step_by(chunk) {
         let len = chunk.min(rows - start);
         let (h_c, g_c) = (h.narrow(0, start, len)?, g.narrow(0, start, len)?);
-        let term = g_c.t()?.matmul(&h_c.gelu()?)?;
-        dw2 = Some(match dw2 {
-            None => term,
-            Some(acc) => (acc + term)?,
-        });
+        dw2.add(g_c.t()?.matmul(&h_c.gelu()?)?)?;
         let da_c = g_c.matmul(w2)?;
         // `h`'s rows become `dh`'s: `h` is this node's own (taken from it
         // or recomputed), read by no one else.
         h_c.inplace_op2(&da_c, &GELU_GRAD)?;
     }
-    let dw2 = dw2.ok_or_else(|| candle_core::Error::Msg("remat nn: an MLP over no rows".into()))?;
-    Ok((dw2, h))
+    Ok((dw2.total()?, h))
+}
+
+/// The sum of the chunks' products of a weight's gradient: in the terms'
+/// dtype for f32 and f64, in f32 for narrower floats (rounded once, at the
+/// end, as one product rounds).
+#[derive(Default)]
+struct Sum(Option<(Tensor, DType)>);
+
+impl Sum {
+    fn add(&mut self, term: Tensor) -> Result<()> {
+        let dtype = term.dtype();
+        let term = match dtype {
+            DType::F16 | DType::BF16 => term.to_dtype(DType::F32)?,
+            _ => term,
+        };
+        self.0 = Some(match self.0.take() {
+            None => (term, dtype),
+            Some((acc, dtype)) => ((acc + term)?, dtype),
+        });
+        Ok(())
+    }
+
+    fn total(self) -> Result<Tensor> {
+        match self.0 {
+            Some((sum, dtype)) => sum.to_dtype(dtype),
+            None => candle_core::bail!("remat nn: an MLP over no rows"),
+        }
+    }
 }
 
 /// `dWd = g^T (silu(gate) * up)` and the gradients of `gate` and `up`
 /// (the kept `(rows, hidden)` products), for the output's gradient `g`
 /// `(rows, out)` and `Wd` `(out, hidden)`.
 ///
-/// On a CPU in f32 and f64, the gradients are written over `gate` and
-/// `up` a chunk of rows at a time, as [`gelu_grads`] does (and `dWd` sums
-/// the chunks' products). Elsewhere in one piece.
+/// On a CPU, the gradients are written over `gate` and `up` a chunk of
+/// rows at a time, as [`gelu_grads`] does (and `dWd` sums the chunks'
+/// products). Elsewhere in one piece.
 fn swiglu_chunks(
     gate: Tensor,
     up: Tensor,
@@ -374,7 +397,7 @@ fn swiglu_chunks(
         return Ok((dwd, dgate, dup));
     }
     let chunk = chunk_rows(rows);
-    let mut dwd: Option<Tensor> = None;
+    let mut dwd = Sum::default();
     for start in (0..rows).step_by(chunk) {
         let len = chunk.min(rows - start);
         let (gate_c, up_c, g_c) = (
@@ -382,24 +405,20 @@ fn swiglu_chunks(
             up.narrow(0, start, len)?,
             g.narrow(0, start, len)?,
         );
-        let term = g_c
-            .t()?
-            .matmul(&(candle_nn::ops::silu(&gate_c)? * &up_c)?)?;
-        dwd = Some(match dwd {
-            None => term,
-            Some(acc) => (acc + term)?,
-        });
+        dwd.add(
+            g_c.t()?
+                .matmul(&(candle_nn::ops::silu(&gate_c)? * &up_c)?)?,
+        )?;
         let (dgate_c, dup_c) = swiglu_grads(&gate_c, &up_c, g_c.matmul(wd)?)?;
         // `gate` and `up` are this node's own, read by no one else.
         gate_c.inplace_op2(&dgate_c, &COPY)?;
         up_c.inplace_op2(&dup_c, &COPY)?;
     }
-    let dwd = dwd.ok_or_else(|| candle_core::Error::Msg("remat nn: an MLP over no rows".into()))?;
-    Ok((dwd, gate, up))
+    Ok((dwd.total()?, gate, up))
 }
 
 /// `(da * u * silu'(gate), da * silu(gate))`, the second written over `da`
-/// on a CPU in f32 and f64.
+/// on a CPU.
 fn swiglu_grads(gate: &Tensor, u: &Tensor, da: Tensor) -> Result<(Tensor, Tensor)> {
     let same = u.dtype() == gate.dtype() && da.dtype() == gate.dtype();
     if same && one_pass(gate) && one_pass(u) && one_pass(&da) {
@@ -414,9 +433,14 @@ fn swiglu_grads(gate: &Tensor, u: &Tensor, da: Tensor) -> Result<(Tensor, Tensor
     Ok((dgate, dup))
 }
 
-/// Whether the one-pass CPU kernels apply to `t`.
+/// Whether the one-pass CPU kernels apply to `t` (each element computed in
+/// f64 and rounded once to the dtype).
 fn one_pass(t: &Tensor) -> bool {
-    t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64) && t.is_contiguous()
+    let float = matches!(
+        t.dtype(),
+        DType::F32 | DType::F64 | DType::F16 | DType::BF16
+    );
+    t.device().is_cpu() && float && t.is_contiguous()
 }
 
 /// The contiguous slice of a CPU storage, by its layout.
@@ -433,7 +457,7 @@ fn sigmoid(x: f64) -> f64 {
 }
 
 /// `a <- f(a, b)` element by element (computed in f64), over contiguous CPU
-/// tensors of one dtype, f32 or f64.
+/// tensors of one float dtype.
 struct Over {
     name: &'static str,
     f: fn(f64, f64) -> f64,
@@ -473,7 +497,9 @@ impl InplaceOp2 for Over {
         match (a, b) {
             (CpuStorage::F32(a), CpuStorage::F32(b)) => pass(&mut a[s..e], slice(b, lb)?, self.f),
             (CpuStorage::F64(a), CpuStorage::F64(b)) => pass(&mut a[s..e], slice(b, lb)?, self.f),
-            _ => candle_core::bail!("remat nn: the one-pass MLP backward is for f32 and f64"),
+            (CpuStorage::BF16(a), CpuStorage::BF16(b)) => pass(&mut a[s..e], slice(b, lb)?, self.f),
+            (CpuStorage::F16(a), CpuStorage::F16(b)) => pass(&mut a[s..e], slice(b, lb)?, self.f),
+            _ => candle_core::bail!("remat nn: the one-pass MLP backward is for float tensors"),
         }
         Ok(())
     }
@@ -513,7 +539,13 @@ impl CustomOp3 for SwigluGateGrad {
             (CpuStorage::F64(g), CpuStorage::F64(u), CpuStorage::F64(d)) => {
                 CpuStorage::F64(pass(slice(g, lg)?, slice(u, lu)?, slice(d, ld)?))
             }
-            _ => candle_core::bail!("remat nn: the one-pass MLP backward is for f32 and f64"),
+            (CpuStorage::BF16(g), CpuStorage::BF16(u), CpuStorage::BF16(d)) => {
+                CpuStorage::BF16(pass(slice(g, lg)?, slice(u, lu)?, slice(d, ld)?))
+            }
+            (CpuStorage::F16(g), CpuStorage::F16(u), CpuStorage::F16(d)) => {
+                CpuStorage::F16(pass(slice(g, lg)?, slice(u, lu)?, slice(d, ld)?))
+            }
+            _ => candle_core::bail!("remat nn: the one-pass MLP backward is for float tensors"),
         };
         Ok((out, lg.shape().clone()))
     }

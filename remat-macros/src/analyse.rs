@@ -543,9 +543,8 @@ impl<'a> Analyser<'a> {
     /// The statements binding `b` was computed from: its producer and,
     /// through the bindings each reads as data, theirs (not through a read
     /// of a shape, `x.dim(1)? as f32`, a condition or a count, nor through
-    /// a statement that turns bindings into a tensor: that one checks what
-    /// it reads itself); and whether one of them reads a tensor to the
-    /// host.
+    /// what a statement hands to a constructor: that statement checks it
+    /// itself); and whether one of them reads a tensor to the host.
     fn host_sources(&self, reads: &Reads, names: &[String], b: usize) -> (Vec<String>, bool) {
         let mut out = Vec::new();
         let mut to_host = false;
@@ -556,9 +555,6 @@ impl<'a> Analyser<'a> {
                 continue;
             }
             seen.push(p);
-            if !reads.into_tensors[p].is_empty() {
-                continue;
-            }
             to_host |= reads.to_host[p];
             if !names[p].is_empty() {
                 out.push(names[p].clone());
@@ -566,7 +562,8 @@ impl<'a> Analyser<'a> {
             for &(r, _) in &reads.statements[p] {
                 let binding = &self.bindings[r];
                 let name = binding.ident.to_string();
-                if reads.data[p].iter().any(|place| place.name == name) {
+                let made = reads.into_tensors[p].contains(&name);
+                if !made && reads.data[p].iter().any(|place| place.name == name) {
                     todo.extend(binding.producer);
                 }
             }

@@ -55,6 +55,9 @@ const REPORTING: &[&str] = &[
 /// they read gives no float to a value.
 const COUNTS_AND_TESTS: &[&str] = &[
     "len",
+    "count",
+    "position",
+    "rposition",
     "is_empty",
     "cmp",
     "partial_cmp",
@@ -132,9 +135,13 @@ impl HostValue {
 /// `x.ge(t)?`), a printed or asserted argument (`println!`, `assert!`,
 /// `tracing::info!`), and what `constant(..)` wraps.
 pub(crate) fn read_as_data(expr: &Expr) -> Vec<Place> {
-    struct Collect(Vec<Place>);
+    /// The places found, and whether the visit is inside a macro's tokens
+    /// (renamed there by `scopes.rs`, fields included: a macro's reads
+    /// count whole).
+    struct Collect(Vec<Place>, bool);
     impl Collect {
         fn push(&mut self, name: String, fields: Vec<Member>) {
+            let fields = if self.1 { Vec::new() } else { fields };
             let place = Place { name, fields };
             if !self.0.contains(&place) {
                 self.0.push(place);
@@ -212,6 +219,7 @@ pub(crate) fn read_as_data(expr: &Expr) -> Vec<Place> {
                 return;
             }
             let args = Punctuated::<Expr, syn::Token![,]>::parse_terminated;
+            let outer = std::mem::replace(&mut self.1, true);
             match syn::parse::Parser::parse2(args, m.tokens.clone()) {
                 Ok(args) => args.iter().for_each(|a| self.visit_expr(a)),
                 Err(_) => {
@@ -223,10 +231,11 @@ pub(crate) fn read_as_data(expr: &Expr) -> Vec<Place> {
                     names.for_each(|(n, _)| self.push(n, Vec::new()));
                 }
             }
+            self.1 = outer;
         }
     }
     let for_value = read_for_value(expr);
-    let mut c = Collect(Vec::new());
+    let mut c = Collect(Vec::new(), false);
     c.visit_expr(expr);
     c.0.retain(|place| for_value.contains(&place.name));
     c.0

@@ -12,7 +12,7 @@ struct Gelu {
 
 /// `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`, candle's
 /// `Tensor::gelu`, with a backward that computes the derivative in one pass
-/// (on a CPU in every float dtype: one temporary; candle's own backward of `gelu`
+/// (on a CPU in f32, f64, f16 and bf16: one temporary; candle's own backward of `gelu`
 /// holds about eighteen input-sized temporaries at once). The graph keeps
 /// `x`, as candle's does.
 ///

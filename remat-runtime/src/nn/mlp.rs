@@ -323,8 +323,10 @@ const MIN_CHUNK: usize = 256;
 /// chunk's `gelu(h)` and `g W2` are the only other wide tensors, a quarter
 /// of `h` each, where the whole `g W2` beside `h` would double it. `dW2`
 /// then sums the chunks' products (the same terms summed in another order:
-/// a few ulps from one product; in f32 for bf16 and f16, rounded once; one
-/// chunk below [`MIN_CHUNK`] rows, as `gelu_linear_add` computes it).
+/// a few ulps from one product; for bf16 and f16 each chunk's product,
+/// rounded to the dtype by the matmul, is summed in f32 and the sum rounded
+/// once more; one chunk below [`MIN_CHUNK`] rows, as `gelu_linear_add`
+/// computes it).
 /// Elsewhere, as `gelu_linear_add` computes it.
 fn gelu_grads(h: Tensor, g: &Tensor, w2: &Tensor) -> Result<(Tensor, Tensor)> {
     let rows = h.dim(0)?;
@@ -349,8 +351,8 @@ fn gelu_grads(h: Tensor, g: &Tensor, w2: &Tensor) -> Result<(Tensor, Tensor)> {
 }
 
 /// The sum of the chunks' products of a weight's gradient: in the terms'
-/// dtype for f32 and f64, in f32 for narrower floats (rounded once, at the
-/// end, as one product rounds).
+/// dtype for f32 and f64; for narrower floats in f32, rounded to the dtype
+/// once at the end (each term was already rounded by its product).
 #[derive(Default)]
 struct Sum(Option<(Tensor, DType)>);
 

@@ -127,26 +127,27 @@ impl<E> Block<'_, E> {
     {
         let (inputs, n_values) = args.tensors();
         let cut = self.host_cut.take().filter(|(s, _)| s == name);
-        let out = self.ctx.run(
-            name,
-            declared.policy(),
-            inputs,
-            n_values,
-            |tensors| match args.values_from(tensors, n_values) {
-                Ok(values) => f(values).map_err(Into::into),
-                Err(e) => Err(e),
-            },
-        )?;
-        match cut {
-            Some((_, cut)) => {
-                let mut tensors = Vec::new();
-                let skeleton = out.split_into(&mut tensors);
-                if tensors.iter().any(|t| t.dtype().is_float()) {
-                    return Err(cut);
+        // Whether the statement made a float tensor: one of its outputs
+        // that is not one of its inputs handed back as it was (a `mut`
+        // binding it read but did not change).
+        let made_floats = std::cell::Cell::new(false);
+        let out = self
+            .ctx
+            .run(name, declared.policy(), inputs, n_values, |tensors| {
+                let out = f(args.values_from(tensors, n_values)?).map_err(Into::into)?;
+                if cut.is_none() {
+                    return Ok(out);
                 }
-                O::join(&mut tensors.into_iter(), &skeleton)
-            }
-            None => Ok(out),
+                let mut outputs = Vec::new();
+                let skeleton = out.split_into(&mut outputs);
+                made_floats.set(outputs.iter().any(|t| {
+                    t.dtype().is_float() && !tensors.iter().any(|input| input.id() == t.id())
+                }));
+                O::join(&mut outputs.into_iter(), &skeleton)
+            })?;
+        match cut {
+            Some((_, cut)) if made_floats.get() => Err(cut),
+            _ => Ok(out),
         }
     }
 }

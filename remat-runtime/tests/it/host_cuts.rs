@@ -641,8 +641,10 @@ impl RoutedMoe {
         fn tuple_indices(&self, xs: &Tensor) -> Result<Tensor> {
             let probs = candle_nn::ops::softmax(&xs.matmul(self.router.as_tensor())?, D::Minus1)?;
             let rows = probs.to_dtype(DType::F32)?.to_vec2::<f32>()?;
-            let routed = route(&rows, self.experts.len(), 1);
             let mut ys = xs.zeros_like()?;
+            // Reads `ys` (for its shape) and so hands it back unchanged:
+            // no float tensor made here.
+            let routed = route(&rows[..ys.dim(0)?], self.experts.len(), 1);
             for (e, expert) in self.experts.iter().enumerate() {
                 if routed.0[e].is_empty() {
                     continue;
@@ -653,6 +655,24 @@ impl RoutedMoe {
                 ys = ys.index_add(&index, &h.broadcast_mul(&p)?, 0)?;
             }
             Ok(ys)
+        }
+    }
+}
+
+impl RoutedMoe {
+    remat! {
+        /// Indices and weights from one statement that also makes a tensor
+        /// of the indices: the weights are a cut where they come back.
+        fn through_a_mixed_statement(&self, xs: &Tensor) -> Result<Tensor> {
+            let probs = candle_nn::ops::softmax(&xs.matmul(self.router.as_tensor())?, D::Minus1)?;
+            let rows = probs.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+            let (index, weights) = {
+                let (tokens, weights) = route(&rows, self.experts.len(), 1);
+                (Tensor::new(tokens.concat().as_slice(), xs.device())?, weights)
+            };
+            let h = xs.index_select(&index, 0)?.matmul(self.experts[0].as_tensor())?;
+            let y = (h * weights.iter().flatten().sum::<f32>() as f64)?;
+            Ok(y)
         }
     }
 }
@@ -692,6 +712,20 @@ fn fields_of_a_tuple_are_checked_by_their_own_type() {
                 text.contains(
                     "region `RoutedMoe::through_a_tuple`, statement `ys#2`: makes a tensor from \
                      `routed.1`, but `routed.1` holds floats computed on the host from \
+                     statement `rows`"
+                ),
+                "{plan} {dtype:?}: {text}"
+            );
+        }
+        for plan in plans() {
+            let e = plan
+                .scope(|| moe.through_a_mixed_statement(x.as_tensor()))
+                .unwrap_err();
+            let text = e.to_string();
+            assert!(
+                text.contains(
+                    "region `RoutedMoe::through_a_mixed_statement`, statement `y`: makes a tensor \
+                     from `weights`, but `weights` holds floats computed on the host from \
                      statement `rows`"
                 ),
                 "{plan} {dtype:?}: {text}"

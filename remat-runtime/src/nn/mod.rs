@@ -52,6 +52,7 @@ mod loss;
 mod mlp;
 mod norm;
 mod norm_linear;
+mod norm_pass;
 mod prenorm;
 mod product_sum;
 mod qkv_attention;

@@ -3,9 +3,13 @@
 use candle_core::{CustomOp2, CustomOp3, DType, Result, Tensor, D};
 
 use super::attach::{forward_computed, Computed};
+use super::norm_pass;
 
 struct LayerNorm {
     out: Computed,
+    /// Normalized by `norm_pass` (the CPU's one pass), which the backward
+    /// takes too.
+    pass: bool,
     /// Per row, `(.., 1)`, in the dtype the norm computes in (`work_dtype`).
     mean: Tensor,
     /// Per row, `1 / sqrt(var + eps)`, `(.., 1)`.
@@ -15,7 +19,8 @@ struct LayerNorm {
 /// Layer norm over the last dimension: `(x - mean) / sqrt(var + eps) * g + b`,
 /// as `candle_nn::ops::layer_norm_slow` computes it, with a backward. The
 /// graph keeps `x`, `g`, `b` and the mean and `1/std` of each row (PyTorch
-/// keeps the same).
+/// keeps the same). On the CPU the forward and the backward are one pass
+/// over the rows each, every element computed in f64 and rounded once.
 ///
 /// ```
 /// use candle_core::{Device, Tensor, Var};
@@ -30,6 +35,21 @@ struct LayerNorm {
 /// ```
 pub fn layer_norm(x: &Tensor, g: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
     let _profile = crate::inspect::profile::op("layer_norm");
+    if let Some(rows) = pass_rows(x, g, Some(b)) {
+        let (y, mean, rstd) = norm_pass::forward(&rows, g, Some(b), eps)?;
+        let stats = x.dims()[..x.rank() - 1]
+            .iter()
+            .copied()
+            .chain([1])
+            .collect::<Vec<_>>();
+        let op = LayerNorm {
+            out: Computed::new(y.reshape(x.shape())?),
+            pass: true,
+            mean: mean.reshape(stats.as_slice())?,
+            rstd: rstd.reshape(stats.as_slice())?,
+        };
+        return x.apply_op3(g, b, op);
+    }
     let work = work_dtype(x.dtype());
     let (xhat, mean, rstd) = normalize(&x.detach().to_dtype(work)?, eps)?;
     let y = scale_shift(
@@ -40,10 +60,22 @@ pub fn layer_norm(x: &Tensor, g: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor
     .to_dtype(x.dtype())?;
     let op = LayerNorm {
         out: Computed::new(y),
+        pass: false,
         mean,
         rstd,
     };
     x.apply_op3(g, b, op)
+}
+
+/// `x` (detached) as `(rows, C)` when the CPU's one pass can normalize its
+/// rows (see `norm_pass`), at least one row and one feature.
+fn pass_rows(x: &Tensor, g: &Tensor, b: Option<&Tensor>) -> Option<Tensor> {
+    let c = *x.dims().last()?;
+    if x.elem_count() == 0 || !x.device().is_cpu() {
+        return None;
+    }
+    let rows = x.detach().reshape((x.elem_count() / c, c)).ok()?;
+    norm_pass::fit(&rows, g, b).then_some(rows)
 }
 
 /// The dtype a norm computes in: `f32` for bf16 and f16, whose 8 or 11
@@ -119,6 +151,22 @@ impl CustomOp3 for LayerNorm {
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let _profile = crate::inspect::profile::backward("layer_norm");
+        if self.pass {
+            let (rows, c) = (x.elem_count() / x.dim(D::Minus1)?, x.dim(D::Minus1)?);
+            let stats = (&self.mean, &self.rstd);
+            let (dx, dg, db) = norm_pass::backward(
+                &x.detach().reshape((rows, c))?,
+                &g.detach(),
+                &dy.detach().reshape((rows, c))?,
+                stats,
+                true,
+            )?;
+            return Ok((
+                Some(dx.reshape(x.shape())?.to_dtype(x.dtype())?),
+                Some(dg.to_dtype(g.dtype())?),
+                Some(db.to_dtype(b.dtype())?),
+            ));
+        }
         let work = self.rstd.dtype();
         let dy = dy.detach().to_dtype(work)?;
         let xhat = renormalize(x, &self.mean, &self.rstd)?;
@@ -134,13 +182,16 @@ impl CustomOp3 for LayerNorm {
 
 struct RmsNorm {
     out: Computed,
+    /// Normalized by `norm_pass`, which the backward takes too.
+    pass: bool,
     /// Per row, `1 / sqrt(mean(x^2) + eps)`, `(.., 1)`.
     rstd: Tensor,
 }
 
 /// RMS norm over the last dimension: `x / sqrt(mean(x^2) + eps) * g`, as
 /// `candle_nn::ops::rms_norm_slow` computes it, with a backward. The graph
-/// keeps `x`, `g` and `1/rms` of each row.
+/// keeps `x`, `g` and `1/rms` of each row. On the CPU, one pass over the
+/// rows each way, every element in f64.
 ///
 /// ```
 /// use candle_core::{Device, Var};
@@ -154,6 +205,20 @@ struct RmsNorm {
 /// ```
 pub fn rms_norm(x: &Tensor, g: &Tensor, eps: f64) -> Result<Tensor> {
     let _profile = crate::inspect::profile::op("rms_norm");
+    if let Some(rows) = pass_rows(x, g, None) {
+        let (y, _, rstd) = norm_pass::forward(&rows, g, None, eps)?;
+        let stats = x.dims()[..x.rank() - 1]
+            .iter()
+            .copied()
+            .chain([1])
+            .collect::<Vec<_>>();
+        let op = RmsNorm {
+            out: Computed::new(y.reshape(x.shape())?),
+            pass: true,
+            rstd: rstd.reshape(stats.as_slice())?,
+        };
+        return x.apply_op2(g, op);
+    }
     let xd = x.detach().to_dtype(work_dtype(x.dtype()))?;
     let rstd = (xd.sqr()?.mean_keepdim(D::Minus1)? + eps)?
         .sqrt()?
@@ -164,6 +229,7 @@ pub fn rms_norm(x: &Tensor, g: &Tensor, eps: f64) -> Result<Tensor> {
         .to_dtype(x.dtype())?;
     let op = RmsNorm {
         out: Computed::new(y),
+        pass: false,
         rstd,
     };
     x.apply_op2(g, op)
@@ -179,6 +245,21 @@ impl CustomOp2 for RmsNorm {
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let _profile = crate::inspect::profile::backward("rms_norm");
+        if self.pass {
+            let (rows, c) = (x.elem_count() / x.dim(D::Minus1)?, x.dim(D::Minus1)?);
+            let mean = self.rstd.zeros_like()?;
+            let (dx, dg, _) = norm_pass::backward(
+                &x.detach().reshape((rows, c))?,
+                &g.detach(),
+                &dy.detach().reshape((rows, c))?,
+                (&mean, &self.rstd),
+                false,
+            )?;
+            return Ok((
+                Some(dx.reshape(x.shape())?.to_dtype(x.dtype())?),
+                Some(dg.to_dtype(g.dtype())?),
+            ));
+        }
         let work = self.rstd.dtype();
         let xhat = x.detach().to_dtype(work)?.broadcast_mul(&self.rstd)?;
         let (g32, dy32) = (g.detach().to_dtype(work)?, dy.detach().to_dtype(work)?);

@@ -4,8 +4,8 @@
 
 use candle_core::{DType, Result, Tensor, D};
 
-use super::kernels;
 use super::norm::{norm_grads, normalize, renormalize, scale_shift, sum_rows, work_dtype};
+use super::{kernels, norm_pass};
 
 /// The norm a fused op applies to its input first: layer norm (gain and
 /// bias) or RMS norm (gain), over the last dimension, as
@@ -61,12 +61,34 @@ pub(super) struct Normed {
     rstd: Tensor,
     /// The parameters' own dtypes (the gradients'), gain first.
     dtypes: Vec<DType>,
-    /// Set when `norm.cu`'s kernels normalized the rows: the parameters as
-    /// given and eps, for their recompute and backward.
+    /// Set when one pass normalized the rows (`norm.cu`'s kernels on CUDA,
+    /// `norm_pass` on the CPU): the parameters as given and eps, for their
+    /// recompute and backward.
     kernel: Option<Kernel>,
 }
 
-/// What the norm kernels read again after the forward.
+/// Whether one pass can normalize the rows of `x`: `norm.cu`'s kernels on
+/// CUDA, `norm_pass` on the CPU.
+fn one_pass(x: &Tensor, gain: &Tensor, bias: Option<&Tensor>) -> bool {
+    kernels::norm_fit(x, gain, bias) || norm_pass::fit(x, gain, bias)
+}
+
+/// The rows of `x` normalized in one pass, with each row's mean and
+/// `1 / std` (see [`one_pass`]).
+fn one_pass_forward(
+    x: &Tensor,
+    gain: &Tensor,
+    bias: Option<&Tensor>,
+    eps: f64,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    if x.device().is_cpu() {
+        norm_pass::forward(x, gain, bias, eps)
+    } else {
+        kernels::norm_forward(x, gain, bias, eps)
+    }
+}
+
+/// What the norm's one pass reads again after the forward.
 struct Kernel {
     gain: Tensor,
     bias: Option<Tensor>,
@@ -82,8 +104,8 @@ impl Normed {
             PreNorm::Layer { gain, bias, eps } => (gain, Some(bias), eps),
             PreNorm::Rms { gain, eps } => (gain, None, eps),
         };
-        if kernels::norm_fit(x, gain, bias) {
-            let (y, mean, rstd) = kernels::norm_forward(x, gain, bias, eps)?;
+        if one_pass(x, gain, bias) {
+            let (y, mean, rstd) = one_pass_forward(x, gain, bias, eps)?;
             let work = rstd.dtype();
             let normed = Normed {
                 gain: gain.detach().to_dtype(work)?,
@@ -149,10 +171,10 @@ impl Normed {
         if let Some(k) = self
             .kernel
             .as_ref()
-            .filter(|k| kernels::norm_fit(x, &k.gain, k.bias.as_ref()))
+            .filter(|k| one_pass(x, &k.gain, k.bias.as_ref()))
         {
-            // The forward's kernel again: the forward's bits.
-            return Ok(kernels::norm_forward(x, &k.gain, k.bias.as_ref(), k.eps)?.0);
+            // The forward's pass again: the forward's bits.
+            return Ok(one_pass_forward(x, &k.gain, k.bias.as_ref(), k.eps)?.0);
         }
         let xhat = self.xhat(x)?;
         match &self.bias {
@@ -179,19 +201,24 @@ impl Normed {
     /// computes in (`f32` for f16 and bf16 inputs), for a caller that
     /// sums or scales them further before rounding.
     pub fn backward_work(&self, x: &Tensor, dy: &Tensor) -> Result<(Tensor, Vec<Tensor>)> {
-        // The kernels take dy in x's dtype only (a caller's f32 gradient
-        // of bf16 rows stays f32 on the composed path).
-        if let Some(k) = self
-            .kernel
-            .as_ref()
-            .filter(|k| dy.dtype() == x.dtype() && kernels::norm_fit(x, &k.gain, k.bias.as_ref()))
-        {
+        // The CUDA kernels take dy in x's dtype only (a caller's f32
+        // gradient of bf16 rows stays f32 on the composed path there).
+        if let Some(k) = self.kernel.as_ref().filter(|k| {
+            let bias = k.bias.as_ref();
+            norm_pass::fit(x, &k.gain, bias)
+                || (dy.dtype() == x.dtype() && kernels::norm_fit(x, &k.gain, bias))
+        }) {
             let layer = k.bias.is_some();
             let mean = match &self.mean {
                 Some(mean) => mean.clone(),
                 None => self.rstd.zeros_like()?,
             };
-            let (dx, dg, db) = kernels::norm_backward(x, &k.gain, dy, (&mean, &self.rstd), layer)?;
+            let stats = (&mean, &self.rstd);
+            let (dx, dg, db) = if x.device().is_cpu() {
+                norm_pass::backward(x, &k.gain, dy, stats, layer)?
+            } else {
+                kernels::norm_backward(x, &k.gain, dy, stats, layer)?
+            };
             return Ok((dx, if layer { vec![dg, db] } else { vec![dg] }));
         }
         let xhat = self.xhat(x)?;

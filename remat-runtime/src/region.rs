@@ -9,7 +9,7 @@ use crate::ctx::{Ctx, Mode};
 use crate::graph::{attach, make_leaf};
 use crate::inspect::{memory, trace};
 use crate::tape::recorder::{constant_outputs, first_forward, first_plain_run, Recorded, Recorder};
-use crate::tape::{fingerprint, Meta, Tape, MASKED_OUTPUTS};
+use crate::tape::{fingerprint, Mask, Meta, Tape};
 use crate::{plan, random, Inputs, Outputs, Plan, RematError, Result};
 
 /// A checkpointed region: a block of statements whose activations are
@@ -334,16 +334,15 @@ impl Region {
     /// every output from a statement.
     fn constants(&self, outputs: &[Tensor], known: &[bool], captures: bool) -> Result<Vec<bool>> {
         let untracked = |j: usize| !known[j] && !outputs[j].is_variable() && !outputs[j].track_op();
-        let mask = (0..outputs.len().min(MASKED_OUTPUTS))
-            .filter(|&j| untracked(j))
-            .fold(0u64, |m, j| m | 1 << j);
         let accepted = if self.declares_all_reads {
-            u64::MAX
+            Mask::ALL
         } else {
-            constant_outputs(&self.name, captures.then_some(mask))
+            let found = Mask::of(outputs.len(), untracked);
+            constant_outputs(&self.name, captures.then_some(found))
         };
+        // Past the mask's capacity, no output is taken for a constant.
         let constant: Vec<bool> = (0..outputs.len())
-            .map(|j| untracked(j) && j < MASKED_OUTPUTS && accepted & (1 << j) != 0)
+            .map(|j| untracked(j) && accepted.get(j) == Some(true))
             .collect();
         match (0..outputs.len()).find(|&j| !known[j] && !outputs[j].is_variable() && !constant[j]) {
             Some(index) => Err(RematError::OutputOutsideStatement {

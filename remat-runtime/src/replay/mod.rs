@@ -28,9 +28,10 @@ use crate::graph::{
     carries_grad, check_cut, check_input, check_reached, check_reads, make_leaf, Relayout,
 };
 use crate::inspect::trace::{self, Phase, TraceEvent};
+use crate::tape::checksum::Kind;
 use crate::tape::fingerprint::{self, Checks, Compare, Subject};
 use crate::tape::unread;
-use crate::tape::{Meta, Record, MASKED_OUTPUTS};
+use crate::tape::{Meta, Record};
 use crate::{Outputs, Policy, RematError, Result};
 
 /// A value seen during replay.
@@ -189,7 +190,7 @@ impl Replay {
                     subjects: Vec::new(),
                     replay: Vec::new(),
                 };
-                checks.take(taken)?;
+                checks.take(taken, Kind::Bits)?;
                 Some(checks)
             }
             None => None,
@@ -337,7 +338,7 @@ impl Replay {
                     let (tensor, shared, share) = (v.tensor.clone(), v.leaf.clone(), v.share);
                     // Read as the forward read it: strided, or a contiguous
                     // copy (a first forward's leaf).
-                    let strided = i >= 64 || self.records[k].strided_reads & (1 << i) != 0;
+                    let strided = self.records[k].strided_reads.get(i).unwrap_or(true);
                     let layout = v.layout.clone().filter(|_| strided);
                     let leaf = match self.open_leaves.get(&t.id()) {
                         Some(leaf) => leaf.clone(),
@@ -424,7 +425,7 @@ impl Replay {
         let gained = tensors
             .iter()
             .enumerate()
-            .any(|(j, t)| j < MASKED_OUTPUTS && carries_grad(t) && needed & (1 << j) == 0);
+            .any(|(j, t)| carries_grad(t) && needed.get(j) == Some(false));
         if gained {
             return Err(RematError::UndeclaredInput {
                 region: region.to_string(),
@@ -462,7 +463,7 @@ impl Replay {
                 };
                 taken.push((subject, Some(input)));
             }
-            checks.take(taken)?;
+            checks.take(taken, Kind::Sums)?;
         }
         for (j, t) in tensors.iter().enumerate() {
             // An output that is one of the unit's own leaves stays what it is.
@@ -471,8 +472,7 @@ impl Replay {
                 // Needs gradients as the forward decided (the same for every
                 // plan): an output that turns out a constant here (built
                 // from a tracked value's shape) passes no gradient on.
-                let requires_grad =
-                    carries_grad(t) || (j < MASKED_OUTPUTS && needed & (1 << j) != 0);
+                let requires_grad = carries_grad(t) || needed.get(j) == Some(true);
                 let value = Value {
                     unit: Some(u),
                     requires_grad,

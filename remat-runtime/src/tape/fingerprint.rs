@@ -25,7 +25,7 @@
 
 use candle_core::{DType, Tensor};
 
-use super::checksum::{MAGNITUDES, SUM, WEIGHTED};
+use super::checksum::{Kind, MAGNITUDES, SUM, WEIGHTED};
 use crate::ambient::{is_on, switched, Switch};
 use crate::{RematError, Result};
 
@@ -59,15 +59,16 @@ pub fn without_fingerprints<R>(f: impl FnOnce() -> R) -> R {
 }
 
 /// The fingerprints of `values` (`None`: one not compared, four zeros), in
-/// order, as tensors to join: see [`super::checksum::of_all`].
-pub(crate) fn of_all(values: &[Option<&Tensor>]) -> Result<Vec<Tensor>> {
+/// order, as tensors to join, to be compared as `kind` says: see
+/// [`super::checksum::of_all`].
+pub(crate) fn of_all(values: &[Option<&Tensor>], kind: Kind) -> Result<Vec<Tensor>> {
     let _profile = crate::inspect::profile::op("replay check");
     #[cfg(test)]
     counts::COUNTS.with(|c| {
         let taken = values.iter().flatten().count();
         c.set((c.get().0 + taken, c.get().1))
     });
-    super::checksum::of_all(values)
+    super::checksum::of_all(values, kind)
 }
 
 /// What the check costs, counted in tests: checksums taken (two kernels
@@ -129,7 +130,7 @@ impl Forward {
             .chain(read.iter().map(|&(i, _)| &detached[i as usize]))
             .map(Some)
             .collect();
-        let mut all = of_all(&taken)?;
+        let mut all = of_all(&taken, Kind::Bits)?;
         all.extend(outputs);
         // A parameter returned as a region output was used by no statement.
         param_statements.resize(params.len(), u32::MAX);
@@ -253,13 +254,14 @@ pub(crate) struct Checks {
 
 impl Checks {
     /// Takes the replay's fingerprints of `values` (`None`: not compared),
-    /// each with what it is of.
-    pub fn take(&mut self, values: Vec<(Subject, Option<&Tensor>)>) -> Result<()> {
+    /// each with what it is of, all parameters and inputs or all outputs
+    /// (`kind` as the forward took them).
+    pub fn take(&mut self, values: Vec<(Subject, Option<&Tensor>)>, kind: Kind) -> Result<()> {
         if values.is_empty() {
             return Ok(());
         }
         let (subjects, tensors): (Vec<Subject>, Vec<Option<&Tensor>>) = values.into_iter().unzip();
-        self.replay.extend(of_all(&tensors)?);
+        self.replay.extend(of_all(&tensors, kind)?);
         self.subjects.extend(subjects);
         Ok(())
     }

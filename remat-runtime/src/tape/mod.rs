@@ -14,6 +14,7 @@
 pub(crate) mod bytes;
 pub(crate) mod checksum;
 pub(crate) mod fingerprint;
+pub(crate) mod mask;
 pub(crate) mod recorder;
 pub(crate) mod unread;
 
@@ -23,14 +24,11 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Shape, Tensor};
 
+pub(crate) use mask::Mask;
+
 use crate::offload::{moves, Offloaded};
 use crate::storage::storage_extent;
 use crate::{Mismatch, Plan, Policy, RematError, Result};
-
-/// The outputs of a statement (or of a region) a `u64` bit mask speaks for,
-/// one bit each (whether it needs a gradient, whether it is a constant);
-/// later outputs follow each check's conservative rule.
-pub(crate) const MASKED_OUTPUTS: usize = u64::BITS as usize;
 
 /// Shape, dtype and device of a value: what the replay is checked against.
 #[derive(Debug, Clone)]
@@ -121,17 +119,18 @@ pub(crate) struct Record {
     pub policy: Policy,
     pub inputs: Vec<Meta>,
     pub outputs: Vec<Meta>,
-    /// Bit `j`: output `j` needed gradients in the forward (outputs past the
-    /// 64th are taken to).
-    pub outputs_need_grad: u64,
+    /// The outputs that needed gradients in the forward (past the mask's
+    /// capacity: those that carry one in the replay).
+    pub outputs_need_grad: Mask,
     /// For a recomputed statement: the layouts of the values it ran on in
     /// the forward ([`fingerprint::layouts`]); a replay on the same bits in
     /// the same layouts computes the same bits (on the CPU).
     pub layouts: u64,
-    /// For a recomputed statement: bit `i`, it read value input `i` (of the
-    /// first 64) as a strided view, which the replay reads the same way
-    /// (the region's first forward may read leaf copies instead).
-    pub strided_reads: u64,
+    /// For a recomputed statement: the value inputs it read as strided
+    /// views, which the replay reads the same way (the region's first
+    /// forward may read leaf copies instead; past the mask's capacity: every
+    /// input that has a view to read).
+    pub strided_reads: Mask,
     /// For a recomputed statement whose whole value is the tensor of one
     /// of its `nn` op calls: that call ([`unread::sole_call`]); its op's
     /// input is fingerprinted after the statement's outputs.

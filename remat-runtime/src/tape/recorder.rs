@@ -18,7 +18,8 @@ use std::time::Instant;
 use candle_core::{Tensor, TensorId};
 
 use super::bytes::{Counter, Seen};
-use super::MASKED_OUTPUTS;
+use super::checksum::Kind;
+use super::Mask;
 use super::{fingerprint, unread};
 use super::{Meta, Profile, Record, Saved, Source};
 use crate::graph::{
@@ -34,7 +35,7 @@ struct FirstRuns {
     /// (and looked for undeclared reads), each with the outputs that
     /// forward found to be constants (bit `j`: output `j`, a tensor no
     /// statement gave and that carries no gradient).
-    recorded: HashMap<String, u64>,
+    recorded: HashMap<String, Mask>,
     /// Recorded, of regions that declare every read (generated code): their
     /// first forward saw leaves for its recomputed statements.
     generated: HashSet<String>,
@@ -60,7 +61,7 @@ pub(crate) fn first_forward(region: &str, generated: bool) -> bool {
         if c.recorded.contains_key(region) {
             return false;
         }
-        c.recorded.insert(region.to_string(), 0);
+        c.recorded.insert(region.to_string(), Mask::default());
         true
     })
 }
@@ -73,9 +74,9 @@ pub(crate) fn first_plain_run(region: &str) -> bool {
 }
 
 /// The outputs of `region` that its first forward (which looks at every
-/// value) found to be constants: bit `j` for output `j`. A first forward
-/// records them (`record`), later ones read them.
-pub(crate) fn constant_outputs(region: &str, record: Option<u64>) -> u64 {
+/// value) found to be constants. A first forward records them (`record`),
+/// later ones read them.
+pub(crate) fn constant_outputs(region: &str, record: Option<Mask>) -> Mask {
     FIRST_RUNS.with(|c| {
         let c = &mut c.borrow_mut().recorded;
         match record {
@@ -83,7 +84,7 @@ pub(crate) fn constant_outputs(region: &str, record: Option<u64>) -> u64 {
                 c.insert(region.to_string(), mask);
                 mask
             }
-            None => c.get(region).copied().unwrap_or(0),
+            None => c.get(region).copied().unwrap_or_default(),
         }
     })
 }
@@ -115,7 +116,7 @@ struct Ran<S> {
     layouts: u64,
     /// For a recomputed statement: bit `i`, it read value input `i` as a
     /// strided view (not contiguous).
-    strided_reads: u64,
+    strided_reads: Mask,
 }
 
 /// What one of a statement's two paths gives: the outputs the block sees
@@ -284,7 +285,7 @@ impl Recorder {
                 seconds,
                 sole: None,
                 layouts: 0,
-                strided_reads: 0,
+                strided_reads: Mask::default(),
             })
         };
         let (outputs, saved, ran) = match s.policy {
@@ -299,15 +300,11 @@ impl Recorder {
                 .chain(ran.sole.as_ref().map(|(_, input)| input))
                 .map(Some)
                 .collect();
-            fingerprints.extend(fingerprint::of_all(&taken)?);
+            fingerprints.extend(fingerprint::of_all(&taken, Kind::Sums)?);
         }
-        let outputs_need_grad = outputs
-            .iter()
-            .enumerate()
-            .filter(|(j, t)| *j >= MASKED_OUTPUTS || self.requires_grad.get(&t.id()) == Some(&true))
-            .fold(0u64, |mask, (j, _)| {
-                mask | 1u64.checked_shl(j as u32).unwrap_or(0)
-            });
+        let outputs_need_grad = Mask::of(outputs.len(), |j| {
+            self.requires_grad.get(&outputs[j].id()) == Some(&true)
+        });
         let index = self.records.len();
         self.records.push(Record {
             name: s.name.to_string(),
@@ -669,10 +666,7 @@ impl Recorder {
     }
 }
 
-/// Bit `i`: value `i` of `args` is a strided view (the first 64).
-fn strided_reads<'a>(args: impl Iterator<Item = &'a Tensor>) -> u64 {
-    args.take(64)
-        .enumerate()
-        .filter(|(_, t)| !t.is_contiguous())
-        .fold(0, |mask, (i, _)| mask | 1 << i)
+/// The values of `args` that are strided views.
+fn strided_reads<'a>(args: impl Iterator<Item = &'a Tensor>) -> Mask {
+    Mask::from_bits(args.map(|t| !t.is_contiguous()))
 }

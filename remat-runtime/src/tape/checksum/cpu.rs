@@ -60,7 +60,7 @@ pub(super) fn sums<T: Element>(data: &[T], layout: &Layout) -> Partial {
 }
 
 /// The storage offsets of a strided layout's elements, in row-major order.
-fn offsets(layout: &Layout) -> impl Iterator<Item = usize> + '_ {
+pub(super) fn offsets(layout: &Layout) -> impl Iterator<Item = usize> + '_ {
     let dims = layout.dims();
     let stride = layout.stride();
     let n = layout.shape().elem_count();

@@ -37,11 +37,15 @@
 //!   again for up to [`device::BATCH`] values of a dtype at once ([`of_all`]);
 //! * `composed`: the sums by candle's own kernels, without the hash: the
 //!   default on a GPU until the kernels have been run on one (see
-//!   [`crate::inspect::checksum_kernels`]).
+//!   [`crate::inspect::checksum_kernels`]);
+//! * `digest`: on the CPU, for a value compared only bit for bit
+//!   ([`Kind::Bits`]: parameters, block inputs), a hash of its bytes
+//!   without the sums, at memory speed.
 
 mod composed;
 mod cpu;
 pub(crate) mod device;
+mod digest;
 mod element;
 #[cfg(test)]
 mod emulated;
@@ -127,13 +131,25 @@ pub(crate) fn batches_on() -> bool {
     BATCHES.load(Ordering::Relaxed)
 }
 
+/// How the fingerprints a call takes will be compared.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Kind {
+    /// Bit for bit only (parameters, block inputs): on the CPU, a digest of
+    /// the bytes without the sums (`digest`); elsewhere the checksum.
+    Bits,
+    /// Bit for bit or within a tolerance (recomputed outputs): the
+    /// checksum, its hash and its sums.
+    Sums,
+}
+
 /// The checksums of `values` one after the other (`None`: a value not
 /// compared, four zeros), [`WORDS`] `f64`s per value, as 1-D tensors to be
 /// joined in order: none for no value, one on the CPU (no op and no tensor
 /// per value), one on CUDA with the batch kernels (two launches per dtype
 /// and [`device::BATCH`] values), otherwise one per value ([`of`]; zeros on
-/// the CPU for a value not compared).
-pub(crate) fn of_all(values: &[Option<&Tensor>]) -> Result<Vec<Tensor>> {
+/// the CPU for a value not compared). With [`Kind::Bits`], a CPU value's
+/// is its digest.
+pub(crate) fn of_all(values: &[Option<&Tensor>], kind: Kind) -> Result<Vec<Tensor>> {
     if values.is_empty() {
         return Ok(Vec::new());
     }
@@ -155,7 +171,11 @@ pub(crate) fn of_all(values: &[Option<&Tensor>]) -> Result<Vec<Tensor>> {
                     let candle_core::Storage::Cpu(cpu) = &*storage else {
                         unreachable!("a CPU tensor's storage")
                     };
-                    words.extend(cpu::checksum(cpu, layout).finish());
+                    let digest = match kind {
+                        Kind::Bits => digest::digest(cpu, layout),
+                        Kind::Sums => None,
+                    };
+                    words.extend(digest.unwrap_or_else(|| cpu::checksum(cpu, layout).finish()));
                 }
                 None => words.extend([0.0; WORDS]),
             }

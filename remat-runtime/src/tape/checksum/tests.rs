@@ -16,6 +16,13 @@ fn emulated(t: &Tensor) -> (Vec<f64>, usize) {
     (words.to_vec(), launches)
 }
 
+/// The fingerprint `of_all` takes of `t` for `kind`.
+fn taken(t: &Tensor, kind: Kind) -> Vec<f64> {
+    of_all(&[Some(t)], kind).unwrap()[0]
+        .to_vec1::<f64>()
+        .unwrap()
+}
+
 fn ramp(n: usize) -> Tensor {
     Tensor::arange(0f32, n as f32, &Device::Cpu)
         .unwrap()
@@ -204,9 +211,106 @@ fn the_composed_path_computes_the_same_sums() {
     }
 }
 
+/// A value compared only bit for bit gets the digest of its bytes: any
+/// element changed by one ulp, two elements swapped (in one chunk of the
+/// digest or two), one element moved by a row, in every dtype, change it;
+/// a strided view and its contiguous copy have one digest, whatever the
+/// chunks; and it is not the checksum (whose sums it leaves out).
+#[test]
+fn a_value_compared_bit_for_bit_gets_a_digest_that_sees_every_change() {
+    let dev = Device::Cpu;
+    // 300,000 elements: several 256 KiB chunks in every dtype but u8.
+    let (rows, cols) = (600usize, 500usize);
+    let base = ramp(rows * cols);
+    for dtype in [
+        DType::F32,
+        DType::F64,
+        DType::BF16,
+        DType::F16,
+        DType::U8,
+        DType::U32,
+        DType::I64,
+    ] {
+        let values = base
+            .affine(100.0, 128.0)
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap();
+        let t = Tensor::new(values.as_slice(), &dev)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let d = taken(&t, Kind::Bits);
+        assert_eq!(&d[1..], &[0.0; WORDS - 1], "{dtype:?}: no sums");
+        assert_ne!(d, taken(&t, Kind::Sums), "{dtype:?}");
+        assert_eq!(d[0], d[0].trunc());
+        assert!(d[0] < (1u64 << 53) as f64);
+        // The same elements laid out as a transposed view: one digest.
+        let m = t.reshape((rows, cols)).unwrap();
+        let view = m.t().unwrap().contiguous().unwrap().t().unwrap();
+        assert!(!view.is_contiguous());
+        assert_eq!(taken(&m, Kind::Bits), d, "{dtype:?}: a view");
+        // A narrowed view and its copy.
+        let part = m.narrow(1, 7, 301).unwrap();
+        assert_eq!(
+            taken(&part, Kind::Bits),
+            taken(&part.contiguous().unwrap(), Kind::Bits),
+            "{dtype:?}: a narrowed view"
+        );
+        let changed = |edit: &dyn Fn(&mut Vec<f64>)| {
+            let mut v = values.clone();
+            edit(&mut v);
+            let t = Tensor::from_vec(v, rows * cols, &dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            taken(&t, Kind::Bits)
+        };
+        // Unchanged values rebuilt: the same digest.
+        assert_eq!(changed(&|_| {}), d, "{dtype:?}");
+        let step = |v: f64| match dtype {
+            DType::F32 => f32::from_bits((v as f32).to_bits() + 1) as f64,
+            DType::F64 => f64::from_bits(v.to_bits() + 1),
+            DType::BF16 => half::bf16::from_bits(half::bf16::from_f64(v).to_bits() + 1).to_f64(),
+            DType::F16 => half::f16::from_bits(half::f16::from_f64(v).to_bits() + 1).to_f64(),
+            _ => v + 1.0,
+        };
+        for at in [0, 1, 65_535, 65_536, 123_457, rows * cols - 1] {
+            assert_ne!(
+                changed(&|v| v[at] = step(v[at])),
+                d,
+                "{dtype:?}: one step at {at}"
+            );
+        }
+        let (a, b) = (10, 11);
+        assert_ne!(values[a], values[b]);
+        assert_ne!(changed(&|v| v.swap(a, b)), d, "{dtype:?}: a swap");
+        let far = (0..rows * cols)
+            .rev()
+            .find(|&k| values[k] != values[a])
+            .unwrap();
+        assert_ne!(changed(&|v| v.swap(a, far)), d, "{dtype:?}: a far swap");
+        assert_ne!(
+            changed(&|v| v.rotate_left(cols)),
+            d,
+            "{dtype:?}: rows shifted"
+        );
+    }
+    // Nothing to hash: a digest all the same.
+    let empty = Tensor::zeros((0, 3), DType::F32, &dev).unwrap();
+    assert_eq!(taken(&empty, Kind::Bits)[1..], [0.0; WORDS - 1]);
+}
+
 /// `cargo test -p remat-runtime --release -- --ignored checksum_speed
-/// --nocapture`: nanoseconds per element of the checksum and of candle's
-/// `sum_all` on the same tensor.
+/// --nocapture`: nanoseconds per element of the checksum, of the digest of
+/// a value compared bit for bit, and of candle's `sum_all` on the same
+/// tensor.
 #[test]
 #[ignore]
 fn checksum_speed() {
@@ -222,7 +326,15 @@ fn checksum_speed() {
         let _ = t.sum_all().unwrap();
     }
     let sum = start.elapsed().as_nanos() as f64 / 20.0 / (4 << 20) as f64;
-    println!("checksum {ns:.3} ns/element; candle sum_all {sum:.3} ns/element");
+    let _ = of_all(&[Some(&t)], Kind::Bits).unwrap();
+    let start = std::time::Instant::now();
+    for _ in 0..20 {
+        let _ = of_all(&[Some(&t)], Kind::Bits).unwrap();
+    }
+    let digest = start.elapsed().as_nanos() as f64 / 20.0 / (4 << 20) as f64;
+    println!(
+        "checksum {ns:.3} ns/element; digest {digest:.3} ns/element; candle sum_all {sum:.3} ns/element"
+    );
     // The cost of one call, on a bias-sized value.
     let small = Tensor::randn(0f32, 1.0, (256,), &Device::Cpu).unwrap();
     let start = std::time::Instant::now();
@@ -491,7 +603,7 @@ fn of_all_gives_each_values_checksum_in_order() {
     ];
     let mut asked: Vec<Option<&Tensor>> = values.iter().map(Some).collect();
     asked.insert(2, None);
-    let parts = of_all(&asked).unwrap();
+    let parts = of_all(&asked, Kind::Sums).unwrap();
     assert_eq!(parts.len(), 1);
     let all = parts[0].to_vec1::<f64>().unwrap();
     assert_eq!(all.len(), asked.len() * WORDS);
@@ -504,5 +616,5 @@ fn of_all_gives_each_values_checksum_in_order() {
             "value {k}"
         );
     }
-    assert!(of_all(&[]).unwrap().is_empty());
+    assert!(of_all(&[], Kind::Sums).unwrap().is_empty());
 }

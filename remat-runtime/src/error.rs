@@ -398,7 +398,9 @@ pub enum RematError {
         /// The names of the parameters without a gradient.
         names: Vec<String>,
     },
-    /// A statement's own code failed.
+    /// A statement's own code failed, or an op's backward failed in the
+    /// region's backward (`statement` then lists the statements of the unit
+    /// whose backward ran, comma-separated).
     #[error("region `{region}`, statement `{statement}`: {source}")]
     Statement {
         /// The region's name.

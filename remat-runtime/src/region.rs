@@ -76,7 +76,10 @@ impl Region {
 
     /// With `false`, [`Region::run`] runs the block as plain candle code: no
     /// tape, no replay, candle's own graph. Useful to compare against, or to
-    /// switch checkpointing off by configuration.
+    /// switch checkpointing off by configuration. Unlike
+    /// `.plan(Plan::off())`, which regions nested in the block inherit,
+    /// this switches off this region alone: regions it calls run under the
+    /// plan they would have run under anyway.
     ///
     /// ```
     /// # use candle_core::{Device, Tensor};

@@ -262,8 +262,14 @@ impl Call {
         let units = replay.finish(&self.name, &replay_outputs)?;
         let output_ids = replay_outputs.iter().map(|t| t.id()).collect::<Vec<_>>();
         drop(replay_outputs);
-        let (input_grads, param_grads) =
-            sweep::sweep(units, &output_ids, output_grads, &inputs, &params)?;
+        let (input_grads, param_grads) = sweep::sweep(
+            &self.name,
+            units,
+            &output_ids,
+            output_grads,
+            &inputs,
+            &params,
+        )?;
         // Anchor arguments: the inputs that need gradients, then the parameters.
         Ok(input_grads
             .into_iter()

@@ -1,12 +1,13 @@
 //! The reverse sweep over the units of a replayed region.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use candle_core::{Tensor, TensorId};
 
 use crate::graph::Seed;
 use crate::replay::Unit;
-use crate::Result;
+use crate::{RematError, Result};
 
 fn accumulate(grads: &mut HashMap<TensorId, Tensor>, id: TensorId, g: Tensor) -> Result<()> {
     match grads.remove(&id) {
@@ -36,6 +37,7 @@ pub(crate) type Grads = Vec<Option<Tensor>>;
 ///
 /// Returns the gradients of the region inputs and of the parameters.
 pub(crate) fn sweep(
+    region: &str,
     mut units: Vec<Unit>,
     output_ids: &[TensorId],
     output_grads: Vec<Option<Tensor>>,
@@ -67,7 +69,13 @@ pub(crate) fn sweep(
             }
         }
         let Some(root) = root else { continue };
-        let store = root.backward()?;
+        // An op's backward that fails names the region and the unit's
+        // statements.
+        let store = root.backward().map_err(|e| RematError::Statement {
+            region: region.to_string(),
+            statement: unit.label.clone(),
+            source: Arc::new(e.into()),
+        })?;
         drop(root);
         // Gradients candle computes from a variable (a leaf or a parameter)
         // are themselves tracked and hold the graph that made them: detach

@@ -257,3 +257,126 @@ fn missing_gradients_are_named() {
     assert!(matches!(&e, RematError::MissingGradients { names } if names == &["unused"]));
     assert!(e.to_string().contains("layer_norm_slow"), "{e}");
 }
+
+/// An op whose backward fails when `FAIL_BACKWARD` is set: the identity
+/// otherwise.
+struct FailingBackward;
+
+static FAIL_BACKWARD: AtomicBool = AtomicBool::new(false);
+
+impl candle_core::CustomOp1 for FailingBackward {
+    fn name(&self) -> &'static str {
+        "failing-backward"
+    }
+    fn cpu_fwd(
+        &self,
+        s: &candle_core::CpuStorage,
+        l: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let (a, b) = l.contiguous_offsets().expect("contiguous");
+        match s {
+            candle_core::CpuStorage::F32(v) => Ok((
+                candle_core::CpuStorage::F32(v[a..b].to_vec()),
+                l.shape().clone(),
+            )),
+            _ => candle_core::bail!("f32 only"),
+        }
+    }
+    fn bwd(&self, _: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        if FAIL_BACKWARD.load(Ordering::SeqCst) {
+            candle_core::bail!("the op's backward failed")
+        }
+        Ok(Some(grad.clone()))
+    }
+}
+
+#[derive(Clone)]
+struct Two {
+    w1: Var,
+    w2: Var,
+}
+
+remat_runtime::remat! {
+    fn failing_block(x: &Tensor, p: &Two) -> candle_core::Result<Tensor> {
+        let h = x.matmul(&p.w1)?.tanh()?;
+        let f = h.apply_op1(FailingBackward)?;
+        #[save] let o = f.matmul(&p.w2)?;
+        Ok((x + o)?)
+    }
+}
+
+remat_runtime::remat! {
+    fn outer_of_failing(x: &Tensor, p: &Two) -> candle_core::Result<Tensor> {
+        let a = x.exp()?;
+        let b = failing_block(&a, p)?;
+        Ok((b * 0.5)?)
+    }
+}
+
+/// An error raised by an op's backward during a region's backward names
+/// the region and the statements of the unit it ran in (and, nested, the
+/// outer region and statement too), under every plan; the next step after
+/// it gives plain candle's gradients.
+#[test]
+fn an_op_backward_that_fails_names_the_region_and_its_statements() {
+    let x = var(&[4, 3], 1, 1.0, DType::F32);
+    let p = Two {
+        w1: var(&[3, 5], 2, 0.5, DType::F32),
+        w2: var(&[5, 3], 3, 0.5, DType::F32),
+    };
+    for plan in [
+        remat_runtime::Plan::declared(),
+        remat_runtime::Plan::recompute_all(),
+        remat_runtime::Plan::save_all(),
+    ] {
+        for nested in [false, true] {
+            let run = || {
+                plan.scope(|| {
+                    if nested {
+                        outer_of_failing(x.as_tensor(), &p)
+                    } else {
+                        failing_block(x.as_tensor(), &p)
+                    }
+                })
+                .unwrap()
+            };
+            let y = run();
+            FAIL_BACKWARD.store(true, Ordering::SeqCst);
+            let e = y.sum_all().unwrap().backward().unwrap_err().to_string();
+            FAIL_BACKWARD.store(false, Ordering::SeqCst);
+            let what = format!("{plan}, nested {nested}: {e}");
+            assert!(e.contains("region `failing_block`, statement `"), "{what}");
+            assert!(e.contains("the op's backward failed"), "{what}");
+            // The unit holding `f` is named: `f` alone when it is saved,
+            // with the recomputed statements around it otherwise.
+            let unit = e
+                .split("region `failing_block`, statement `")
+                .nth(1)
+                .unwrap();
+            let unit = &unit[..unit.find('`').unwrap()];
+            assert!(unit.split(", ").any(|s| s == "f"), "{what}");
+            if nested {
+                assert!(
+                    e.contains("region `outer_of_failing`, statement `"),
+                    "{what}"
+                );
+            }
+            // The next step runs clean and gives plain candle's gradients.
+            let g = run().sum_all().unwrap().backward().unwrap();
+            let plain = |x: &Tensor| {
+                let h = x.matmul(p.w1.as_tensor())?.tanh()?;
+                x + h.matmul(p.w2.as_tensor())?
+            };
+            let y_ref = if nested {
+                (plain(&x.as_tensor().exp().unwrap()).unwrap() * 0.5).unwrap()
+            } else {
+                plain(x.as_tensor()).unwrap()
+            };
+            let g_ref = y_ref.sum_all().unwrap().backward().unwrap();
+            for v in [&x, &p.w1, &p.w2] {
+                let d = rel_diff(g.get(v).unwrap(), g_ref.get(v).unwrap());
+                assert!(d <= 1e-6, "{what}: {d}");
+            }
+        }
+    }
+}

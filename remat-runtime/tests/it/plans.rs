@@ -173,6 +173,71 @@ fn region_plan_beats_scope_and_nested_regions_inherit_it() {
     }
 }
 
+/// `enabled(false)` switches off its own region only: a region nested in
+/// its block keeps the plan of the scope around it (and checkpoints), where
+/// `.plan(Plan::off())` is inherited by the nested region (which then runs
+/// plain). Both give plain candle's gradients.
+#[test]
+fn enabled_false_switches_off_one_region_and_plan_off_every_nested_one() {
+    let (x, p) = params();
+    for (switch, inner_plan, inner_taped) in [
+        ("enabled(false)", "recompute all", true),
+        ("plan(off)", "off", false),
+    ] {
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let saw = seen.clone();
+        let pc = p.clone();
+        let outer = match switch {
+            "enabled(false)" => Region::new("outer").enabled(false),
+            _ => Region::new("outer").plan(Plan::off()),
+        };
+        let y = Plan::recompute_all()
+            .scope(|| {
+                outer.run(&[x.as_tensor()], move |ctx, ins| {
+                    let h = ctx.open("pre", &[&ins[0]], |t| t[0].sqr())?;
+                    let pc = pc.clone();
+                    let saw = saw.clone();
+                    ctx.open("inner", &[&h], move |t| {
+                        Region::new("nested").run(&[&t[0]], {
+                            let (pc, saw) = (pc.clone(), saw.clone());
+                            move |ctx, ins| {
+                                saw.lock().unwrap().push(ctx.plan().to_string());
+                                ctx.open("mlp", &[&ins[0]], |t| mlp(&t[0], &pc))
+                            }
+                        })
+                    })
+                })
+            })
+            .unwrap();
+        let report = MemoryReport::capture();
+        assert!(
+            !report.entries.iter().any(|e| e.region == "outer"),
+            "{switch}: the outer region keeps no tape"
+        );
+        assert_eq!(
+            report.entries.iter().any(|e| e.region == "nested"),
+            inner_taped,
+            "{switch}"
+        );
+        let g = y.sum_all().unwrap().backward().unwrap();
+        assert_eq!(seen.lock().unwrap()[0], inner_plan, "{switch}");
+        let h = x.as_tensor().sqr().unwrap();
+        let w = h
+            .matmul(&p.w1)
+            .unwrap()
+            .tanh()
+            .unwrap()
+            .matmul(&p.w2)
+            .unwrap();
+        let y_ref = (w.exp().unwrap() + &h).unwrap();
+        let g_ref = y_ref.sum_all().unwrap().backward().unwrap();
+        for v in [&x, &p.w1, &p.w2] {
+            let d = rel_diff(g.get(v).unwrap(), g_ref.get(v).unwrap());
+            assert!(d <= 1e-6, "{switch}: {d}");
+        }
+    }
+}
+
 #[test]
 fn scope_is_popped_after_a_panic() {
     let r = std::panic::catch_unwind(|| Plan::save_all().scope(|| panic!("inside")));

@@ -5,6 +5,7 @@ use candle_core::{CustomOp1, CustomOp2, CustomOp3, DType, Result, Shape, Tensor,
 
 use super::attach::{forward_computed, Computed};
 use super::bundle::{bundle, Slot};
+use super::unchanged::Unchanged;
 
 /// Query rows per block: the forward and the backward hold
 /// `(B, H, BLOCK, S)` scores at a time.
@@ -62,6 +63,10 @@ struct Mask {
     shape: Shape,
     /// It is tracked (a `Var`, or computed from one): it gets a gradient.
     tracked: bool,
+    /// Its values at the forward, checked before the backward reads it.
+    unchanged: Unchanged,
+    /// The op's name, for that check's error.
+    op: String,
 }
 
 /// Which keys a block of query rows reads.
@@ -301,9 +306,11 @@ impl Mask {
             scores = scores.unsqueeze(0)?;
         }
         Ok(Mask {
+            unchanged: Unchanged::of(&scores),
             scores,
             shape: m.shape().clone(),
             tracked: m.track_op(),
+            op: op.to_string(),
         })
     }
 
@@ -574,6 +581,9 @@ impl Residuals {
         packed: bool,
     ) -> Result<Grads> {
         let _profile = crate::inspect::profile::backward("(inside an op) attention");
+        if let Some(m) = &self.mask {
+            m.unchanged.check(&m.scores, &m.op, "the mask")?;
+        }
         let tracked = self.mask.as_ref().filter(|m| m.tracked);
         if self.empty {
             let dmask = tracked

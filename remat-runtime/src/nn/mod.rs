@@ -58,6 +58,7 @@ mod product_sum;
 mod qkv_attention;
 mod rope;
 mod softmax;
+mod unchanged;
 
 pub use activation::swiglu;
 pub use attention::{attention, attention_qkv};

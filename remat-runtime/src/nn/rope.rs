@@ -3,6 +3,7 @@
 use candle_core::{CustomOp1, Result, Tensor};
 
 use super::attach::{forward_computed, Computed};
+use super::unchanged::Unchanged;
 
 /// Which of candle-nn's layouts.
 #[derive(Clone, Copy)]
@@ -17,6 +18,9 @@ struct Rope {
     out: Computed,
     cos: Tensor,
     sin: Tensor,
+    /// The tables' values at the forward, checked before the backward
+    /// reads them.
+    unchanged: [Unchanged; 2],
     layout: Layout,
 }
 
@@ -38,6 +42,7 @@ fn rope_op(layout: Layout, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Ten
     let y = apply(layout, &x.detach(), &cos, &sin)?;
     x.apply_op1(Rope {
         out: Computed::new(y),
+        unchanged: [Unchanged::of(&cos), Unchanged::of(&sin)],
         cos,
         sin,
         layout,
@@ -125,6 +130,12 @@ impl CustomOp1 for Rope {
     forward_computed!("remat-rope", s1 l1);
     fn bwd(&self, _: &Tensor, _: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
         let _profile = crate::inspect::profile::backward("rope");
+        let op = match self.layout {
+            Layout::Halves => "rope",
+            Layout::Interleaved => "rope_i",
+        };
+        self.unchanged[0].check(&self.cos, op, "the cos table")?;
+        self.unchanged[1].check(&self.sin, op, "the sin table")?;
         // A rotation's transpose is the rotation by the opposite angle.
         Ok(Some(apply(
             self.layout,

@@ -398,6 +398,97 @@ fn a_mask_in_a_field_changed_in_place_is_caught_through_the_outputs() {
     }
 }
 
+/// An attention layer as candle-transformers writes one, its additive
+/// bias (ALiBi, a relative-position table) and rotary tables held in
+/// fields: neither a block argument nor a parameter.
+#[derive(Clone)]
+struct Tables {
+    wq: Var,
+    bias: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Tables {
+    fn new(dtype: DType) -> Self {
+        let (t, d) = (6, 8);
+        Tables {
+            wq: var(&[d * 2, d * 2], 21, 0.3, dtype),
+            bias: tensor(&[2, t, t], 22, 1.0, dtype),
+            cos: tensor(&[t, d / 2], 23, 1.0, dtype),
+            sin: tensor(&[t, d / 2], 24, 1.0, dtype),
+        }
+    }
+}
+
+impl Tables {
+    remat! {
+        fn attend(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+            let q = x.matmul(&self.wq)?.reshape((1, 6, 2, 8))?.transpose(1, 2)?;
+            let r = remat_runtime::nn::rope(&q.contiguous()?, &self.cos, &self.sin)?;
+            let a = remat_runtime::nn::attention(&r, &r, &r, false, Some(&self.bias))?;
+            let y = a.tanh()?.sum_all()?;
+            Ok(y)
+        }
+    }
+}
+
+/// A fused op's untracked argument that its backward reads again (an
+/// attention bias, rotary tables), held in a field and written in place
+/// between the forward and the backward: an error naming the op and the
+/// argument (and, in a region, the region and the statement), under every
+/// plan and outside any region, never a silent gradient; unchanged, every
+/// gradient is plain candle's (the same ops without a region).
+#[test]
+fn a_fused_op_s_kept_bias_or_table_changed_in_place_is_caught() {
+    for dtype in DTYPES {
+        let x = var(&[6, 16], 25, 1.0, dtype);
+        for plan in [
+            Plan::off(),
+            Plan::declared(),
+            Plan::recompute_all(),
+            Plan::save_all(),
+            Plan::save_only(["a"]),
+        ] {
+            // Unchanged: the gradients of the same code run plain.
+            let p = Tables::new(dtype);
+            let y = plan.scope(|| p.attend(x.as_tensor())).unwrap();
+            let g = backward(&y).unwrap();
+            let y_ref = Plan::off().scope(|| p.attend(x.as_tensor())).unwrap();
+            let g_ref = backward(&y_ref).unwrap();
+            for v in [&x, &p.wq] {
+                let d = rel_diff(g.get(v).unwrap(), g_ref.get(v).unwrap());
+                assert!(d <= 1e-6, "{dtype:?} {plan}: {d}");
+            }
+            for (what, table) in [("the mask", 0), ("the cos table", 1), ("the sin table", 2)] {
+                let p = Tables::new(dtype);
+                let y = plan.scope(|| p.attend(x.as_tensor())).unwrap();
+                let t = [&p.bias, &p.cos, &p.sin][table];
+                // One element, in place.
+                let first = t.flatten_all().unwrap().narrow(0, 0, 1).unwrap();
+                let bumped = (first + 0.5).unwrap().reshape(vec![1; t.rank()]).unwrap();
+                let mut edited = t.to_dtype(DType::F64).unwrap();
+                edited = edited
+                    .slice_assign(&vec![0..1; t.rank()], &bumped.to_dtype(DType::F64).unwrap())
+                    .unwrap();
+                t.slice_set(&edited.to_dtype(dtype).unwrap(), 0, 0).unwrap();
+                let e = backward(&y).unwrap_err().to_string();
+                let what_ = format!("{dtype:?} {plan}, {what}: {e}");
+                // A recomputing plan replays the op on the new values: the
+                // replay check names the statement whose output moved.
+                let replayed = e.contains("replay");
+                assert!(
+                    replayed || e.contains(&format!("{what} [")) && e.contains("changed between"),
+                    "{what_}"
+                );
+                if !plan.is_off() {
+                    assert!(e.contains("region `Tables::attend`"), "{what_}");
+                }
+            }
+        }
+    }
+}
+
 // A block whose recomputed statements read views across units: a
 // transposed block input, the transpose of a saved output, a narrow.
 remat! {

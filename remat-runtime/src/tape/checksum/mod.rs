@@ -200,6 +200,17 @@ pub(crate) fn of_all(values: &[Option<&Tensor>], kind: Kind) -> Result<Vec<Tenso
         .collect()
 }
 
+/// The fingerprint of a CPU value compared only bit for bit, read now: its
+/// digest (`digest`), or its checksum for a dtype without one. `None` off
+/// the CPU.
+pub(crate) fn bits_on_cpu(t: &Tensor) -> Option<[f64; WORDS]> {
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cpu(cpu) = &*storage else {
+        return None;
+    };
+    Some(digest::digest(cpu, layout).unwrap_or_else(|| cpu::checksum(cpu, layout).finish()))
+}
+
 /// The checksum of `t`, a 1-D `f64` tensor of [`WORDS`] elements on `t`'s
 /// device.
 pub(crate) fn of(t: &Tensor) -> Result<Tensor> {

@@ -176,32 +176,43 @@ impl Rows {
         b: Option<&[f64]>,
     ) -> Result<(Tensor, Vec<(f64, f64)>)> {
         let c = self.c;
-        let stats: Vec<(f64, f64)> = x
-            .par_chunks(c)
-            .map(|row| {
-                let n = c as f64;
-                let (mean, square) = match b {
-                    Some(_) => {
-                        let mean = row.iter().map(|v| v.to_f64()).sum::<f64>() / n;
-                        let var = row.iter().map(|v| (v.to_f64() - mean).powi(2)).sum::<f64>() / n;
-                        (mean, var)
-                    }
-                    None => (0.0, row.iter().map(|v| v.to_f64().powi(2)).sum::<f64>() / n),
-                };
-                (
-                    kept(mean, self.work),
-                    kept(1.0 / (square + self.eps).sqrt(), self.work),
-                )
-            })
-            .collect();
+        let n = c as f64;
         let mut y = vec![T::zero(); x.len()];
-        y.par_chunks_mut(c)
-            .zip(x.par_chunks(c))
-            .zip(&stats)
-            .for_each(|((out, row), &(mean, rstd))| {
-                for (i, (o, v)) in out.iter_mut().zip(row).enumerate() {
-                    let h = (v.to_f64() - mean) * rstd * g[i];
-                    *o = T::from_f64(b.map_or(h, |b| h + b[i]));
+        let mut stats = vec![(0.0, 0.0); x.len() / c];
+        let block = TASK_ROWS * c;
+        y.par_chunks_mut(block)
+            .zip(x.par_chunks(block))
+            .zip(stats.par_chunks_mut(TASK_ROWS))
+            .for_each(|((y, x), stats)| {
+                let mut row64 = vec![0.0; c];
+                for ((out, row), stat) in y.chunks_mut(c).zip(x.chunks(c)).zip(stats) {
+                    for (r, v) in row64.iter_mut().zip(row) {
+                        *r = v.to_f64();
+                    }
+                    let (mean, square) = match b {
+                        Some(_) => {
+                            let mean = sum(&row64, |v| v) / n;
+                            (mean, sum(&row64, |v| (v - mean) * (v - mean)) / n)
+                        }
+                        None => (0.0, sum(&row64, |v| v * v) / n),
+                    };
+                    let (mean, rstd) = (
+                        kept(mean, self.work),
+                        kept(1.0 / (square + self.eps).sqrt(), self.work),
+                    );
+                    *stat = (mean, rstd);
+                    match b {
+                        Some(b) => {
+                            for (((o, &v), &g), &b) in out.iter_mut().zip(&row64).zip(g).zip(b) {
+                                *o = T::from_f64((v - mean) * rstd * g + b);
+                            }
+                        }
+                        None => {
+                            for ((o, &v), &g) in out.iter_mut().zip(&row64).zip(g) {
+                                *o = T::from_f64(v * rstd * g);
+                            }
+                        }
+                    }
                 }
             });
         let rows = stats.len();
@@ -212,6 +223,24 @@ impl Rows {
     }
 }
 
+/// Rows a task of the forward takes.
+const TASK_ROWS: usize = 16;
+
+/// `Σ f(v)` over `xs` in eight independent sums (so that the compiler
+/// vectorises them), added in a fixed order: the same bits on any machine.
+#[inline(always)]
+fn sum(xs: &[f64], f: impl Fn(f64) -> f64) -> f64 {
+    let mut acc = [0.0; 8];
+    let mut chunks = xs.chunks_exact(8);
+    for chunk in &mut chunks {
+        for (a, &v) in acc.iter_mut().zip(chunk) {
+            *a += f(v);
+        }
+    }
+    let tail: f64 = chunks.remainder().iter().map(|&v| f(v)).sum();
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
 /// The backward over rows of `c` elements.
 struct Pass<'a> {
     c: usize,
@@ -219,6 +248,25 @@ struct Pass<'a> {
     g: &'a [f64],
     /// Per row: (mean, rstd) as kept (mean 0 for RMS).
     stats: &'a [(f64, f64)],
+}
+
+/// `Σ a_i b_i` in eight independent sums, added in a fixed order.
+#[inline(always)]
+fn dot(a: &[f64], b: &[f64]) -> f64 {
+    let mut acc = [0.0; 8];
+    let (mut ca, mut cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    for (x, y) in (&mut ca).zip(&mut cb) {
+        for ((s, &x), &y) in acc.iter_mut().zip(x).zip(y) {
+            *s += x * y;
+        }
+    }
+    let tail: f64 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
 /// Rows per block of the gain's and bias's gradient sums: the blocks are
@@ -245,27 +293,37 @@ impl Pass<'_> {
             .zip(self.stats.par_chunks(block / c))
             .map(|(((dx, x), dy), stats)| {
                 let (mut dg, mut db) = (vec![0.0; c], vec![0.0; c]);
-                let mut dxhat = vec![0.0; c];
+                let (mut xh, mut d, mut dxh) = (vec![0.0; c], vec![0.0; c], vec![0.0; c]);
                 for (((dx, x), dy), &(mean, rstd)) in dx
                     .chunks_mut(c)
                     .zip(x.chunks(c))
                     .zip(dy.chunks(c))
                     .zip(stats)
                 {
-                    let (mut proj, mut dm) = (0.0, 0.0);
-                    for i in 0..c {
-                        let (xh, d) = ((x[i].to_f64() - mean) * rstd, dy[i].to_f64());
-                        dxhat[i] = d * self.g[i];
-                        proj += dxhat[i] * xh;
-                        dm += dxhat[i];
-                        dg[i] += d * xh;
-                        db[i] += d;
+                    for ((((xh, d), dxh), (x, dy)), &g) in xh
+                        .iter_mut()
+                        .zip(d.iter_mut())
+                        .zip(dxh.iter_mut())
+                        .zip(x.iter().zip(dy))
+                        .zip(self.g)
+                    {
+                        *xh = (x.to_f64() - mean) * rstd;
+                        *d = dy.to_f64();
+                        *dxh = *d * g;
                     }
                     let n = c as f64;
-                    let (proj, dm) = (proj / n, if self.layer { dm / n } else { 0.0 });
-                    for i in 0..c {
-                        let xh = (x[i].to_f64() - mean) * rstd;
-                        dx[i] = W::from_f64((dxhat[i] - xh * proj - dm) * rstd);
+                    let proj = dot(&dxh, &xh) / n;
+                    let dm = if self.layer {
+                        sum(&dxh, |v| v) / n
+                    } else {
+                        0.0
+                    };
+                    for ((dx, &dxh), &xh) in dx.iter_mut().zip(&dxh).zip(&xh) {
+                        *dx = W::from_f64((dxh - xh * proj - dm) * rstd);
+                    }
+                    for (((dg, db), &d), &xh) in dg.iter_mut().zip(db.iter_mut()).zip(&d).zip(&xh) {
+                        *dg += d * xh;
+                        *db += d;
                     }
                 }
                 (dg, db)
@@ -402,6 +460,49 @@ mod tests {
                     "{what}"
                 );
             }
+        }
+    }
+
+    /// `cargo test -p remat-runtime --release --lib -- --ignored
+    /// norm_pass_speed --nocapture`: milliseconds of the one pass and of
+    /// the composed norm (forward, backward), f32 layer norm.
+    #[test]
+    #[ignore]
+    fn norm_pass_speed() {
+        use super::super::norm::{norm_grads, normalize, scale_shift, sum_rows};
+        let dev = Device::Cpu;
+        for (rows, c) in [(1024, 256), (8192, 768)] {
+            let x = Tensor::randn(0f32, 1.0, (rows, c), &dev).unwrap();
+            let dy = Tensor::randn(0f32, 1.0, (rows, c), &dev).unwrap();
+            let g = Tensor::randn(0f32, 1.0, c, &dev).unwrap();
+            let b = Tensor::randn(0f32, 1.0, c, &dev).unwrap();
+            let time = |f: &dyn Fn()| {
+                f();
+                let start = std::time::Instant::now();
+                for _ in 0..20 {
+                    f();
+                }
+                start.elapsed().as_secs_f64() * 1e3 / 20.0
+            };
+            let (_, mean, rstd) = forward(&x, &g, Some(&b), 1e-5).unwrap();
+            let pass_f = time(&|| drop(forward(&x, &g, Some(&b), 1e-5).unwrap()));
+            let pass_b = time(&|| drop(backward(&x, &g, &dy, (&mean, &rstd), true).unwrap()));
+            let comp_f = time(&|| {
+                let (xhat, _, _) = normalize(&x, 1e-5).unwrap();
+                drop(scale_shift(&xhat, &g, &b).unwrap());
+            });
+            let comp_b = time(&|| {
+                let xhat = x
+                    .broadcast_sub(&mean)
+                    .unwrap()
+                    .broadcast_mul(&rstd)
+                    .unwrap();
+                drop(norm_grads(&xhat, &rstd, &g, &dy, true).unwrap());
+                drop(sum_rows(&dy).unwrap());
+            });
+            println!(
+                "({rows}, {c}): one pass {pass_f:.3} / {pass_b:.3} ms, composed {comp_f:.3} / {comp_b:.3} ms (forward / backward)"
+            );
         }
     }
 }

@@ -63,7 +63,8 @@ struct Mask {
     shape: Shape,
     /// It is tracked (a `Var`, or computed from one): it gets a gradient.
     tracked: bool,
-    /// Its values at the forward, checked before the backward reads it.
+    /// An untracked mask's values at the forward, checked before the
+    /// backward reads it (a tracked one is a graph input, as in candle).
     unchanged: Unchanged,
     /// The op's name, for that check's error.
     op: String,
@@ -306,7 +307,7 @@ impl Mask {
             scores = scores.unsqueeze(0)?;
         }
         Ok(Mask {
-            unchanged: Unchanged::of(&scores),
+            unchanged: Unchanged::none(),
             scores,
             shape: m.shape().clone(),
             tracked: m.track_op(),
@@ -364,6 +365,14 @@ pub(super) fn forward(
     let mask = mask
         .map(|m| Mask::new(op, m, q, [b, h, t, s]))
         .transpose()?;
+    // An untracked mask the backward will read again: its digest now
+    // (none when nothing needs a gradient: no backward runs).
+    let mask = mask.map(|mut m| {
+        if !m.tracked && [q, k, v].iter().any(|t| t.track_op()) {
+            m.unchanged = Unchanged::of(&m.scores);
+        }
+        m
+    });
     let group = h / hkv;
     // With no query/key features every score is 0 (the scale is moot).
     let scale = if d == 0 { 1.0 } else { 1.0 / (d as f64).sqrt() };

@@ -20,7 +20,8 @@ struct LayerNorm {
 /// as `candle_nn::ops::layer_norm_slow` computes it, with a backward. The
 /// graph keeps `x`, `g`, `b` and the mean and `1/std` of each row (PyTorch
 /// keeps the same). On the CPU the forward and the backward are one pass
-/// over the rows each, every element computed in f64 and rounded once.
+/// over the rows each, every element computed in f64 (the outputs rounded
+/// once; half-precision gradients through f32).
 ///
 /// ```
 /// use candle_core::{Device, Tensor, Var};
@@ -69,7 +70,7 @@ pub fn layer_norm(x: &Tensor, g: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor
 
 /// `x` (detached) as `(rows, C)` when the CPU's one pass can normalize its
 /// rows (see `norm_pass`), at least one row and one feature.
-fn pass_rows(x: &Tensor, g: &Tensor, b: Option<&Tensor>) -> Option<Tensor> {
+pub(super) fn pass_rows(x: &Tensor, g: &Tensor, b: Option<&Tensor>) -> Option<Tensor> {
     let c = *x.dims().last()?;
     if x.elem_count() == 0 || !x.device().is_cpu() {
         return None;

@@ -5,7 +5,8 @@ use candle_core::{CustomOp3, Result, Tensor};
 use super::attach::{forward_computed, Computed};
 use super::bundle::{bundle, Slot};
 use super::linear::{output_dims, product, rows};
-use super::norm::{norm_grads, normalize, renormalize, scale_shift, sum_rows};
+use super::norm::{norm_grads, normalize, pass_rows, renormalize, scale_shift, sum_rows};
+use super::norm_pass;
 
 struct LayerNormLinear {
     out: Computed,
@@ -13,6 +14,9 @@ struct LayerNormLinear {
     mean: Tensor,
     /// Per row, `1 / sqrt(var + eps)`, `(.., 1)`.
     rstd: Tensor,
+    /// The norm ran as the CPU's one pass (`norm_pass`), with this eps:
+    /// the backward recomputes and differentiates it the same way.
+    pass: Option<f64>,
     /// The norm's gain and bias, read here; their gradients leave through
     /// the first bundle.
     gain: Tensor,
@@ -54,9 +58,17 @@ pub fn layer_norm_linear(
     b: Option<&Tensor>,
 ) -> Result<Tensor> {
     let _profile = crate::inspect::profile::op("layer_norm_linear");
-    let (xhat, mean, rstd) = normalize(&x.detach(), eps)?;
-    let h = scale_shift(&xhat, &g.detach(), &beta.detach())?;
-    drop(xhat);
+    let (h, mean, rstd, pass) = match pass_rows(x, g, Some(beta)) {
+        Some(rows) => {
+            let (h, mean, rstd) = norm_pass::forward(&rows, g, Some(beta), eps)?;
+            (h.reshape(x.shape())?, mean, rstd, Some(eps))
+        }
+        None => {
+            let (xhat, mean, rstd) = normalize(&x.detach(), eps)?;
+            let h = scale_shift(&xhat, &g.detach(), &beta.detach())?;
+            (h, mean, rstd, None)
+        }
+    };
     let y = product(&h, w, b)?.reshape(output_dims(x, w)?)?;
     drop(h);
     let (norm, norm_slot) = bundle(g, beta)?;
@@ -64,6 +76,7 @@ pub fn layer_norm_linear(
         out: Computed::new(y),
         mean,
         rstd,
+        pass,
         gain: g.detach(),
         shift: beta.detach(),
         norm_slot,
@@ -96,6 +109,28 @@ impl CustomOp3 for LayerNormLinear {
             None => third.detach(),
         };
         let dy = dy.detach().reshape((rows, ()))?;
+        if let Some(eps) = self.pass {
+            // The norm's one pass again: the forward's bits, then its
+            // backward.
+            let x2 = x.detach().reshape((rows, input))?;
+            let (h, _, _) = norm_pass::forward(&x2, &self.gain, Some(&self.shift), eps)?;
+            let dw = dy.t()?.matmul(&h)?;
+            drop(h);
+            let dh = dy.matmul(&w)?;
+            let stats = (&self.mean, &self.rstd);
+            let (dx, dg, dbeta) = norm_pass::backward(&x2, &self.gain, &dh, stats, true)?;
+            let dx = dx.reshape(x.shape())?.to_dtype(x.dtype())?;
+            let (dg, dbeta) = (
+                dg.to_dtype(self.gain.dtype())?,
+                dbeta.to_dtype(self.shift.dtype())?,
+            );
+            let norm_grad = self.norm_slot.put(norm, dg, dbeta)?;
+            let third_grad = match &self.linear {
+                Some((_, slot)) => slot.put(third, dw, dy.sum(0)?)?,
+                None => Some(dw),
+            };
+            return Ok((Some(dx), norm_grad, third_grad));
+        }
         // The normalized input, recomputed.
         let xhat = renormalize(x, &self.mean, &self.rstd)?;
         let h = scale_shift(&xhat, &self.gain, &self.shift)?.reshape((rows, input))?;

@@ -5,7 +5,9 @@
 //! copy, its square, the normalized rows, their products with the
 //! gradient). The same contract as `kernels/norm.cu` on CUDA.
 //!
-//! Every element is computed in f64 and rounded once to its dtype; a row's
+//! Every element is computed in f64 and rounded to its dtype (the
+//! gradients of bf16/f16 rows and parameters to f32, the work dtype, then
+//! by the caller to theirs); a row's
 //! statistics are computed in f64 and kept in the norm's work dtype (f32
 //! for bf16 and f16, the input's otherwise), and the rows are normalized
 //! from the kept values, so that a recompute from them gives the forward's
@@ -31,7 +33,12 @@ pub(super) fn fit(x: &Tensor, gain: &Tensor, bias: Option<&Tensor>) -> bool {
         )
     };
     let param = |p: &Tensor| p.device().is_cpu() && float(p) && p.dims() == [x.dims()[1]];
-    x.device().is_cpu() && float(x) && x.rank() == 2 && param(gain) && bias.is_none_or(param)
+    x.device().is_cpu()
+        && float(x)
+        && x.rank() == 2
+        && x.dims()[1] >= 1
+        && param(gain)
+        && bias.is_none_or(param)
 }
 
 /// The rows of `x` normalized (layer norm with a `bias`, RMS norm without),
@@ -82,12 +89,12 @@ pub(super) fn backward(
     let x = x.contiguous()?;
     let (rows, c) = x.dims2()?;
     let work = work_dtype(x.dtype());
-    // dy in x's dtype, or already in the work dtype (a caller's f32
-    // gradient of bf16 rows).
+    // dy in x's dtype, or in the work dtype (a caller's f32 gradient of
+    // bf16 rows, or any other dtype converted to it).
     let dy = if dy.dtype() == x.dtype() || dy.dtype() == work {
         dy.contiguous()?
     } else {
-        dy.to_dtype(x.dtype())?
+        dy.to_dtype(work)?
     };
     let g = f64s(gain)?;
     let (mean, rstd) = (f64s(&mean.flatten_all()?)?, f64s(&rstd.flatten_all()?)?);

@@ -42,7 +42,10 @@ fn rope_op(layout: Layout, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Ten
     let y = apply(layout, &x.detach(), &cos, &sin)?;
     x.apply_op1(Rope {
         out: Computed::new(y),
-        unchanged: [Unchanged::of(&cos), Unchanged::of(&sin)],
+        unchanged: match x.track_op() {
+            true => [Unchanged::of(&cos), Unchanged::of(&sin)],
+            false => [Unchanged::none(), Unchanged::none()],
+        },
         cos,
         sin,
         layout,

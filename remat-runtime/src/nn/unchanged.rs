@@ -29,6 +29,11 @@ impl Unchanged {
         )
     }
 
+    /// Nothing to check: no backward reads the tensor.
+    pub fn none() -> Unchanged {
+        Unchanged(None)
+    }
+
     /// An error naming `op` and `what` (`"the mask"`) if `t` no longer
     /// holds the values it held when [`Unchanged::of`] took its digest.
     pub fn check(&self, t: &Tensor, op: &str, what: &str) -> Result<()> {

@@ -1,9 +1,9 @@
 //! Layer norm and RMS norm over the last dimension.
 
-use candle_core::{CustomOp2, CustomOp3, DType, Result, Tensor, D};
+use candle_core::{CustomOp2, CustomOp3, Result, Tensor, D};
 
 use super::attach::{forward_computed, Computed};
-use super::norm_pass;
+use super::norm_pass::{self, work_dtype};
 
 struct LayerNorm {
     out: Computed,
@@ -77,17 +77,6 @@ pub(super) fn pass_rows(x: &Tensor, g: &Tensor, b: Option<&Tensor>) -> Option<Te
     }
     let rows = x.detach().reshape((x.elem_count() / c, c)).ok()?;
     norm_pass::fit(&rows, g, b).then_some(rows)
-}
-
-/// The dtype a norm computes in: `f32` for bf16 and f16, whose 8 or 11
-/// bits lose a row's statistics (as candle's kernels do), the input's
-/// otherwise. The graph still keeps the input as it is; the row
-/// statistics, one or two numbers per row, are kept in this dtype.
-pub(super) fn work_dtype(dtype: DType) -> DType {
-    match dtype {
-        DType::BF16 | DType::F16 => DType::F32,
-        other => other,
-    }
 }
 
 /// `(x - mean) / sqrt(var + eps)` over the last dimension, with the mean

@@ -20,7 +20,16 @@ use candle_core::{CpuStorage, DType, Result, Tensor, WithDType};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use super::norm::work_dtype;
+/// The dtype a norm computes in: `f32` for bf16 and f16, whose 8 or 11
+/// bits lose a row's statistics (as candle's kernels do), the input's
+/// otherwise. The graph still keeps the input as it is; the row
+/// statistics, one or two numbers per row, are kept in this dtype.
+pub(super) fn work_dtype(dtype: DType) -> DType {
+    match dtype {
+        DType::BF16 | DType::F16 => DType::F32,
+        other => other,
+    }
+}
 
 /// Whether the rows of `x` `(rows, C)` can be normalized here: on the CPU,
 /// a float dtype of 16 to 64 bits, `gain` (and `bias`) `(C)` of a float

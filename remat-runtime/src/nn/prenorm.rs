@@ -4,7 +4,8 @@
 
 use candle_core::{DType, Result, Tensor, D};
 
-use super::norm::{norm_grads, normalize, renormalize, scale_shift, sum_rows, work_dtype};
+use super::norm::{norm_grads, normalize, renormalize, scale_shift, sum_rows};
+use super::norm_pass::work_dtype;
 use super::{kernels, norm_pass};
 
 /// The norm a fused op applies to its input first: layer norm (gain and

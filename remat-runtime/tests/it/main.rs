@@ -23,6 +23,7 @@ mod macro_blocks;
 mod memory_report;
 mod methods;
 mod misuse;
+mod model_families;
 mod nn;
 mod offload;
 mod optimizer_in_backward;

@@ -50,7 +50,7 @@ pub fn checksum(t: &Tensor) -> Result<[f64; 4]> {
 /// ```
 pub fn checksums(tensors: &[&Tensor]) -> Result<Vec<[f64; 4]>> {
     let values: Vec<Option<&Tensor>> = tensors.iter().map(|&t| Some(t)).collect();
-    let parts = crate::tape::checksum::of_all(&values, crate::tape::checksum::Kind::Sums)?;
+    let parts = crate::tape::checksum::of_all(&values, crate::tape::checksum::Kind::Checksum)?;
     if parts.is_empty() {
         return Ok(Vec::new());
     }

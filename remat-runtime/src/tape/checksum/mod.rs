@@ -40,7 +40,10 @@
 //!   [`crate::inspect::checksum_kernels`]);
 //! * `digest`: on the CPU, for a value compared only bit for bit
 //!   ([`Kind::Bits`]: parameters, block inputs), a hash of its bytes
-//!   without the sums, at memory speed.
+//!   without the sums, at memory speed;
+//! * `summed`: on the CPU, for a recomputed output ([`Kind::Sums`]), that
+//!   digest and three sums of its own, in one read: the forward and its
+//!   replay on the CPU compare it with itself, never with a GPU's.
 
 mod composed;
 mod cpu;
@@ -49,6 +52,8 @@ mod digest;
 mod element;
 #[cfg(test)]
 mod emulated;
+mod summed;
+mod together;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -137,9 +142,12 @@ pub(crate) enum Kind {
     /// Bit for bit only (parameters, block inputs): on the CPU, a digest of
     /// the bytes without the sums (`digest`); elsewhere the checksum.
     Bits,
-    /// Bit for bit or within a tolerance (recomputed outputs): the
-    /// checksum, its hash and its sums.
+    /// Bit for bit or within a tolerance (recomputed outputs): on the CPU,
+    /// the digest and sums of their own (`summed`); elsewhere the checksum.
     Sums,
+    /// The checksum on every device (what [`crate::inspect::checksums`]
+    /// gives).
+    Checksum,
 }
 
 /// The checksums of `values` one after the other (`None`: a value not
@@ -147,8 +155,8 @@ pub(crate) enum Kind {
 /// joined in order: none for no value, one on the CPU (no op and no tensor
 /// per value), one on CUDA with the batch kernels (two launches per dtype
 /// and [`device::BATCH`] values), otherwise one per value ([`of`]; zeros on
-/// the CPU for a value not compared). With [`Kind::Bits`], a CPU value's
-/// is its digest.
+/// the CPU for a value not compared). On the CPU, [`Kind::Bits`] takes a
+/// value's digest and [`Kind::Sums`] its digest and sums.
 pub(crate) fn of_all(values: &[Option<&Tensor>], kind: Kind) -> Result<Vec<Tensor>> {
     if values.is_empty() {
         return Ok(Vec::new());
@@ -163,23 +171,22 @@ pub(crate) fn of_all(values: &[Option<&Tensor>], kind: Kind) -> Result<Vec<Tenso
         .flatten()
         .all(|t| t.device().same_device(&device));
     if device.is_cpu() && on_one {
-        let mut words = Vec::with_capacity(values.len() * WORDS);
-        for v in values {
-            match v {
-                Some(t) => {
-                    let (storage, layout) = t.storage_and_layout();
-                    let candle_core::Storage::Cpu(cpu) = &*storage else {
+        let held: Vec<_> = values
+            .iter()
+            .map(|v| v.map(|t| t.storage_and_layout()))
+            .collect();
+        let cpu: Vec<together::Value> = held
+            .iter()
+            .map(|h| {
+                h.as_ref().map(|(storage, layout)| {
+                    let candle_core::Storage::Cpu(cpu) = &**storage else {
                         unreachable!("a CPU tensor's storage")
                     };
-                    let digest = match kind {
-                        Kind::Bits => digest::digest(cpu, layout),
-                        Kind::Sums => None,
-                    };
-                    words.extend(digest.unwrap_or_else(|| cpu::checksum(cpu, layout).finish()));
-                }
-                None => words.extend([0.0; WORDS]),
-            }
-        }
+                    (cpu, *layout)
+                })
+            })
+            .collect();
+        let words = together::fingerprints(&cpu, kind);
         return Ok(vec![Tensor::from_vec(
             words,
             values.len() * WORDS,
@@ -208,7 +215,10 @@ pub(crate) fn bits_on_cpu(t: &Tensor) -> Option<[f64; WORDS]> {
     let candle_core::Storage::Cpu(cpu) = &*storage else {
         return None;
     };
-    Some(digest::digest(cpu, layout).unwrap_or_else(|| cpu::checksum(cpu, layout).finish()))
+    let words = together::fingerprints(&[Some((cpu, layout))], Kind::Bits);
+    let mut out = [0.0; WORDS];
+    out.copy_from_slice(&words);
+    Some(out)
 }
 
 /// The checksum of `t`, a 1-D `f64` tensor of [`WORDS`] elements on `t`'s

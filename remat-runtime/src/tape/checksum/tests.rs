@@ -307,6 +307,148 @@ fn a_value_compared_bit_for_bit_gets_a_digest_that_sees_every_change() {
     assert_eq!(taken(&empty, Kind::Bits)[1..], [0.0; WORDS - 1]);
 }
 
+/// A recomputed output's fingerprint on the CPU (`summed`): its hash is
+/// the digest's; its sums are those of the definition, computed here in
+/// `f64` from the formula (within the rounding of spans summed in the
+/// element's precision); a strided view and its copy have the same four
+/// numbers; one ulp anywhere changes the hash, a swap the hash and the
+/// weighted sum; and rounding noise on every element is within the
+/// dtype's tolerance while no longer bitwise.
+#[test]
+fn a_recomputed_output_on_the_cpu_gets_the_digest_and_sums_that_see_every_change() {
+    use crate::tape::fingerprint::{matches, tolerance, Compare};
+    let dev = Device::Cpu;
+    // Several 256 KiB chunks and a partial block and row at the end.
+    let (rows, cols) = (613usize, 509usize);
+    let n = rows * cols;
+    let base = Tensor::randn(0f32, 1.0, n, &dev)
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap();
+    let weight = |p: usize| {
+        let w = |key: u32| f64::from(key >> 8);
+        let inner = w(((p % 4096) as u32 + 1).wrapping_mul(0x9E37_79B9)) / 16_777_216.0;
+        let block = 0.5 + w(((p / 4096) as u32 + 1).wrapping_mul(0x85eb_ca6b)) / 33_554_432.0;
+        inner * block
+    };
+    for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16, DType::I64] {
+        let scaled = if dtype == DType::I64 {
+            base.affine(1000.0, 0.0).unwrap().round().unwrap()
+        } else {
+            base.affine(3.0, 0.5).unwrap()
+        };
+        let t = scaled.to_dtype(dtype).unwrap();
+        let values = t.to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap();
+        let f = taken(&t, Kind::Sums);
+        assert_eq!(
+            f[0],
+            taken(&t, Kind::Bits)[0],
+            "{dtype:?}: the digest's hash"
+        );
+        let magnitudes: f64 = values.iter().map(|v| v.abs()).sum();
+        let exact = [
+            values.iter().sum::<f64>(),
+            magnitudes,
+            values.iter().enumerate().map(|(p, v)| v * weight(p)).sum(),
+        ];
+        let rounding = if matches!(dtype, DType::F64 | DType::I64) {
+            1e-12
+        } else {
+            1e-6
+        };
+        for (i, e) in exact.iter().enumerate() {
+            assert!(
+                (f[1 + i] - e).abs() <= rounding * magnitudes,
+                "{dtype:?}: sum {i}: {} vs {e}",
+                f[1 + i]
+            );
+        }
+        let m = t.reshape((rows, cols)).unwrap();
+        let view = m.t().unwrap().contiguous().unwrap().t().unwrap();
+        assert_eq!(taken(&view, Kind::Sums), f, "{dtype:?}: a view");
+        let rebuilt = |v: Vec<f64>| {
+            let t = Tensor::from_vec(v, n, &dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            taken(&t, Kind::Sums)
+        };
+        assert_eq!(rebuilt(values.clone()), f, "{dtype:?}: rebuilt");
+        let step = |v: f64| match dtype {
+            DType::F32 => f32::from_bits((v as f32).to_bits() + 1) as f64,
+            DType::F64 => f64::from_bits(v.to_bits() + 1),
+            DType::BF16 => half::bf16::from_bits(half::bf16::from_f64(v).to_bits() + 1).to_f64(),
+            DType::F16 => half::f16::from_bits(half::f16::from_f64(v).to_bits() + 1).to_f64(),
+            _ => v + 1.0,
+        };
+        for at in [0, 4095, 4096, 65_536, 131_071, n - 1] {
+            let mut v = values.clone();
+            v[at] = step(v[at]);
+            assert_ne!(rebuilt(v)[0], f[0], "{dtype:?}: one step at {at}");
+        }
+        for (a, b) in [(10, 11), (5, 4096 + 5), (7, n - 2)] {
+            assert_ne!(values[a], values[b]);
+            let mut v = values.clone();
+            v.swap(a, b);
+            let swapped = rebuilt(v);
+            assert_ne!(swapped[0], f[0], "{dtype:?}: swap {a} {b}");
+            assert_ne!(swapped[3], f[3], "{dtype:?}: swap {a} {b}, weighted");
+        }
+        if dtype != DType::I64 {
+            // Every element one ulp up or down: a legitimate replay's noise.
+            let noisy: Vec<f64> = values
+                .iter()
+                .enumerate()
+                .map(|(p, &v)| if p % 3 == 0 { step(v) } else { v })
+                .collect();
+            let r = rebuilt(noisy);
+            assert!(!matches(&f, &r, Compare::Bitwise), "{dtype:?}");
+            assert!(
+                matches(&f, &r, Compare::Within(tolerance(dtype))),
+                "{dtype:?}"
+            );
+        }
+    }
+    let empty = Tensor::zeros((0, 3), DType::F32, &dev).unwrap();
+    assert_eq!(taken(&empty, Kind::Sums)[1..], [0.0; WORDS - 1]);
+}
+
+/// Values taken together (every chunk of every value a job for any core)
+/// get each the fingerprint it gets alone, in order, for both kinds: a
+/// parameter-like list of small and multi-chunk values, a strided view, an
+/// empty value, a value not compared, integer and half dtypes, and an
+/// 8-bit float (no bytes to hash: the checksum, whatever the kind).
+#[test]
+fn values_taken_together_get_each_its_own_fingerprint() {
+    let dev = Device::Cpu;
+    let m = ramp(3 * CHUNK).reshape((3 * CHUNK / 128, 128)).unwrap();
+    let values = [
+        ramp(256),
+        m.clone(),
+        m.t().unwrap(),
+        Tensor::zeros((0, 4), DType::F16, &dev).unwrap(),
+        m.to_dtype(DType::BF16).unwrap().narrow(1, 3, 50).unwrap(),
+        m.affine(3.0, 7.0).unwrap().to_dtype(DType::U32).unwrap(),
+        ramp(3).to_dtype(DType::F64).unwrap(),
+        ramp(1000).to_dtype(DType::F8E4M3).unwrap(),
+    ];
+    for kind in [Kind::Bits, Kind::Sums] {
+        let mut asked: Vec<Option<&Tensor>> = values.iter().map(Some).collect();
+        asked.insert(3, None);
+        let all = of_all(&asked, kind).unwrap()[0].to_vec1::<f64>().unwrap();
+        assert_eq!(all.len(), asked.len() * WORDS);
+        for (k, v) in asked.iter().enumerate() {
+            let alone = v.map_or(vec![0.0; WORDS], |t| taken(t, kind));
+            assert_eq!(&all[k * WORDS..][..WORDS], alone.as_slice(), "{kind:?}, value {k}");
+        }
+        let f8 = taken(&values[7], kind);
+        assert_eq!(f8, words(&values[7]), "{kind:?}: an 8-bit float gets the checksum");
+        // Alone, a small value is taken on this thread, a large one on
+        // every core: the same as with others.
+        assert_ne!(taken(&values[0], kind), taken(&values[6], kind));
+    }
+}
+
 /// `cargo test -p remat-runtime --release -- --ignored checksum_speed
 /// --nocapture`: nanoseconds per element of the checksum, of the digest of
 /// a value compared bit for bit, and of candle's `sum_all` on the same
@@ -332,8 +474,14 @@ fn checksum_speed() {
         let _ = of_all(&[Some(&t)], Kind::Bits).unwrap();
     }
     let digest = start.elapsed().as_nanos() as f64 / 20.0 / (4 << 20) as f64;
+    let _ = of_all(&[Some(&t)], Kind::Sums).unwrap();
+    let start = std::time::Instant::now();
+    for _ in 0..20 {
+        let _ = of_all(&[Some(&t)], Kind::Sums).unwrap();
+    }
+    let summed = start.elapsed().as_nanos() as f64 / 20.0 / (4 << 20) as f64;
     println!(
-        "checksum {ns:.3} ns/element; digest {digest:.3} ns/element; candle sum_all {sum:.3} ns/element"
+        "checksum {ns:.3} ns/element; digest {digest:.3}; digest and sums {summed:.3}; candle sum_all {sum:.3}"
     );
     // The cost of one call, on a bias-sized value.
     let small = Tensor::randn(0f32, 1.0, (256,), &Device::Cpu).unwrap();
@@ -603,7 +751,7 @@ fn of_all_gives_each_values_checksum_in_order() {
     ];
     let mut asked: Vec<Option<&Tensor>> = values.iter().map(Some).collect();
     asked.insert(2, None);
-    let parts = of_all(&asked, Kind::Sums).unwrap();
+    let parts = of_all(&asked, Kind::Checksum).unwrap();
     assert_eq!(parts.len(), 1);
     let all = parts[0].to_vec1::<f64>().unwrap();
     assert_eq!(all.len(), asked.len() * WORDS);
@@ -616,5 +764,5 @@ fn of_all_gives_each_values_checksum_in_order() {
             "value {k}"
         );
     }
-    assert!(of_all(&[], Kind::Sums).unwrap().is_empty());
+    assert!(of_all(&[], Kind::Checksum).unwrap().is_empty());
 }

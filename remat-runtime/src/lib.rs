@@ -95,7 +95,7 @@ pub use error::{Mismatch, RematError, Result};
 pub use inspect::{check_gradients, MemoryReport};
 pub use plan::{Plan, StatementInfo};
 pub use policy::Policy;
-pub use region::{checkpoint, Region};
+pub use region::Region;
 pub use sequential::checkpoint_sequential;
 pub use tape::fingerprint::without_fingerprints;
 pub use values::{Inputs, Outputs};

@@ -376,23 +376,3 @@ struct Forward<O: Outputs> {
     /// This forward looked for undeclared reads.
     captures: bool,
 }
-
-/// Runs `body` as a checkpointed region named `name`: shorthand for
-/// [`Region::new`]`(name).`[`run`](Region::run)`(inputs, body)`.
-///
-/// ```
-/// # use candle_core::{Device, Tensor, Var};
-/// let x = Var::ones(3, candle_core::DType::F32, &Device::Cpu)?;
-/// let y: Tensor = remat_runtime::checkpoint("r", &[x.as_tensor()], |ctx, ins| {
-///     ctx.recompute("cube", &[&ins[0]], |t| t[0].powf(3.0)?.sum_all())
-/// })?;
-/// assert_eq!(y.backward()?.get(&x).unwrap().to_vec1::<f32>()?, vec![3.0; 3]);
-/// # Ok::<(), remat_runtime::RematError>(())
-/// ```
-pub fn checkpoint<O, F>(name: &str, inputs: impl Inputs, body: F) -> Result<O>
-where
-    O: Outputs,
-    F: Fn(&mut Ctx, &[Tensor]) -> Result<O> + Send + Sync + 'static,
-{
-    Region::new(name).run(inputs, body)
-}

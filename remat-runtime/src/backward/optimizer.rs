@@ -202,11 +202,11 @@ impl<O: Optimizer + Send> Sink for State<O> {
 /// ```
 /// use candle_core::{DType, Device, Var};
 /// use candle_nn::{AdamW, ParamsAdamW};
-/// use remat_runtime::{checkpoint, OptimizerInBackward};
+/// use remat_runtime::{OptimizerInBackward, Region};
 /// let w = Var::ones(3, DType::F32, &Device::Cpu)?;
 /// let mut opt = OptimizerInBackward::<AdamW>::new(vec![w.clone()], ParamsAdamW::default())?;
 /// for _ in 0..3 {
-///     let loss = checkpoint("r", &[w.as_tensor()], |ctx, ins| {
+///     let loss = Region::new("r").run(&[w.as_tensor()], |ctx, ins| {
 ///         ctx.recompute("s", &[&ins[0]], |t| t[0].sqr()?.sum_all())
 ///     })?;
 ///     opt.backward_step(&loss)?;
@@ -389,10 +389,10 @@ where
     /// ```
     /// use candle_core::{DType, Device, Var};
     /// use candle_nn::{AdamW, ParamsAdamW};
-    /// use remat_runtime::{checkpoint, OptimizerInBackward};
+    /// use remat_runtime::{OptimizerInBackward, Region};
     /// let (w, unused) = (Var::ones(3, DType::F32, &Device::Cpu)?, Var::ones(2, DType::F32, &Device::Cpu)?);
     /// let mut opt = OptimizerInBackward::<AdamW>::new(vec![w.clone(), unused], ParamsAdamW::default())?;
-    /// let loss = checkpoint("r", &[w.as_tensor()], |ctx, ins| {
+    /// let loss = Region::new("r").run(&[w.as_tensor()], |ctx, ins| {
     ///     ctx.recompute("s", &[&ins[0]], |t| t[0].sqr()?.sum_all())
     /// })?;
     /// opt.backward_step(&loss)?;

@@ -18,9 +18,9 @@ use crate::Result;
 ///
 /// ```
 /// use candle_core::{Device, Var};
-/// use remat_runtime::{checkpoint, retain_tape};
+/// use remat_runtime::{retain_tape, Region};
 /// let x = Var::ones(2, candle_core::DType::F32, &Device::Cpu)?;
-/// let y = checkpoint("r", &[x.as_tensor()], |ctx, ins| {
+/// let y = Region::new("r").run(&[x.as_tensor()], |ctx, ins| {
 ///     ctx.recompute("s", &[&ins[0]], |t| t[0].sqr()?.sum_all())
 /// })?;
 /// let first = retain_tape(|| y.backward())?;
@@ -47,9 +47,9 @@ pub(crate) fn retaining() -> bool {
 ///
 /// ```
 /// use candle_core::{Device, Var};
-/// use remat_runtime::{backward, checkpoint, RematError};
+/// use remat_runtime::{backward, Region, RematError};
 /// let x = Var::ones(2, candle_core::DType::F32, &Device::Cpu)?;
-/// let y = checkpoint("r", &[x.as_tensor()], |ctx, ins| {
+/// let y = Region::new("r").run(&[x.as_tensor()], |ctx, ins| {
 ///     ctx.recompute("s", &[&ins[0]], |t| t[0].sum_all())
 /// })?;
 /// backward(&y)?;

@@ -9,11 +9,12 @@
 //! * `unit`: [`Unit`], one step of the backward sweep;
 //! * `timed`: replay times of statements, for `PeakPlan`'s time model.
 //!
-//! Longer than the other files (about 600 lines) for a reason: the replay's
-//! two statement paths, `recompute` and `skip_saved`, and the checks of
-//! each (against the record, undeclared reads, fingerprints to collect)
-//! share one state (values, units, open leaves); split into files, every
-//! piece would take that whole state as an argument.
+//! Longer than the other files for a reason: the replay's two statement
+//! paths, `recompute` and `skip_saved`, and the checks of each (against the
+//! record, undeclared reads, fingerprints to collect) share one state
+//! (values, units, open leaves); split into files, every piece would take
+//! that whole state as an argument. Each path is one short function that
+//! names its steps, each step a method of its own.
 
 pub(crate) mod timed;
 mod unit;
@@ -31,7 +32,7 @@ use crate::inspect::trace::{self, Phase, TraceEvent};
 use crate::tape::checksum::Kind;
 use crate::tape::fingerprint::{self, Checks, Compare, Subject};
 use crate::tape::unread;
-use crate::tape::{Meta, Record};
+use crate::tape::{Meta, Record, Saved};
 use crate::{Outputs, Policy, RematError, Result};
 
 /// A value seen during replay.
@@ -294,6 +295,9 @@ impl Replay {
         Ok(out)
     }
 
+    /// A recomputed statement: runs again on the values of the replay (in
+    /// the open unit, or a new one), checked against its record, its
+    /// fingerprints taken, its outputs registered as values.
     fn recompute<O: Outputs>(
         &mut self,
         region: &str,
@@ -303,6 +307,41 @@ impl Replay {
         value_inputs: usize,
         f: impl FnOnce(&[Tensor]) -> Result<O>,
     ) -> Result<O> {
+        self.check_no_placeholder(region, name, inputs)?;
+        let u = self.open_unit(name);
+        let (args, bitwise) = self.args(region, name, k, u, inputs, value_inputs)?;
+        let reads_tracked = args.iter().take(value_inputs).any(|t| t.track_op());
+        let (sole_call, unread) = (self.records[k].sole_call, self.records[k].unread);
+        let skip = sole_call.filter(|_| unread).map(usize::from);
+        let (out, calls) = timed::replay(region, name, || unread::watch(skip, || f(&args)));
+        let out = out.map_err(|e| e.in_statement(region, name))?;
+        let mut tensors = Vec::new();
+        let skeleton = out.split_into(&mut tensors);
+        check_cut(region, name, reads_tracked, &tensors)?;
+        check_reached(region, name, &args, value_inputs, &tensors)?;
+        drop(args);
+        self.check_outputs(region, name, k, &tensors)?;
+        // The statement's value is the same op call's output as in the
+        // forward (or no op call's alone): what the record decided holds.
+        if unread::sole_call::<O::Skeleton>(&calls, &tensors) != sole_call {
+            let expected = match sole_call {
+                Some(c) => format!("`{name}` giving as its value the output of its op call {c}"),
+                None => format!("`{name}` giving a value that is no op call's output alone"),
+            };
+            return Err(RematError::desync(region, expected, "another value"));
+        }
+        let sole_input = sole_call.map(|c| calls[usize::from(c)].input.clone());
+        drop(calls);
+        self.check_declared(region, name, u, &tensors)?;
+        self.check_gained(region, name, k, &tensors)?;
+        self.take_fingerprints(name, unread, bitwise, &tensors, sole_input.as_ref())?;
+        self.register(u, k, bitwise, &tensors);
+        O::join(&mut tensors.into_iter(), &skeleton)
+    }
+
+    /// A statement reading a placeholder (a saved output not yet computed
+    /// in this replay) is an error naming the statement that makes it.
+    fn check_no_placeholder(&self, region: &str, name: &str, inputs: &[&Tensor]) -> Result<()> {
         for t in inputs {
             if let Some(producer) = self.placeholders.get(&t.id()) {
                 return Err(RematError::PlaceholderRead {
@@ -312,7 +351,12 @@ impl Replay {
                 });
             }
         }
-        let u = match self.open {
+        Ok(())
+    }
+
+    /// The open unit, `name` added to its label, or a new one.
+    fn open_unit(&mut self, name: &str) -> usize {
+        match self.open {
             Some(u) => {
                 self.units[u].label.push_str(&format!(", {name}"));
                 u
@@ -322,10 +366,22 @@ impl Replay {
                 self.open = Some(self.units.len() - 1);
                 self.units.len() - 1
             }
-        };
+        }
+    }
+
+    /// What recomputed statement `k` of unit `u` runs on, and whether its
+    /// replay computes the forward's bits: every input it reads for its
+    /// value has the forward's bits and layout, on the CPU.
+    fn args(
+        &mut self,
+        region: &str,
+        name: &str,
+        k: usize,
+        u: usize,
+        inputs: &[&Tensor],
+        value_inputs: usize,
+    ) -> Result<(Vec<Tensor>, bool)> {
         let mut args = Vec::with_capacity(inputs.len());
-        // The replay computes the forward's bits when every input it reads
-        // for its value has the forward's bits and layout, on the CPU.
         let mut bitwise = true;
         for (i, t) in inputs.iter().enumerate() {
             let value = self.values.get(&t.id());
@@ -335,35 +391,10 @@ impl Replay {
                 // Read for its value: a leaf, so that the gradient through it
                 // reaches its unit (one copy, shared by the units reading it).
                 Some(v) if v.requires_grad && v.unit != Some(u) && i < value_inputs => {
-                    let (tensor, shared, share) = (v.tensor.clone(), v.leaf.clone(), v.share);
                     // Read as the forward read it: strided, or a contiguous
                     // copy (a first forward's leaf).
                     let strided = self.records[k].strided_reads.get(i).unwrap_or(true);
-                    let layout = v.layout.clone().filter(|_| strided);
-                    let leaf = match self.open_leaves.get(&t.id()) {
-                        Some(leaf) => leaf.clone(),
-                        None => {
-                            // A value that is a leaf already serves every
-                            // unit that reads it: no copy.
-                            let leaf = match (tensor.is_variable(), shared) {
-                                (true, _) => tensor,
-                                (false, Some(leaf)) => leaf,
-                                (false, None) => self.leaf_of(&tensor, layout.as_ref())?,
-                            };
-                            if share {
-                                if let Some(v) = self.values.get_mut(&t.id()) {
-                                    v.leaf = Some(leaf.clone());
-                                }
-                            }
-                            self.open_leaves.insert(t.id(), leaf.clone());
-                            self.units[u].add_leaf(t.id(), leaf.clone());
-                            if let Some(r) = self.relayouts.get(&leaf.id()) {
-                                self.units[u].relayouts.push((leaf.id(), r.clone()));
-                            }
-                            self.needed.insert(t.id());
-                            leaf
-                        }
-                    };
+                    let leaf = self.open_leaf(u, t, strided)?;
                     args.push(self.read_of(&leaf, strided)?);
                 }
                 // A value that carries no gradient (an integer one made
@@ -379,17 +410,44 @@ impl Replay {
             }
         }
         bitwise &= fingerprint::layouts(args.iter().take(value_inputs)) == self.records[k].layouts;
-        let reads_tracked = args.iter().take(value_inputs).any(|t| t.track_op());
-        let record = &self.records[k];
-        let (sole_call, unread) = (record.sole_call, record.unread);
-        let skip = sole_call.filter(|_| unread).map(usize::from);
-        let (out, calls) = timed::replay(region, name, || unread::watch(skip, || f(&args)));
-        let out = out.map_err(|e| e.in_statement(region, name))?;
-        let mut tensors = Vec::new();
-        let skeleton = out.split_into(&mut tensors);
-        check_cut(region, name, reads_tracked, &tensors)?;
-        check_reached(region, name, &args, value_inputs, &tensors)?;
-        drop(args);
+        Ok((args, bitwise))
+    }
+
+    /// The leaf unit `u` reads the value `t` through: the one the unit
+    /// opened already, the value itself if it is a leaf, the shared copy of
+    /// a saved output, or a new copy (laid out as the forward read it if
+    /// `strided`), added to the unit.
+    fn open_leaf(&mut self, u: usize, t: &Tensor, strided: bool) -> Result<Tensor> {
+        if let Some(leaf) = self.open_leaves.get(&t.id()) {
+            return Ok(leaf.clone());
+        }
+        let v = &self.values[&t.id()];
+        let (tensor, shared, share) = (v.tensor.clone(), v.leaf.clone(), v.share);
+        let layout = v.layout.clone().filter(|_| strided);
+        // A value that is a leaf already serves every unit that reads it:
+        // no copy.
+        let leaf = match (tensor.is_variable(), shared) {
+            (true, _) => tensor,
+            (false, Some(leaf)) => leaf,
+            (false, None) => self.leaf_of(&tensor, layout.as_ref())?,
+        };
+        if share {
+            if let Some(v) = self.values.get_mut(&t.id()) {
+                v.leaf = Some(leaf.clone());
+            }
+        }
+        self.open_leaves.insert(t.id(), leaf.clone());
+        self.units[u].add_leaf(t.id(), leaf.clone());
+        if let Some(r) = self.relayouts.get(&leaf.id()) {
+            self.units[u].relayouts.push((leaf.id(), r.clone()));
+        }
+        self.needed.insert(t.id());
+        Ok(leaf)
+    }
+
+    /// The replay's outputs of statement `k` are as many as the forward's,
+    /// each of the same shape, dtype and device.
+    fn check_outputs(&self, region: &str, name: &str, k: usize, tensors: &[Tensor]) -> Result<()> {
         let record = &self.records[k];
         if tensors.len() != record.outputs.len() {
             return Err(RematError::desync(
@@ -398,73 +456,85 @@ impl Replay {
                 format!("`{name}` returning {} tensors", tensors.len()),
             ));
         }
-        for (j, (meta, t)) in record.outputs.iter().zip(&tensors).enumerate() {
+        for (j, (meta, t)) in record.outputs.iter().zip(tensors).enumerate() {
             let replay = Meta::of(t);
             if let Err(e) = meta.check(&replay, region, name, format!("output {j}")) {
                 let at = format!("{name} recompute, output {j} {:?}", replay.shape.dims());
                 return Err(e.with_trace(self.side_by_side(k, &at)));
             }
         }
-        // The statement's value is the same op call's output as in the
-        // forward (or no op call's alone): what the record decided holds.
-        if unread::sole_call::<O::Skeleton>(&calls, &tensors) != sole_call {
-            let expected = match sole_call {
-                Some(c) => format!("`{name}` giving as its value the output of its op call {c}"),
-                None => format!("`{name}` giving a value that is no op call's output alone"),
-            };
-            return Err(RematError::desync(region, expected, "another value"));
-        }
-        let sole_input = sole_call.map(|c| calls[usize::from(c)].input.clone());
-        drop(calls);
-        self.check_declared(region, name, u, &tensors)?;
-        // An output that needs gradients only in the replay got them through
-        // a value the statement read without declaring it: the forward
-        // handed it on as a constant, and saved statements reading it kept
-        // no way back.
+        Ok(())
+    }
+
+    /// An output that needs gradients only in the replay got them through a
+    /// value the statement read without declaring it: the forward handed
+    /// it on as a constant, and saved statements reading it kept no way
+    /// back.
+    fn check_gained(&self, region: &str, name: &str, k: usize, tensors: &[Tensor]) -> Result<()> {
         let needed = self.records[k].outputs_need_grad;
         let gained = tensors
             .iter()
             .enumerate()
             .any(|(j, t)| carries_grad(t) && needed.get(j) == Some(false));
-        if gained {
-            return Err(RematError::UndeclaredInput {
+        match gained {
+            true => Err(RematError::UndeclaredInput {
                 region: region.to_string(),
                 statement: name.to_string(),
-            });
+            }),
+            false => Ok(()),
         }
-        if let Some(checks) = &mut self.checks {
-            let compare = |t: &Tensor| {
-                if bitwise && t.device().is_cpu() {
-                    Compare::Bitwise
-                } else {
-                    Compare::Within(fingerprint::tolerance(t.dtype()))
-                }
+    }
+
+    /// The fingerprints of a recomputed statement's outputs (none compared
+    /// for an output left `unread`), and, in place of an output the replay
+    /// may leave uncomputed, of what its op's backward reads.
+    fn take_fingerprints(
+        &mut self,
+        name: &str,
+        unread: bool,
+        bitwise: bool,
+        tensors: &[Tensor],
+        sole_input: Option<&Tensor>,
+    ) -> Result<()> {
+        let Some(checks) = &mut self.checks else {
+            return Ok(());
+        };
+        let compare = |t: &Tensor| {
+            if bitwise && t.device().is_cpu() {
+                Compare::Bitwise
+            } else {
+                Compare::Within(fingerprint::tolerance(t.dtype()))
+            }
+        };
+        let mut taken = Vec::new();
+        for (output, t) in tensors.iter().enumerate() {
+            let (compare, t) = match unread {
+                true => (Compare::Unread, None),
+                false => (compare(t), Some(t)),
             };
-            let mut taken = Vec::new();
-            for (output, t) in tensors.iter().enumerate() {
-                let (compare, t) = match unread {
-                    true => (Compare::Unread, None),
-                    false => (compare(t), Some(t)),
-                };
-                let subject = Subject::Output {
-                    statement: name.to_string(),
-                    output,
-                    compare,
-                };
-                taken.push((subject, t));
-            }
-            // In place of an output the replay may leave uncomputed: what
-            // its op's backward reads.
-            if let Some(input) = &sole_input {
-                let subject = Subject::Output {
-                    statement: name.to_string(),
-                    output: 0,
-                    compare: compare(input),
-                };
-                taken.push((subject, Some(input)));
-            }
-            checks.take(taken, Kind::Sums)?;
+            let subject = Subject::Output {
+                statement: name.to_string(),
+                output,
+                compare,
+            };
+            taken.push((subject, t));
         }
+        if let Some(input) = sole_input {
+            let subject = Subject::Output {
+                statement: name.to_string(),
+                output: 0,
+                compare: compare(input),
+            };
+            taken.push((subject, Some(input)));
+        }
+        checks.take(taken, Kind::Sums)
+    }
+
+    /// The outputs of recomputed statement `k`, run in unit `u`, as values
+    /// of the replay (an output that is one of the unit's own leaves stays
+    /// what it is).
+    fn register(&mut self, u: usize, k: usize, bitwise: bool, tensors: &[Tensor]) {
+        let needed = self.records[k].outputs_need_grad;
         for (j, t) in tensors.iter().enumerate() {
             // An output that is one of the unit's own leaves stays what it is.
             if !self.values.contains_key(&t.id()) {
@@ -486,7 +556,6 @@ impl Replay {
                 self.values.insert(t.id(), value);
             }
         }
-        O::join(&mut tensors.into_iter(), &skeleton)
     }
 
     /// A leaf standing for `t`, a value the forward read laid out as
@@ -529,6 +598,10 @@ impl Replay {
         })
     }
 
+    /// A saved (or offloaded) statement: not run; its outputs are the
+    /// values the forward ferried (or placeholders), in the unit of its
+    /// kept graph (a new one, or the last if it continued the saved
+    /// statement before it).
     fn skip_saved<O: Outputs>(
         &mut self,
         region: &str,
@@ -538,8 +611,7 @@ impl Replay {
     ) -> Result<O> {
         self.open = None;
         self.open_leaves.clear();
-        let record = &mut self.records[k];
-        let saved = record.saved.take().ok_or_else(|| {
+        let saved = self.records[k].saved.take().ok_or_else(|| {
             RematError::desync(
                 region,
                 format!("saved statement `{name}` with its record"),
@@ -552,6 +624,58 @@ impl Replay {
             (true, n) if n > 0 => n - 1,
             (_, n) => n,
         };
+        let leaves = self.saved_leaves(region, name, &saved, inputs)?;
+        // Offloaded residuals come back when the sweep reaches the unit, or
+        // now if a recomputed statement reads one of the outputs.
+        let mut restore = Vec::new();
+        if let Some(offloaded) = &saved.offloaded {
+            if saved.ferried.iter().any(Option::is_some) {
+                offloaded.restore()?;
+            } else {
+                restore.push(offloaded.clone());
+            }
+        }
+        let (outputs, continued) = self.saved_outputs(name, k, u, &saved)?;
+        let skeleton = saved
+            .skeleton
+            .downcast_ref::<O::Skeleton>()
+            .ok_or_else(|| {
+                RematError::desync(
+                    region,
+                    format!("`{name}` returning the same type as in the forward"),
+                    "another type",
+                )
+            })?
+            .clone();
+        if u < self.units.len() {
+            self.units[u].label.push_str(&format!(", {name}"));
+        } else {
+            self.units.push(Unit::new(name, Vec::new()));
+        }
+        let unit = &mut self.units[u];
+        for (source, leaf) in leaves {
+            unit.add_leaf(source, leaf);
+        }
+        unit.restore.extend(restore);
+        if continued {
+            // The recomputed statements after it join its unit, sharing its
+            // leaves.
+            self.open = Some(u);
+            self.open_leaves = unit.leaves.iter().cloned().collect();
+        }
+        O::join(&mut outputs.into_iter(), &skeleton)
+    }
+
+    /// The leaves a saved statement's kept graph starts from, each with the
+    /// value it stands for: an input that needs gradients in the replay as
+    /// it did in the forward.
+    fn saved_leaves(
+        &mut self,
+        region: &str,
+        name: &str,
+        saved: &Saved,
+        inputs: &[&Tensor],
+    ) -> Result<Vec<(TensorId, Tensor)>> {
         let mut leaves = Vec::new();
         for (i, leaf) in saved.leaves.iter().enumerate() {
             let Some(leaf) = leaf else { continue };
@@ -570,22 +694,27 @@ impl Replay {
                 }
             }
         }
-        // Offloaded residuals come back when the sweep reaches the unit, or
-        // now if a recomputed statement reads one of the outputs.
-        let mut restore = Vec::new();
-        if let Some(offloaded) = &saved.offloaded {
-            if saved.ferried.iter().any(Option::is_some) {
-                offloaded.restore()?;
-            } else {
-                restore.push(offloaded.clone());
-            }
-        }
-        let mut outputs = Vec::with_capacity(record.outputs.len());
+        Ok(leaves)
+    }
+
+    /// The outputs of saved statement `k` as values of unit `u`: a ferried
+    /// output (continued by the recomputed statements after it when it
+    /// needs gradients: the flag returned), or a placeholder that no
+    /// statement may read.
+    fn saved_outputs(
+        &mut self,
+        name: &str,
+        k: usize,
+        u: usize,
+        saved: &Saved,
+    ) -> Result<(Vec<Tensor>, bool)> {
+        let metas = &self.records[k].outputs;
+        let mut outputs = Vec::with_capacity(metas.len());
         // Recomputed statements reading an output that needs gradients
         // continue this statement's graph, in its unit: no leaf copy of the
         // output (it would sit beside the graph's own until the sweep).
         let mut continued = false;
-        for (j, meta) in record.outputs.iter().enumerate() {
+        for (j, meta) in metas.iter().enumerate() {
             let target = saved.outs.get(j).cloned();
             let requires_grad = target.as_ref().is_some_and(carries_grad);
             // A parameter returned as it is stays a leaf copy: the sweep
@@ -621,34 +750,7 @@ impl Replay {
             );
             outputs.push(value);
         }
-        let skeleton = saved
-            .skeleton
-            .downcast_ref::<O::Skeleton>()
-            .ok_or_else(|| {
-                RematError::desync(
-                    region,
-                    format!("`{name}` returning the same type as in the forward"),
-                    "another type",
-                )
-            })?
-            .clone();
-        if u < self.units.len() {
-            self.units[u].label.push_str(&format!(", {name}"));
-        } else {
-            self.units.push(Unit::new(name, Vec::new()));
-        }
-        let unit = &mut self.units[u];
-        for (source, leaf) in leaves {
-            unit.add_leaf(source, leaf);
-        }
-        unit.restore.extend(restore);
-        if continued {
-            // The recomputed statements after it join its unit, sharing its
-            // leaves.
-            self.open = Some(u);
-            self.open_leaves = unit.leaves.iter().cloned().collect();
-        }
-        O::join(&mut outputs.into_iter(), &skeleton)
+        Ok((outputs, continued))
     }
 
     /// Ends the replay: checks every record was consumed and decides which

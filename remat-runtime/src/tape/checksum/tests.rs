@@ -439,10 +439,18 @@ fn values_taken_together_get_each_its_own_fingerprint() {
         assert_eq!(all.len(), asked.len() * WORDS);
         for (k, v) in asked.iter().enumerate() {
             let alone = v.map_or(vec![0.0; WORDS], |t| taken(t, kind));
-            assert_eq!(&all[k * WORDS..][..WORDS], alone.as_slice(), "{kind:?}, value {k}");
+            assert_eq!(
+                &all[k * WORDS..][..WORDS],
+                alone.as_slice(),
+                "{kind:?}, value {k}"
+            );
         }
         let f8 = taken(&values[7], kind);
-        assert_eq!(f8, words(&values[7]), "{kind:?}: an 8-bit float gets the checksum");
+        assert_eq!(
+            f8,
+            words(&values[7]),
+            "{kind:?}: an 8-bit float gets the checksum"
+        );
         // Alone, a small value is taken on this thread, a large one on
         // every core: the same as with others.
         assert_ne!(taken(&values[0], kind), taken(&values[6], kind));

@@ -311,7 +311,7 @@ impl Region {
             unreachable!("the context was built in record mode")
         };
         let known: Vec<bool> = outputs.iter().map(|t| recorder.knows(t)).collect();
-        let recorded = recorder.finish(&visible);
+        let recorded = recorder.finish(&visible)?;
         Ok(Forward {
             outputs,
             skeleton,

@@ -406,6 +406,79 @@ mod tests {
         assert_eq!((end.0 - backward.0, end.1 - backward.1), (2 * values, 1));
     }
 
+    /// A statement whose value is one `nn` op's output has that op's input
+    /// fingerprinted only where the replay may leave the value
+    /// uncomputed: before a saved statement or at the end of the forward,
+    /// not before a recomputed one (whose replay computes the value and
+    /// compares it); the replay takes the same, and an input computed
+    /// otherwise in the replay is still caught where it is compared.
+    #[test]
+    fn an_ops_input_is_fingerprinted_only_where_its_output_may_go_uncomputed() {
+        let dev = Device::Cpu;
+        let w = Var::randn(0f32, 0.3, (8, 8), &dev).unwrap();
+        let x = Var::randn(0f32, 1.0, (4, 8), &dev).unwrap();
+        // Five linear statements, those in `saved` saved; the scale is 1 in
+        // the forward and `replay_scale` in the replay. The last linear's
+        // output is the region's output.
+        let call = |saved: Vec<usize>, replay_scale: f64| {
+            let wt = w.as_tensor().clone();
+            let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            Region::new("r")
+                .run(&[x.as_tensor()], move |ctx, ins| {
+                    let scale = match runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst) {
+                        0 => 1.0,
+                        _ => replay_scale,
+                    };
+                    let mut h = ins[0].clone();
+                    for i in 0..5 {
+                        let wt = wt.clone();
+                        let f = move |t: &[Tensor]| crate::nn::linear(&(&t[0] * scale)?, &wt, None);
+                        h = match saved.contains(&i) {
+                            true => ctx.save(&format!("l{i}"), &[&h], f)?,
+                            false => ctx.recompute(&format!("l{i}"), &[&h], f)?,
+                        };
+                    }
+                    Ok(h)
+                })
+                .unwrap()
+        };
+        // (saved statements, ops' inputs taken): checksums in the forward
+        // are the parameter, the input, each recomputed output and those.
+        for (saved, sole_inputs) in [
+            // All recomputed: only the last one's op input.
+            (vec![], 1),
+            // l1 saved: l0's op input (before a saved statement) and l4's.
+            (vec![1], 2),
+            // The last one saved: l3's (before it); l4 has none taken.
+            (vec![4], 1),
+            (vec![1, 3], 3),
+        ] {
+            let taken = 1 + 1 + (5 - saved.len()) + sole_inputs;
+            let start = counts::now();
+            let y = call(saved.clone(), 1.0);
+            let forward = counts::now();
+            assert_eq!(forward.0 - start.0, taken, "{saved:?}");
+            let g = crate::backward(&y.sum_all().unwrap()).unwrap();
+            assert!(g.get(&w).is_some());
+            // The replay leaves the last recomputed statement's output
+            // uncomputed (nothing in it reads the value): one fewer.
+            assert_eq!(counts::now().0 - forward.0, taken - 1, "{saved:?}: the replay");
+        }
+        // The scale changes between the forward and the replay: caught in
+        // every arrangement, at the first recomputed statement.
+        for saved in [vec![], vec![1], vec![4], vec![0, 1, 2, 3]] {
+            let first = (0..5).find(|i| !saved.contains(i)).unwrap();
+            let y = call(saved.clone(), 3.0);
+            let e = crate::backward(&y.sum_all().unwrap()).unwrap_err();
+            match &e {
+                RematError::ReplayDiverged { statement, .. } => {
+                    assert_eq!(statement, &format!("l{first}"), "{saved:?}")
+                }
+                other => panic!("{saved:?}: {other:?}"),
+            }
+        }
+    }
+
     #[test]
     fn noise_matches_within_and_changes_do_not() {
         let f = [1.0, 0.5, 300.0, 100.0];

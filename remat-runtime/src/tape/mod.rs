@@ -132,9 +132,14 @@ pub(crate) struct Record {
     /// input that has a view to read).
     pub strided_reads: Mask,
     /// For a recomputed statement whose whole value is the tensor of one
-    /// of its `nn` op calls: that call ([`unread::sole_call`]); its op's
-    /// input is fingerprinted after the statement's outputs.
+    /// of its `nn` op calls: that call ([`unread::sole_call`]).
     pub sole_call: Option<u16>,
+    /// That op's input was fingerprinted after the statement's outputs:
+    /// the statement was followed by a saved one, or by none (the replay
+    /// may then leave its value uncomputed and compare the input in its
+    /// place). Before a recomputed statement it is not: the replay
+    /// computes the value and compares that.
+    pub sole_fingerprinted: bool,
     /// Nothing in the replay reads that value: the replay leaves it
     /// uncomputed ([`unread`]).
     pub unread: bool,

@@ -160,6 +160,13 @@ pub(crate) struct Recorder {
     /// tensor: (record, the value). The replay may leave such a value
     /// uncomputed ([`unread`]).
     sole_values: Vec<(usize, TensorId)>,
+    /// The last record if it is a recomputed statement whose value is one
+    /// `nn` op call's tensor, and that op's input: fingerprinted when the
+    /// next statement is a saved one or none follows (the replay may leave
+    /// that value uncomputed and compare the input in its place), dropped
+    /// unfingerprinted when the next statement is recomputed (the replay
+    /// then computes the value and compares it).
+    pending_sole: Option<(usize, Tensor)>,
     records: Vec<Record>,
     leaf_ids: HashSet<TensorId>,
     /// The leaf copy of each value saved statements read: one per value in
@@ -232,6 +239,7 @@ impl Recorder {
             replay_reads: HashMap::new(),
             saved_reads: HashMap::new(),
             sole_values: Vec::new(),
+            pending_sole: None,
             records: Vec::new(),
             leaf_ids: value_leaves.clone(),
             shared_leaves: HashMap::new(),
@@ -265,6 +273,10 @@ impl Recorder {
         inputs: &[&Tensor],
         f: impl FnOnce(&[Tensor]) -> Result<O>,
     ) -> Result<O> {
+        match s.policy {
+            Policy::Recompute => self.pending_sole = None,
+            Policy::Save | Policy::Offload => self.fingerprint_pending_sole()?,
+        }
         let needs = inputs
             .iter()
             .enumerate()
@@ -293,13 +305,7 @@ impl Recorder {
             Policy::Save | Policy::Offload => self.save(&s, inputs, &needs, run)?,
         };
         if let (Policy::Recompute, Some(fingerprints)) = (s.policy, &mut self.fingerprints) {
-            // And what the backward of an output the replay may leave
-            // uncomputed reads: compared in its place.
-            let taken: Vec<Option<&Tensor>> = outputs
-                .iter()
-                .chain(ran.sole.as_ref().map(|(_, input)| input))
-                .map(Some)
-                .collect();
+            let taken: Vec<Option<&Tensor>> = outputs.iter().map(Some).collect();
             fingerprints.extend(fingerprint::of_all(&taken, Kind::Sums)?);
         }
         let outputs_need_grad = Mask::of(outputs.len(), |j| {
@@ -316,6 +322,7 @@ impl Recorder {
             layouts: ran.layouts,
             strided_reads: ran.strided_reads,
             sole_call: ran.sole.as_ref().map(|s| s.0),
+            sole_fingerprinted: false,
             unread: false,
             host_read: reads_tracked && outputs.is_empty(),
             saved,
@@ -326,6 +333,9 @@ impl Recorder {
                 })
             }),
         });
+        if s.policy == Policy::Recompute && self.fingerprints.is_some() {
+            self.pending_sole = ran.sole.map(|(_, input)| (index, input));
+        }
         self.trace_event(index);
         O::join(&mut outputs.into_iter(), &ran.skeleton)
     }
@@ -620,10 +630,24 @@ impl Recorder {
         self.requires_grad.contains_key(&t.id())
     }
 
+    /// Fingerprints the input of the pending sole call, if any, after
+    /// every fingerprint of its record (see `pending_sole`).
+    fn fingerprint_pending_sole(&mut self) -> Result<()> {
+        let (Some((k, input)), Some(fingerprints)) =
+            (self.pending_sole.take(), &mut self.fingerprints)
+        else {
+            return Ok(());
+        };
+        fingerprints.extend(fingerprint::of_all(&[Some(&input)], Kind::Sums)?);
+        self.records[k].sole_fingerprinted = true;
+        Ok(())
+    }
+
     /// Ends the forward: saved outputs that no recomputed statement reads are
     /// dropped from the tape (replay gives placeholders for them), and so
     /// are the region `inputs` no recomputed statement reads.
-    pub fn finish(mut self, inputs: &[Tensor]) -> Recorded {
+    pub fn finish(mut self, inputs: &[Tensor]) -> Result<Recorded> {
+        self.fingerprint_pending_sole()?;
         let inputs_read = inputs
             .iter()
             .map(|t| {
@@ -656,13 +680,13 @@ impl Recorder {
         }
         // The tape keeps the records as long as it lives: no spare capacity.
         self.records.shrink_to_fit();
-        Recorded {
+        Ok(Recorded {
             records: self.records,
             params: self.params,
             inputs_read,
             param_statements,
             fingerprints: self.fingerprints,
-        }
+        })
     }
 }
 

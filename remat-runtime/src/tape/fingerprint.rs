@@ -462,7 +462,11 @@ mod tests {
             assert!(g.get(&w).is_some());
             // The replay leaves the last recomputed statement's output
             // uncomputed (nothing in it reads the value): one fewer.
-            assert_eq!(counts::now().0 - forward.0, taken - 1, "{saved:?}: the replay");
+            assert_eq!(
+                counts::now().0 - forward.0,
+                taken - 1,
+                "{saved:?}: the replay"
+            );
         }
         // The scale changes between the forward and the replay: caught in
         // every arrangement, at the first recomputed statement.

@@ -92,6 +92,10 @@ pub(crate) struct Replay {
     /// Fingerprints to compare when the replay ends (`None` when the
     /// forward took none).
     checks: Option<Checks>,
+    /// The input of the last statement's sole op call, to fingerprint at
+    /// the start of the next statement or at the end, as the forward did
+    /// (`Recorder::pending_sole`).
+    pending_sole: Option<(Subject, Tensor)>,
 }
 
 /// `save`, `recompute` or `(plan)`, for side-by-side traces.
@@ -211,6 +215,7 @@ impl Replay {
             trace,
             params: params.iter().map(|p| p.id()).collect(),
             checks,
+            pending_sole: None,
         })
     }
 
@@ -307,6 +312,7 @@ impl Replay {
         value_inputs: usize,
         f: impl FnOnce(&[Tensor]) -> Result<O>,
     ) -> Result<O> {
+        self.fingerprint_pending_sole()?;
         self.check_no_placeholder(region, name, inputs)?;
         let u = self.open_unit(name);
         let (args, bitwise) = self.args(region, name, k, u, inputs, value_inputs)?;
@@ -528,9 +534,20 @@ impl Replay {
                 output: 0,
                 compare: compare(input),
             };
-            taken.push((subject, Some(input)));
+            self.pending_sole = Some((subject, input.clone()));
         }
         checks.take(taken, Kind::Sums)
+    }
+
+    /// Fingerprints the pending sole call's input, if any: at the start of
+    /// the next statement or at the end of the replay, when the forward
+    /// took it.
+    fn fingerprint_pending_sole(&mut self) -> Result<()> {
+        let (Some((subject, input)), Some(checks)) = (self.pending_sole.take(), &mut self.checks)
+        else {
+            return Ok(());
+        };
+        checks.take(vec![(subject, Some(&input))], Kind::Sums)
     }
 
     /// The outputs of recomputed statement `k`, run in unit `u`, as values
@@ -612,6 +629,7 @@ impl Replay {
         k: usize,
         inputs: &[&Tensor],
     ) -> Result<O> {
+        self.fingerprint_pending_sole()?;
         self.open = None;
         self.open_leaves.clear();
         let saved = self.records[k].saved.take().ok_or_else(|| {
@@ -768,6 +786,7 @@ impl Replay {
                     .collect(),
             });
         }
+        self.fingerprint_pending_sole()?;
         if let Some(checks) = self.checks.take() {
             checks.compare(region)?;
         }

@@ -164,8 +164,9 @@ pub(crate) struct Recorder {
     /// `nn` op call's tensor, and that op's input: fingerprinted when the
     /// next statement is a saved one or none follows (the replay may leave
     /// that value uncomputed and compare the input in its place), dropped
-    /// unfingerprinted when the next statement is recomputed (the replay
-    /// then computes the value and compares it).
+    /// unfingerprinted when the next recomputed statement is recorded (the
+    /// replay then computes the value and compares it). The replay takes it
+    /// at the same points, so that both read it after the same code.
     pending_sole: Option<(usize, Tensor)>,
     records: Vec<Record>,
     leaf_ids: HashSet<TensorId>,
@@ -273,9 +274,11 @@ impl Recorder {
         inputs: &[&Tensor],
         f: impl FnOnce(&[Tensor]) -> Result<O>,
     ) -> Result<O> {
-        match s.policy {
-            Policy::Recompute => self.pending_sole = None,
-            Policy::Save | Policy::Offload => self.fingerprint_pending_sole()?,
+        // Before a saved statement, the pending op input is taken; a
+        // recomputed one replaces it once it is recorded (one that fails
+        // leaves it pending).
+        if s.policy != Policy::Recompute {
+            self.fingerprint_pending_sole()?;
         }
         let needs = inputs
             .iter()

@@ -13,7 +13,9 @@
 //!   its backward reads ([`op_output`]); when the statement's whole value
 //!   is one op call's tensor as it is ([`sole_call`]: no other tensor and
 //!   no plain data another op or the block could have computed from it),
-//!   the record names the call and the op's input is fingerprinted; when
+//!   the record names the call, and the op's input is fingerprinted if
+//!   the next statement is saved or none follows
+//!   (`Recorder::pending_sole`); when
 //!   the forward ends, the value is unread if the statement is the last
 //!   recomputed one of the region (no later statement's code, nor block
 //!   code feeding one, could have read it) and no later recomputed

@@ -171,22 +171,7 @@ pub(crate) fn of_all(values: &[Option<&Tensor>], kind: Kind) -> Result<Vec<Tenso
         .flatten()
         .all(|t| t.device().same_device(&device));
     if device.is_cpu() && on_one {
-        let held: Vec<_> = values
-            .iter()
-            .map(|v| v.map(|t| t.storage_and_layout()))
-            .collect();
-        let cpu: Vec<together::Value> = held
-            .iter()
-            .map(|h| {
-                h.as_ref().map(|(storage, layout)| {
-                    let candle_core::Storage::Cpu(cpu) = &**storage else {
-                        unreachable!("a CPU tensor's storage")
-                    };
-                    (cpu, *layout)
-                })
-            })
-            .collect();
-        let words = together::fingerprints(&cpu, kind);
+        let words = together::fingerprints(values, kind);
         return Ok(vec![Tensor::from_vec(
             words,
             values.len() * WORDS,
@@ -211,11 +196,10 @@ pub(crate) fn of_all(values: &[Option<&Tensor>], kind: Kind) -> Result<Vec<Tenso
 /// digest (`digest`), or its checksum for a dtype without one. `None` off
 /// the CPU.
 pub(crate) fn bits_on_cpu(t: &Tensor) -> Option<[f64; WORDS]> {
-    let (storage, layout) = t.storage_and_layout();
-    let candle_core::Storage::Cpu(cpu) = &*storage else {
+    if !t.device().is_cpu() {
         return None;
-    };
-    let words = together::fingerprints(&[Some((cpu, layout))], Kind::Bits);
+    }
+    let words = together::fingerprints(&[Some(t)], Kind::Bits);
     let mut out = [0.0; WORDS];
     out.copy_from_slice(&words);
     Some(out)

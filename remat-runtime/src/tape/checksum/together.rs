@@ -6,8 +6,7 @@
 //! bytes to read (sub-byte floats) gets the checksum.
 
 use bytemuck::Pod;
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, Layout};
+use candle_core::{CpuStorage, DType, Layout, Storage, Tensor};
 use rayon::prelude::*;
 
 use super::digest::{gathered, CHUNK_BYTES};
@@ -15,35 +14,38 @@ use super::element::Element;
 use super::summed::{part, words, Sums, Weights};
 use super::{cpu, Kind, WORDS};
 
-/// A value's storage and layout, or none (not compared: four zeros).
-pub(super) type Value<'a> = Option<(&'a CpuStorage, &'a Layout)>;
-
 /// What one job gives: a chunk's hash and sums, or a whole value's words.
 enum Done {
     Chunk(u64, Sums),
     Whole([f64; WORDS]),
 }
 
-/// The fingerprints of `values` as `kind` says, [`WORDS`] per value, in
-/// order: [`Kind::Bits`] a digest, [`Kind::Sums`] a digest and sums,
-/// [`Kind::Checksum`] the checksum.
-pub(super) fn fingerprints(values: &[Value], kind: Kind) -> Vec<f64> {
+/// The fingerprints of `values` (CPU tensors; `None`: not compared, four
+/// zeros) as `kind` says, [`WORDS`] per value, in order: [`Kind::Bits`] a
+/// digest, [`Kind::Sums`] a digest and sums, [`Kind::Checksum`] the
+/// checksum. Each job reads its value's storage under its own lock, one at
+/// a time on a thread (values may share a storage).
+pub(super) fn fingerprints(values: &[Option<&Tensor>], kind: Kind) -> Vec<f64> {
     // Jobs: (value, Some(chunk)) for a contiguous value's chunks, (value,
     // None) for a whole one.
     let mut jobs = Vec::new();
     let mut bytes = 0;
     for (v, value) in values.iter().enumerate() {
-        let Some((storage, layout)) = value else {
+        let Some(t) = value else {
             continue;
         };
-        match (kind, chunks(storage, layout)) {
+        match (kind, chunks(t.dtype(), t.layout())) {
             (Kind::Bits | Kind::Sums, Some(n)) => jobs.extend((0..n).map(|c| (v, Some(c)))),
             _ => jobs.push((v, None)),
         }
-        bytes += layout.shape().elem_count() * storage.dtype().size_in_bytes();
+        bytes += t.elem_count() * t.dtype().size_in_bytes();
     }
     let run = |&(v, c): &(usize, Option<usize>)| {
-        let (storage, layout) = values[v].expect("a job's value");
+        let t = values[v].expect("a job's value");
+        let (storage, layout) = t.storage_and_layout();
+        let Storage::Cpu(storage) = &*storage else {
+            unreachable!("a CPU tensor's storage")
+        };
         match c {
             Some(c) => {
                 let (h, s) = chunk_of(storage, layout, c, kind == Kind::Sums);
@@ -60,7 +62,7 @@ pub(super) fn fingerprints(values: &[Value], kind: Kind) -> Vec<f64> {
     let mut out = Vec::with_capacity(values.len() * WORDS);
     let mut done = jobs.iter().zip(done).peekable();
     for (v, value) in values.iter().enumerate() {
-        let Some((_, layout)) = value else {
+        let Some(t) = value else {
             out.extend([0.0; WORDS]);
             continue;
         };
@@ -72,28 +74,27 @@ pub(super) fn fingerprints(values: &[Value], kind: Kind) -> Vec<f64> {
                 Done::Whole(words) => whole = Some(words),
             }
         }
-        out.extend(whole.unwrap_or_else(|| words(&parts, layout)));
+        out.extend(whole.unwrap_or_else(|| words(&parts, t.layout())));
     }
     out
 }
 
 /// The chunks of a contiguous value with bytes to read; `None` for a
 /// strided view or another dtype.
-fn chunks(storage: &CpuStorage, layout: &Layout) -> Option<usize> {
+fn chunks(dtype: DType, layout: &Layout) -> Option<usize> {
     let (start, end) = layout.contiguous_offsets()?;
-    let size = match storage {
-        CpuStorage::U8(_)
-        | CpuStorage::U32(_)
-        | CpuStorage::I16(_)
-        | CpuStorage::I32(_)
-        | CpuStorage::I64(_)
-        | CpuStorage::BF16(_)
-        | CpuStorage::F16(_)
-        | CpuStorage::F32(_)
-        | CpuStorage::F64(_) => storage.dtype().size_in_bytes(),
-        _ => return None,
-    };
-    Some(((end - start) * size).div_ceil(CHUNK_BYTES))
+    match dtype {
+        DType::U8
+        | DType::U32
+        | DType::I16
+        | DType::I32
+        | DType::I64
+        | DType::BF16
+        | DType::F16
+        | DType::F32
+        | DType::F64 => Some(((end - start) * dtype.size_in_bytes()).div_ceil(CHUNK_BYTES)),
+        _ => None,
+    }
 }
 
 /// Runs `$f` on the typed elements of a storage with bytes to read.

@@ -8,6 +8,7 @@ use syn::{Expr, Ident};
 use crate::errors::Errors;
 use crate::host::{into_tensors, read_as_data, reads_to_host, HostValue, Place};
 use crate::model::{AnnotationKind, Block, StmtKind};
+use crate::plain::copies;
 use crate::scopes::outer_view;
 use crate::usage::{assigned, bound, locals, mentions, moved, read_for_value, single};
 
@@ -101,13 +102,6 @@ fn passthrough(tail: &Expr, reads: &[usize], bindings: &[Binding]) -> Option<Ide
         .map(|b| b.ident.clone())
 }
 
-/// Plain code whose value is `Clone` by construction: a copy (`let x =
-/// y.clone();`) or what a tensor tells of itself (`let dev = x.device();`).
-fn copies(kind: &StmtKind) -> bool {
-    matches!(kind, StmtKind::Let { init: Expr::MethodCall(m), .. }
-        if crate::parse::PLAIN_METHODS.iter().any(|p| m.method == p))
-}
-
 struct Binding {
     ident: Ident,
     /// A reference: see [`Read::borrowed`].
@@ -192,7 +186,7 @@ impl<'a> Analyser<'a> {
             .iter()
             .map(|s| s.annotation.as_ref().map(|a| a.kind))
             .collect();
-        let plain = block.statements.iter().map(|s| s.plain).collect();
+        let plain = block.statements.iter().map(crate::plain::plain).collect();
         Analyser {
             block,
             errors,

@@ -1,19 +1,96 @@
-//! What the replay cannot run faithfully, refused at the statement it is
-//! written in: `return` in the middle, annotations below the top level,
-//! annotations on expressions and on the block's result.
+//! The refusals that read the parsed block, one pass in source order:
+//! what the signature cannot be (async, `&mut`, borrowed trait objects, no
+//! `Result`), and what the replay could not run faithfully, at the
+//! statement it is written in (`return` in the middle, annotations below
+//! the top level, on expressions and on the block's result, no result).
+//! The refusals that need the dataflow (names, assignments, reads of
+//! forward-only bindings) are the analysis's (`analyse`).
 
+use syn::spanned::Spanned;
 use syn::visit::Visit;
-use syn::{Attribute, Expr};
+use syn::{Attribute, Expr, FnArg, Signature, Type};
 
 use crate::attributes::expr_attrs;
 use crate::errors::Errors;
-use crate::model::{Annotation, AnnotationKind};
+use crate::model::{Annotation, AnnotationKind, Block, StmtKind};
+use crate::parse::option_ref;
 
-pub(crate) fn check_statement_expr(
-    expr: &Expr,
-    annotation: Option<&Annotation>,
-    errors: &mut Errors,
-) {
+/// Every refusal of this file for `block`.
+pub(crate) fn check(block: &Block, errors: &mut Errors) {
+    signature(&block.func.sig, errors);
+    for stmt in &block.statements {
+        match &stmt.kind {
+            StmtKind::Let { init, .. } => {
+                check_nested(init, errors);
+                check_return(init, errors, false);
+            }
+            StmtKind::Expr(expr) => check_statement_expr(expr, stmt.annotation.as_ref(), errors),
+            StmtKind::Item(_) => {}
+        }
+    }
+    match &block.tail {
+        Some(tail) => {
+            check_tail_annotation(block.tail_annotation.as_ref(), errors);
+            check_nested(tail, errors);
+            check_return(tail, errors, true);
+        }
+        None => errors.push(
+            block.func.block.brace_token.span.close(),
+            "a remat! block must end with a tail expression giving its result (`Ok(y)`); the \
+             replay runs the block to its end",
+        ),
+    }
+}
+
+/// The function's signature: not async, no `&mut`, parameters the region
+/// can copy, a `Result`.
+fn signature(sig: &Signature, errors: &mut Errors) {
+    if let Some(a) = &sig.asyncness {
+        errors.push(
+            a.span(),
+            "a remat! function cannot be async: its replay runs inside candle's backward",
+        );
+    }
+    for arg in &sig.inputs {
+        match arg {
+            FnArg::Receiver(r) if r.reference.is_some() && r.mutability.is_some() => errors
+                .push_spanned(
+                    r,
+                    "a remat! method takes `&self`, not `&mut self`: the block runs twice (the \
+                     forward, and its replay in the backward), so a change to `self` would happen \
+                     twice. State that must change once per step (running statistics, a counter, \
+                     a cache) goes in a shared field (`Arc<Mutex<..>>`, an atomic in an `Arc`) \
+                     changed by a `#[forward_only]` statement, which the replay skips",
+                ),
+            FnArg::Receiver(_) => {}
+            FnArg::Typed(t) => match &*t.ty {
+                Type::Reference(r) if r.mutability.is_some() => errors.push_spanned(
+                    r,
+                    "a remat! block cannot take `&mut` parameters: it runs twice (forward and \
+                     replay), so mutation would happen twice; pass what the block reads by `&` \
+                     and change it outside the block from what the block returns (a KV cache: \
+                     return the new keys and values and append them after the call). Do not \
+                     clone it inside the block: the writes would land in the copy, silently",
+                ),
+                Type::Reference(r) => check_copyable(&r.elem, errors),
+                ty => {
+                    if let Some(elem) = option_ref(ty) {
+                        check_copyable(&elem, errors);
+                    }
+                }
+            },
+        }
+    }
+    match &sig.output {
+        syn::ReturnType::Type(_, ty) => check_result_type(ty, errors),
+        syn::ReturnType::Default => errors.push(
+            sig.ident.span(),
+            "a remat! function must return a `Result` (for example `candle_core::Result<Tensor>`)",
+        ),
+    }
+}
+
+fn check_statement_expr(expr: &Expr, annotation: Option<&Annotation>, errors: &mut Errors) {
     if let Some(a) = annotation {
         if a.kind != AnnotationKind::ForwardOnly {
             errors.push_spanned(
@@ -32,7 +109,7 @@ pub(crate) fn check_statement_expr(
 }
 
 /// Annotations anywhere below the top level.
-pub(crate) fn check_nested(expr: &Expr, errors: &mut Errors) {
+fn check_nested(expr: &Expr, errors: &mut Errors) {
     struct Nested<'a> {
         errors: &'a mut Errors,
     }
@@ -78,7 +155,7 @@ pub(crate) fn check_nested(expr: &Expr, errors: &mut Errors) {
 }
 
 /// `return` outside closures and async blocks.
-pub(crate) fn check_return(expr: &Expr, errors: &mut Errors, in_tail: bool) {
+fn check_return(expr: &Expr, errors: &mut Errors, in_tail: bool) {
     struct Returns<'a> {
         errors: &'a mut Errors,
         in_tail: bool,
@@ -115,7 +192,7 @@ fn returns_err(r: &syn::ExprReturn) -> bool {
 }
 
 /// An annotation on the block's result (its tail expression).
-pub(crate) fn check_tail_annotation(annotation: Option<&Annotation>, errors: &mut Errors) {
+fn check_tail_annotation(annotation: Option<&Annotation>, errors: &mut Errors) {
     if let Some(a) = annotation {
         let attr = a.kind.attr();
         errors.push_spanned(
@@ -123,6 +200,52 @@ pub(crate) fn check_tail_annotation(annotation: Option<&Annotation>, errors: &mu
             format!(
                 "{attr} on the block's result: the result is not a statement of its own; bind \
                  it first, `{attr} let y = ...;`, and end the block with `Ok(y)`"
+            ),
+        );
+    }
+}
+
+/// `&dyn Trait` and `&impl Trait` parameters: the region cannot keep its
+/// own copy of a value whose type it does not know.
+fn check_copyable(ty: &Type, errors: &mut Errors) {
+    let what = match ty {
+        Type::TraitObject(_) => "`dyn` trait object",
+        Type::ImplTrait(_) => "`impl Trait` value",
+        Type::Paren(p) => return check_copyable(&p.elem, errors),
+        _ => return,
+    };
+    errors.push_spanned(
+        ty,
+        format!(
+            "a remat! block keeps its own copy of every parameter, to run the block again in the \
+             backward after this call returned; a borrowed {what} cannot be copied. Take the \
+             layer's own type (`&Linear`, `&Mlp`: a `Clone` type), or a generic `&M` with \
+             `M: Module + Clone`, or an `Arc<dyn Module + Send + Sync>` by value"
+        ),
+    );
+}
+
+/// The return type is a `Result` (a path whose last segment ends in
+/// `Result`: `Result<T>`, `candle_core::Result<T>`, an alias like
+/// `CandleResult<T>`).
+fn check_result_type(ty: &Type, errors: &mut Errors) {
+    let is_result = match ty {
+        Type::Path(p) => p
+            .path
+            .segments
+            .last()
+            .is_some_and(|s| s.ident.to_string().ends_with("Result")),
+        // `&T` is refused with its own message, by the tail's type check.
+        Type::Reference(_) => true,
+        _ => false,
+    };
+    if !is_result {
+        errors.push_spanned(
+            ty,
+            format!(
+                "a remat! function must return a `Result`: its statements use `?`, and its \
+                 replay in the backward can fail; write `-> Result<{}>` (candle_core::Result)",
+                quote::ToTokens::to_token_stream(ty)
             ),
         );
     }

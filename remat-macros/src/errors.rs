@@ -23,8 +23,13 @@ impl Errors {
         self.0.push(e);
     }
 
-    pub fn len(&self) -> usize {
-        self.0.len()
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Takes `other`'s errors, after those already here.
+    pub fn append(&mut self, mut other: Errors) {
+        self.0.append(&mut other.0);
     }
 
     pub fn into_compile_errors(mut self) -> TokenStream {

@@ -192,12 +192,17 @@ fn host_data(name: &str, values: &[HostValue]) -> TokenStream {
 /// |reads| code)`, spanned at the user's code (so that a value no
 /// statement can give is reported there); the checks of what it reads
 /// come before it.
-struct Call {
+struct StatementCall {
     checks: TokenStream,
     call: TokenStream,
 }
 
-fn statement_call(span: Span, sa: &StatementAnalysis, params: &[Param], code: TokenStream) -> Call {
+fn statement_call(
+    span: Span,
+    sa: &StatementAnalysis,
+    params: &[Param],
+    code: TokenStream,
+) -> StatementCall {
     let ctx = own("ctx");
     let (name, declared) = (sa.name.as_str(), declared(sa));
     let changes = &sa.changes;
@@ -217,7 +222,7 @@ fn statement_call(span: Span, sa: &StatementAnalysis, params: &[Param], code: To
     let call = quote_spanned! {span=>
         rt::StatementValue::run(#ctx, #name, #declared, #args, |#pats| #code)
     };
-    Call { checks, call }
+    StatementCall { checks, call }
 }
 
 /// Drops bindings after their last reader, or where the statement moved
@@ -399,7 +404,7 @@ fn recorded_let(
     } else {
         quote_spanned!(span=> rt::Ok((#init, #(#gives),*)))
     };
-    let Call { checks, call } = statement_call(span, sa, params, code);
+    let StatementCall { checks, call } = statement_call(span, sa, params, code);
     let saved = match sa.kind {
         Some(AnnotationKind::Save | AnnotationKind::Offload) => saved_check(pat, span),
         _ => quote!(),
@@ -464,7 +469,7 @@ fn recorded_expr(
         1 => quote! { rt::Ok(#(#gives)*) },
         _ => quote! { rt::Ok((#(#gives),*)) },
     };
-    let Call { checks, call } =
+    let StatementCall { checks, call } =
         statement_call(e.span(), sa, params, quote! {{ #(#attrs)* #e; #given }});
     let host = host_data(&sa.name, &sa.host_data);
     let bind = match inouts.len() {

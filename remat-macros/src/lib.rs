@@ -4,14 +4,16 @@
 //!
 //! * `model`: what a block is once parsed (function, parameters,
 //!   statements, annotations);
-//! * `parse`: the token stream to the model, with syntax errors collected
-//!   (`receiver`: a method's `self`);
-//!   `attributes` reads our annotations, `checks` refuses what the replay
-//!   could not run faithfully;
+//! * `parse`: the token stream to the model, refusing what the model cannot
+//!   hold (`receiver`: a method's `self`; `attributes` reads our
+//!   annotations);
+//! * `checks`: the refusals that read the model alone, in one pass
+//!   (signature, annotations' places, `return`, the result);
 //! * `analyse`: names, static dataflow (who reads which binding), early
-//!   drops, and the semantic errors (`usage`: what a statement's syntax
-//!   does with the names it mentions; `scopes`: which of them are the
-//!   block's, after the names the statement binds itself);
+//!   drops, and the refusals that need them (`plain`: the `let`s that run
+//!   as plain code; `usage`: what a statement's syntax does with the names
+//!   it mentions; `scopes`: which of them are the block's, after the names
+//!   the statement binds itself);
 //! * `generate`: the code, a forward-and-replay body for
 //!   `remat_runtime::Region`.
 //!
@@ -27,6 +29,7 @@ mod generate;
 mod host;
 mod model;
 mod parse;
+mod plain;
 mod receiver;
 mod scopes;
 mod usage;
@@ -41,25 +44,21 @@ pub fn remat(input: proc_macro::TokenStream) -> proc_macro::TokenStream {
 
 /// The whole pipeline over `proc_macro2` tokens, for tests and fuzzing.
 fn expand(input: TokenStream) -> TokenStream {
-    let mut errors = errors::Errors::default();
-    let blocks = match parse::parse(input, &mut errors) {
+    let blocks = match parse::parse(input) {
         Ok(blocks) => blocks,
-        Err(e) => {
-            // With any error collected before it (none today: parsing
-            // fails before a block is read), so that none is dropped.
-            errors.push_error(e);
-            return errors.into_compile_errors();
-        }
+        Err(e) => return e.to_compile_error(),
     };
     let mut out = TokenStream::new();
-    for block in &blocks {
-        let before = errors.len();
-        let analysis = analyse::analyse(block, &mut errors);
-        if !block.failed && errors.len() == before {
-            out.extend(generate::generate(block, &analysis));
+    let mut errors = errors::Errors::default();
+    for (block, mut refused) in blocks {
+        checks::check(&block, &mut refused);
+        let analysis = analyse::analyse(&block, &mut refused);
+        if refused.is_empty() {
+            out.extend(generate::generate(&block, &analysis));
         } else {
-            out.extend(generate::stub(block));
+            out.extend(generate::stub(&block));
         }
+        errors.append(refused);
     }
     out.extend(errors.into_compile_errors());
     out

@@ -84,17 +84,11 @@ pub(crate) struct Statement {
     pub kind: StmtKind,
     /// The annotation the user wrote on it.
     pub annotation: Option<Annotation>,
-    /// An unannotated `let` that runs as it is in the forward and in the
-    /// replay, outside any statement (see `parse::plain`); the analysis
-    /// finds more (references).
-    pub plain: bool,
     /// Attributes other than ours, kept on the generated statement.
     pub attrs: Vec<Attribute>,
 }
 
 pub(crate) struct Block {
-    /// Whether parsing this block reported errors.
-    pub failed: bool,
     /// A method's receiver (`&self`, `self`): the binding its `self` became
     /// in the body (`receiver::this`), bound to `self` first thing.
     pub receiver: Option<syn::Ident>,
@@ -102,5 +96,8 @@ pub(crate) struct Block {
     pub params: Vec<Param>,
     pub statements: Vec<Statement>,
     pub tail: Option<Expr>,
+    /// An annotation written on the tail (refused by `checks`).
+    pub tail_annotation: Option<Annotation>,
+    /// The return type (`()` when none is written, refused by `checks`).
     pub ret: Type,
 }

@@ -22,7 +22,7 @@ pub(crate) fn in_replay() -> bool {
 
 /// One call of a region in a step: the region's name and which of its
 /// calls (0 for the first).
-pub(crate) type Call = (String, usize);
+pub(crate) type CallId = (String, usize);
 
 #[derive(Default)]
 struct Seen {
@@ -31,17 +31,17 @@ struct Seen {
     /// How many calls of each region started in this step.
     calls: HashMap<String, usize>,
     /// Those calls, in the order they started.
-    order: Vec<Call>,
+    order: Vec<CallId>,
 }
 
 pub(super) struct PerCall {
     /// The open statements each call saves; the others are recomputed.
-    save: HashMap<Call, HashSet<String>>,
+    save: HashMap<CallId, HashSet<String>>,
     seen: Mutex<Seen>,
 }
 
 impl PerCall {
-    pub fn new(save: HashMap<Call, HashSet<String>>) -> Self {
+    pub fn new(save: HashMap<CallId, HashSet<String>>) -> Self {
         PerCall {
             save,
             seen: Mutex::new(Seen::default()),
@@ -82,7 +82,7 @@ impl PerCall {
     }
 
     /// The calls of the current step so far, in the order they started.
-    pub fn calls(&self) -> Vec<Call> {
+    pub fn calls(&self) -> Vec<CallId> {
         lock(&self.seen).order.clone()
     }
 }
@@ -114,7 +114,7 @@ mod tests {
             }
             let (r, s) = (Policy::Recompute, Policy::Save);
             assert_eq!(got, [r, r, r, r, s, r, r, r, r]);
-            let calls: Vec<Call> = plan.calls();
+            let calls: Vec<CallId> = plan.calls();
             assert_eq!(calls.len(), 6);
             assert_eq!(calls[2], ("block".to_string(), 1));
         }

@@ -6,7 +6,7 @@ use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::sync::Arc;
 
-use super::calls::{Call, PerCall};
+use super::calls::{CallId, PerCall};
 use super::{Plan, Rule};
 use crate::replay::timed::timed;
 use crate::{RematError, Result};
@@ -231,7 +231,7 @@ const PER_ROUND: usize = 3;
 struct Search<'a, S> {
     step: &'a mut S,
     open: Vec<Open>,
-    calls: Vec<Call>,
+    calls: Vec<CallId>,
     /// The recompute time of full recomputation.
     total: f64,
     measured: Vec<PeakCandidate>,
@@ -362,7 +362,7 @@ fn per_second(bytes: i64, seconds: f64) -> f64 {
 
 /// An open statement of one call of a step.
 struct Open {
-    call: Call,
+    call: CallId,
     name: String,
     /// What recomputing it costs: its replay time under full
     /// recomputation (its forward time if it was not replayed).
@@ -371,8 +371,8 @@ struct Open {
 
 /// The plan saving `open[i]` for each `i` in `saved`, and the time it
 /// spends recomputing the others.
-fn plan_of(open: &[Open], saved: &[usize], calls: &[Call], total: f64) -> (Plan, f64) {
-    let mut assigned: HashMap<Call, Vec<String>> = HashMap::new();
+fn plan_of(open: &[Open], saved: &[usize], calls: &[CallId], total: f64) -> (Plan, f64) {
+    let mut assigned: HashMap<CallId, Vec<String>> = HashMap::new();
     let mut time = total;
     for &i in saved {
         let o = &open[i];
@@ -408,7 +408,7 @@ fn front(mut measured: Vec<PeakCandidate>) -> Vec<PeakCandidate> {
 }
 
 /// A plan saving, in each call of `assigned`, the statements named there.
-fn per_call(assigned: &HashMap<Call, Vec<String>>, label: &str) -> (Plan, Arc<PerCall>) {
+fn per_call(assigned: &HashMap<CallId, Vec<String>>, label: &str) -> (Plan, Arc<PerCall>) {
     let save = assigned
         .iter()
         .map(|(call, names)| (call.clone(), names.iter().cloned().collect::<HashSet<_>>()))
@@ -419,7 +419,7 @@ fn per_call(assigned: &HashMap<Call, Vec<String>>, label: &str) -> (Plan, Arc<Pe
 
 /// `peak plan: block#2 saves fc, block#3 saves qkv fc mlp`: what each call
 /// saves, in call order.
-fn label(assigned: &HashMap<Call, Vec<String>>, calls: &[Call]) -> String {
+fn label(assigned: &HashMap<CallId, Vec<String>>, calls: &[CallId]) -> String {
     let parts: Vec<String> = calls
         .iter()
         .filter_map(|call| {

@@ -32,7 +32,7 @@ use candle_core::{DType, Device, Shape, Tensor, TensorId};
 use crate::ambient::scoped;
 
 /// One op call of a running statement.
-pub(crate) struct Call {
+pub(crate) struct OpCall {
     /// The tensor it gave.
     pub output: TensorId,
     /// The input its backward reads (besides parameters).
@@ -43,7 +43,7 @@ pub(crate) struct Call {
 struct Watch {
     /// The call to leave uncomputed (the replay's).
     skip: Option<usize>,
-    calls: Vec<Call>,
+    calls: Vec<OpCall>,
 }
 
 thread_local! {
@@ -55,7 +55,7 @@ thread_local! {
 /// Runs a statement's code with a watch on its op calls; `skip`: the call
 /// to leave uncomputed (the replay's). Returns what the code returned and
 /// its op calls, in order.
-pub(crate) fn watch<R>(skip: Option<usize>, body: impl FnOnce() -> R) -> (R, Vec<Call>) {
+pub(crate) fn watch<R>(skip: Option<usize>, body: impl FnOnce() -> R) -> (R, Vec<OpCall>) {
     let watch = Watch {
         skip,
         calls: Vec::new(),
@@ -90,7 +90,7 @@ pub(crate) fn op_output(
     let t = compute(skip)?;
     WATCHES.with(|w| {
         if let Some(w) = w.borrow_mut().last_mut() {
-            w.calls.push(Call {
+            w.calls.push(OpCall {
                 output: t.id(),
                 input: input.clone(),
             });
@@ -116,7 +116,7 @@ pub(crate) fn uncomputed(
 /// `outputs[0]`, with no plain data beside it (a skeleton `S` of no size).
 /// Any other output, or plain data, could have been computed from the
 /// tensor by means no graph shows (an integer op, `detach`, `to_scalar`).
-pub(crate) fn sole_call<S>(calls: &[Call], outputs: &[Tensor]) -> Option<u16> {
+pub(crate) fn sole_call<S>(calls: &[OpCall], outputs: &[Tensor]) -> Option<u16> {
     match outputs {
         [only] if std::mem::size_of::<S>() == 0 => {
             let c = calls.iter().position(|c| c.output == only.id())?;

@@ -168,7 +168,7 @@ fn declared(statement: &StatementAnalysis) -> TokenStream {
         Some(AnnotationKind::Save) => quote!(rt::Save),
         Some(AnnotationKind::Offload) => quote!(rt::Offload),
         Some(AnnotationKind::Recompute) => quote!(rt::Recompute),
-        _ => quote!(rt::Plan),
+        _ => quote!(rt::Open),
     }
 }
 
@@ -490,7 +490,7 @@ fn tail(block: &Block, analysis: &Analysis) -> TokenStream {
         return quote! { rt::Ok(#ident) };
     }
     let ctx = own("ctx");
-    let (name, declared) = ("(return)", quote!(rt::Plan));
+    let (name, declared) = ("(return)", quote!(rt::Open));
     let (args, pats, views, checks) = reads(&analysis.tail_reads, &[], &block.params);
     let code = if views.is_empty() {
         quote!(#tail)

@@ -10,8 +10,8 @@ use crate::{Ctx, Outputs, Policy, Region, RematError, Result};
 /// The policy a statement of a block declares.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Declared {
-    /// None: the plan decides ([`Ctx::open`]).
-    Plan,
+    /// None: an open statement, the plan decides ([`Ctx::open`]).
+    Open,
     /// `#[save]`.
     Save,
     /// `#[offload]`.
@@ -23,7 +23,7 @@ pub enum Declared {
 impl Declared {
     pub(crate) fn policy(self) -> Option<Policy> {
         match self {
-            Declared::Plan => None,
+            Declared::Open => None,
             Declared::Save => Some(Policy::Save),
             Declared::Offload => Some(Policy::Offload),
             Declared::Recompute => Some(Policy::Recompute),

@@ -5,7 +5,7 @@
 //! [`Recorder::save`] runs it on leaf copies of the inputs that need
 //! gradients and keeps its tracked graph (its residuals) on the tape.
 //!
-//! Longer than the other files (about 590 lines) for the replay's reason:
+//! Longer than the other files for the replay's reason:
 //! the two paths and the checks each runs (inputs, undeclared reads on a
 //! region's first forward, fingerprints, the trace) share one state (what
 //! each value is, which leaves exist, what the planner measures).

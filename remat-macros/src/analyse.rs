@@ -10,7 +10,9 @@ use crate::host::{into_tensors, read_as_data, reads_to_host, HostValue, Place};
 use crate::model::{AnnotationKind, Block, StmtKind};
 use crate::plain::copies;
 use crate::scopes::outer_view;
-use crate::usage::{assigned, bound, locals, mentions, moved, read_for_value, single};
+use crate::usage::{
+    assigned, bound, locals, mentions, moved, read_for_value, read_in_part, single,
+};
 
 /// A binding a statement reads.
 #[derive(Debug, Clone)]
@@ -26,6 +28,9 @@ pub(crate) struct Read {
     /// The statement reads it for its value, where a gradient can flow (not
     /// only its shape, dtype or device, nor only detached).
     pub for_value: bool,
+    /// Read for its value only in part (`parts[0]`, `pair.0`): of its
+    /// tensors, the statement's graph need reach one.
+    pub in_part: bool,
     /// Bound by plain code (a closure, a guard), whose type may not be
     /// `Clone`: the read is checked where it is written.
     pub plain_code: bool,
@@ -149,6 +154,9 @@ struct Reads {
     inouts: Vec<Vec<usize>>,
     /// Per statement, then the tail: the names it reads for their values.
     for_value: Vec<Vec<String>>,
+    /// Per statement, then the tail: those of them it reads only in part
+    /// ([`read_in_part`]).
+    in_part: Vec<Vec<String>>,
     /// Per statement, then the tail: the names it turns into tensors
     /// ([`into_tensors`]).
     into_tensors: Vec<Vec<String>>,
@@ -204,6 +212,7 @@ impl<'a> Analyser<'a> {
         let mut statements = Vec::new();
         let mut inouts = Vec::new();
         let mut for_value = Vec::new();
+        let mut in_part = Vec::new();
         let mut into = Vec::new();
         let mut data = Vec::new();
         let mut to_host = Vec::new();
@@ -216,6 +225,7 @@ impl<'a> Analyser<'a> {
                     statements.push(Vec::new());
                     inouts.push(Vec::new());
                     for_value.push(Vec::new());
+                    in_part.push(Vec::new());
                     into.push(Vec::new());
                     data.push(Vec::new());
                     to_host.push(false);
@@ -225,6 +235,7 @@ impl<'a> Analyser<'a> {
             // What the statement binds itself shadows the block's bindings.
             let expr = &outer_view(expr);
             for_value.push(read_for_value(expr));
+            in_part.push(read_in_part(expr));
             into.push(into_tensors(expr));
             data.push(read_as_data(expr));
             to_host.push(reads_to_host(expr));
@@ -279,6 +290,7 @@ impl<'a> Analyser<'a> {
                 let t = &outer_view(t);
                 self.check_assignments(t, &assigned(t));
                 for_value.push(read_for_value(t));
+                in_part.push(read_in_part(t));
                 into.push(into_tensors(t));
                 data.push(read_as_data(t));
                 self.resolve(t, n, false)
@@ -289,6 +301,7 @@ impl<'a> Analyser<'a> {
             statements,
             inouts,
             for_value,
+            in_part,
             into_tensors: into,
             data,
             to_host,
@@ -585,7 +598,9 @@ impl<'a> Analyser<'a> {
                 releases[r].push(ident);
             }
         }
-        let to_reads = |ids: &[(usize, Span)], for_value: Option<&Vec<String>>| -> Vec<Read> {
+        let to_reads = |ids: &[(usize, Span)], i: usize| -> Vec<Read> {
+            let for_value = reads.for_value.get(i);
+            let in_part = reads.in_part.get(i);
             ids.iter()
                 .map(|&(b, span)| {
                     let binding = &self.bindings[b];
@@ -595,6 +610,7 @@ impl<'a> Analyser<'a> {
                         borrowed: binding.borrowed,
                         mutable: binding.mutable,
                         for_value: for_value.is_none_or(|v| v.contains(&name)),
+                        in_part: in_part.is_some_and(|v| v.contains(&name)),
                         plain_code: binding.borrowed.is_none()
                             && binding.producer.is_some_and(|p| {
                                 self.plain[p] && !copies(&self.block.statements[p].kind)
@@ -627,14 +643,14 @@ impl<'a> Analyser<'a> {
                     .filter(|&&b| self.bindings[b].last_reader.is_some())
                     .map(|&b| self.bindings[b].ident.clone())
                     .collect(),
-                reads: to_reads(&reads.statements[i], reads.for_value.get(i)),
+                reads: to_reads(&reads.statements[i], i),
                 releases: std::mem::take(&mut releases[i]),
                 host_data: std::mem::take(&mut made[i]),
             })
             .collect();
         Analysis {
             statements,
-            tail_reads: to_reads(&reads.tail, reads.for_value.get(n)),
+            tail_reads: to_reads(&reads.tail, n),
             tail_passthrough,
             tail_host_data,
         }

@@ -65,15 +65,23 @@ enum Taker {
     Region,
     /// A statement: `mutable` when it may change the binding (`mut`),
     /// `for_value` when it reads its values (else only its shape, or
-    /// detached).
-    Statement { mutable: bool, for_value: bool },
+    /// detached), `in_part` when only some of them (`parts[0]`).
+    Statement {
+        mutable: bool,
+        for_value: bool,
+        in_part: bool,
+    },
 }
 
 fn handover(ident: &Ident, passing: Option<&Passing>, taker: Taker) -> Handover {
     let span = ident.span();
-    let (region, mutable, for_value) = match taker {
-        Taker::Region => (true, false, true),
-        Taker::Statement { mutable, for_value } => (false, mutable, for_value),
+    let (region, mutable, for_value, in_part) = match taker {
+        Taker::Region => (true, false, true, false),
+        Taker::Statement {
+            mutable,
+            for_value,
+            in_part,
+        } => (false, mutable, for_value, in_part),
     };
     let mutability = mutable.then(|| quote!(mut));
     let (read, pat, view) = match passing {
@@ -102,10 +110,10 @@ fn handover(ident: &Ident, passing: Option<&Passing>, taker: Taker) -> Handover 
             quote!(),
         ),
     };
-    let arg = if for_value {
-        quote!(#read.arg())
-    } else {
-        quote!(#read.arg().without_grad())
+    let arg = match (for_value, in_part) {
+        (true, false) => quote!(#read.arg()),
+        (true, true) => quote!(#read.arg().partly()),
+        (false, _) => quote!(#read.arg().without_grad()),
     };
     Handover { arg, pat, view }
 }
@@ -148,6 +156,7 @@ fn reads(
         let taker = Taker::Statement {
             mutable: r.mutable && changes.contains(&r.ident),
             for_value: r.for_value,
+            in_part: r.in_part,
         };
         let h = handover(&r.ident, passing, taker);
         args.push(h.arg);
@@ -517,13 +526,15 @@ fn imports(block: &Block, analysis: &Analysis) -> TokenStream {
     let reads_anything = !block.params.is_empty() || reads().next().is_some();
     let dispatch = reads_anything
         .then(|| quote!(ByClone as _, ByTensors as _, FromResult as _, NotClone as _,));
-    let without_grad = reads().any(|r| !r.for_value).then(|| quote!(Arg as _,));
+    let arg_methods = reads()
+        .any(|r| !r.for_value || r.in_part)
+        .then(|| quote!(Arg as _,));
     let saves = analysis
         .statements
         .iter()
         .any(|s| matches!(s.kind, Some(AnnotationKind::Save | AnnotationKind::Offload)));
     let save_checks = saves.then(|| quote!(CheckPlain as _, CheckTensors as _,));
-    quote! { #dispatch #without_grad #save_checks }
+    quote! { #dispatch #arg_methods #save_checks }
 }
 
 /// `{ inner }` with the span of the user's braces: the function is then the

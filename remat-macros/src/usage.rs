@@ -368,16 +368,62 @@ const WITHOUT_GRADIENT: &[&str] = &[
 /// when the statement's whole value is detached (`... .detach()` last): the
 /// cut is stated.
 pub(crate) fn read_for_value(expr: &Expr) -> Vec<String> {
-    struct Collect(Vec<String>);
+    let (whole, parts) = value_reads(expr);
+    whole.into_iter().chain(parts).collect()
+}
+
+/// Of the identifiers `expr` mentions for their values
+/// ([`read_for_value`]), those it reads only in part: every such mention
+/// is indexed (`parts[0]`, `xs[i]`), a tuple's field (`pair.0`), or the
+/// receiver of [`IN_PART`] (`xs.first()`). A value of
+/// several tensors read so may leave some of them unread.
+pub(crate) fn read_in_part(expr: &Expr) -> Vec<String> {
+    let (whole, parts) = value_reads(expr);
+    let mut out: Vec<String> = parts.into_iter().filter(|p| !whole.contains(p)).collect();
+    out.dedup();
+    out
+}
+
+/// Methods that read one element of a collection.
+const IN_PART: &[&str] = &["first", "last", "get"];
+
+/// A single identifier (`x`), not a path.
+fn name_of(e: &Expr) -> Option<String> {
+    match e {
+        Expr::Path(p) if p.qself.is_none() && p.path.segments.len() == 1 => {
+            Some(p.path.segments[0].ident.to_string())
+        }
+        _ => None,
+    }
+}
+
+/// The identifiers `expr` reads for their values: those mentioned whole,
+/// and those mentioned only as the base of a part (see [`read_in_part`]).
+fn value_reads(expr: &Expr) -> (Vec<String>, Vec<String>) {
+    struct Collect(Vec<String>, Vec<String>);
     impl<'ast> Visit<'ast> for Collect {
         fn visit_expr_method_call(&mut self, m: &'ast syn::ExprMethodCall) {
-            let receiver_is_name = matches!(&*m.receiver, Expr::Path(p)
-                if p.qself.is_none() && p.path.segments.len() == 1);
+            let receiver = name_of(&m.receiver);
+            let method = m.method.to_string();
             // `.detach()` ends every path beneath it: `p.to_dtype(..)?.detach()`.
-            let detach = m.method == "detach";
-            if detach
-                || receiver_is_name && WITHOUT_GRADIENT.contains(&m.method.to_string().as_str())
-            {
+            let detach = method == "detach";
+            // `parts[i].dims()`: the index is read, `parts` only for a shape.
+            let element = match &*m.receiver {
+                Expr::Index(i) if name_of(&i.expr).is_some() => Some(&*i.index),
+                _ => None,
+            };
+            let field = matches!(&*m.receiver, Expr::Field(f) if name_of(&f.base).is_some());
+            let shape_only = WITHOUT_GRADIENT.contains(&method.as_str())
+                && (receiver.is_some() || element.is_some() || field);
+            if detach || shape_only {
+                if let Some(index) = element {
+                    self.visit_expr(index);
+                }
+                for arg in &m.args {
+                    self.visit_expr(arg);
+                }
+            } else if let Some(name) = receiver.filter(|_| IN_PART.contains(&method.as_str())) {
+                self.1.push(name);
                 for arg in &m.args {
                     self.visit_expr(arg);
                 }
@@ -385,9 +431,26 @@ pub(crate) fn read_for_value(expr: &Expr) -> Vec<String> {
                 syn::visit::visit_expr_method_call(self, m);
             }
         }
+        fn visit_expr_index(&mut self, i: &'ast syn::ExprIndex) {
+            match name_of(&i.expr) {
+                Some(name) => {
+                    self.1.push(name);
+                    self.visit_expr(&i.index);
+                }
+                None => syn::visit::visit_expr_index(self, i),
+            }
+        }
+        fn visit_expr_field(&mut self, f: &'ast syn::ExprField) {
+            // A tuple's field; a struct's (`p.w1`: a parameter holding no
+            // tensors of its own, `self.proj`) is read whole.
+            match (name_of(&f.base), &f.member) {
+                (Some(name), syn::Member::Unnamed(_)) => self.1.push(name),
+                _ => syn::visit::visit_expr_field(self, f),
+            }
+        }
         fn visit_expr_path(&mut self, p: &'ast syn::ExprPath) {
-            if p.qself.is_none() && p.path.segments.len() == 1 {
-                self.0.push(p.path.segments[0].ident.to_string());
+            if let Some(name) = name_of(&Expr::Path(p.clone())) {
+                self.0.push(name);
             }
             syn::visit::visit_expr_path(self, p);
         }
@@ -411,11 +474,11 @@ pub(crate) fn read_for_value(expr: &Expr) -> Vec<String> {
         }
     }
     if detached_whole(expr) {
-        return Vec::new();
+        return (Vec::new(), Vec::new());
     }
-    let mut c = Collect(Vec::new());
+    let mut c = Collect(Vec::new(), Vec::new());
     c.visit_expr(expr);
-    c.0
+    (c.0, c.1)
 }
 
 /// Whether the value of `expr` is detached last: `(...)?.detach()`.
@@ -458,5 +521,29 @@ mod tests {
         assert!(for_value(src).is_empty());
         assert_eq!(for_value("(a.exp()?.detach() * b)?"), ["b"]);
         assert_eq!(for_value("(a.exp()?.detach() * a)?"), ["a"]);
+    }
+
+    #[test]
+    fn indexed_names_tuple_fields_and_single_elements_are_read_in_part() {
+        let in_part = |src: &str| {
+            let mut names = read_in_part(&syn::parse_str(src).unwrap());
+            names.sort();
+            names
+        };
+        assert_eq!(in_part("(parts[0].tanh()? * &xs[i])?"), ["parts", "xs"]);
+        assert_eq!(
+            in_part("(pair.0.exp()? + xs.first().unwrap())?"),
+            ["pair", "xs"]
+        );
+        // Read whole somewhere: whole.
+        assert!(
+            in_part("Tensor::cat(&[&parts[0], &parts[1]], 1)?.add(&parts.concat())").is_empty()
+        );
+        assert!(in_part("(parts[0].exp()? + Tensor::stack(&parts, 0)?)").is_empty());
+        // A struct's field is the struct read whole; an index read for its
+        // shape only is no value read.
+        assert!(in_part("x.matmul(&p.w1)?").is_empty());
+        assert!(in_part("Tensor::zeros(parts[0].dims(), DType::F32, &dev)").is_empty());
+        assert_eq!(for_value("parts[i].exp()"), ["i", "parts"]);
     }
 }

@@ -2,6 +2,7 @@
 //! recorded by the forward (`tape/recorder.rs`) or replayed (`replay/`).
 
 use std::collections::HashSet;
+use std::ops::Range;
 
 use candle_core::Tensor;
 
@@ -149,7 +150,7 @@ impl Ctx {
         inputs: impl Inputs,
         f: impl FnOnce(&[Tensor]) -> std::result::Result<O, E>,
     ) -> Result<O> {
-        self.run(name, Some(policy), inputs, usize::MAX, f)
+        self.run(name, Some(policy), inputs, (usize::MAX, &[]), f)
     }
 
     /// Runs an *open* statement: one whose policy the region's [`Plan`]
@@ -173,20 +174,23 @@ impl Ctx {
         inputs: impl Inputs,
         f: impl FnOnce(&[Tensor]) -> std::result::Result<O, E>,
     ) -> Result<O> {
-        self.run(name, None, inputs, usize::MAX, f)
+        self.run(name, None, inputs, (usize::MAX, &[]), f)
     }
 
     /// Every statement method ends here. `declared`: the policy written in
     /// the code, if any; `value_inputs`: the first this many inputs are
     /// read for their values, the rest only for their shapes or detached
     /// (the `remat!` macro sees which), so that only the first can make an
-    /// untracked output a cut ([`RematError::GradientCut`]).
+    /// untracked output a cut ([`RematError::GradientCut`]); `parts`: among
+    /// those, the ranges of tensors of one value read only in part
+    /// (`parts[0]`, `pair.0`), of which one reached is enough
+    /// ([`RematError::InputCut`]).
     pub(crate) fn run<O: Outputs, E: Into<RematError>>(
         &mut self,
         name: &str,
         declared: Option<Policy>,
         inputs: impl Inputs,
-        value_inputs: usize,
+        (value_inputs, parts): (usize, &[Range<usize>]),
         f: impl FnOnce(&[Tensor]) -> std::result::Result<O, E>,
     ) -> Result<O> {
         let owned = inputs.into_tensors();
@@ -219,7 +223,7 @@ impl Ctx {
                 }
                 check_cut(&self.region, name, tracked, &tensors)?;
                 if *first {
-                    check_reached(&self.region, name, &owned, value_inputs, &tensors)?;
+                    check_reached(&self.region, name, &owned, value_inputs, parts, &tensors)?;
                 }
                 O::join(&mut tensors.into_iter(), &skeleton)
             }
@@ -235,12 +239,18 @@ impl Ctx {
                     declared,
                     policy,
                     value_inputs,
+                    parts,
                 };
                 recorder.statement(statement, inputs, f)
             }
-            Mode::Replay(replay) => {
-                replay.statement(&self.region, name, declared, inputs, value_inputs, f)
-            }
+            Mode::Replay(replay) => replay.statement(
+                &self.region,
+                name,
+                declared,
+                inputs,
+                (value_inputs, parts),
+                f,
+            ),
         }
     }
 

@@ -2,6 +2,7 @@
 //! statement may read that the region does not know.
 
 use std::collections::HashSet;
+use std::ops::Range;
 
 use candle_core::{Tensor, Var};
 
@@ -86,8 +87,9 @@ pub(crate) fn check_cut(
 }
 
 /// Checks that the graph of a statement's `outputs` reaches every one of
-/// its first `value_inputs` arguments that carries a gradient, when some
-/// output is a float (integer and boolean outputs carry no gradient by
+/// its first `value_inputs` arguments that carries a gradient (of each
+/// range in `parts`, one: the tensors of one value the statement read
+/// only in part, `parts[0]`, `pair.0`), when some output is a float (integer and boolean outputs carry no gradient by
 /// nature). Paths through integer values (a comparison, `argmax`) and
 /// `affine(0.0, ..)` do not count: candle's backward skips them. The forward's, the replay's and a
 /// plain run's check, wherever the arguments are tracked; after
@@ -97,6 +99,7 @@ pub(crate) fn check_reached(
     statement: &str,
     args: &[Tensor],
     value_inputs: usize,
+    parts: &[Range<usize>],
     outputs: &[Tensor],
 ) -> Result<()> {
     let mut tracked = args
@@ -125,7 +128,15 @@ pub(crate) fn check_reached(
     let cut = |t: &Tensor| {
         !reached.contains(&t.id()) && t.elem_count() > 0 && !t.sorted_nodes().is_empty()
     };
-    match tracked.find(|(_, t)| cut(t)) {
+    // A value read in part is cut only if none of its tensors is reached.
+    let part_reached = |i: usize| {
+        parts.iter().find(|r| r.contains(&i)).is_some_and(|r| {
+            args[r.clone()]
+                .iter()
+                .any(|t| carries_grad(t) && reached.contains(&t.id()))
+        })
+    };
+    match tracked.find(|(i, t)| cut(t) && !part_reached(*i)) {
         Some((input, t)) => Err(RematError::InputCut {
             region: region.to_string(),
             statement: statement.to_string(),

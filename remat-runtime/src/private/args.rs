@@ -2,10 +2,23 @@
 //! statement's input tensors, and rebuilt from the tensors the runtime
 //! hands the statement (in the replay, its own leaves).
 
+use std::ops::Range;
+
 use candle_core::Tensor;
 
 use super::read::{Cloned, Failed, Tensors};
 use crate::{Outputs, Result};
+
+/// The tensors of what a statement reads, as [`Arg::push`] lays them out.
+#[derive(Default)]
+pub struct Split {
+    /// Those read for their values.
+    pub values: Vec<Tensor>,
+    /// Those read only for their shapes, or detached.
+    pub others: Vec<Tensor>,
+    /// Ranges of `values`: the tensors of one value read only in part.
+    pub parts: Vec<Range<usize>>,
+}
 
 /// One value a statement reads.
 pub trait Arg {
@@ -13,7 +26,7 @@ pub trait Arg {
     type Value;
     /// Appends the value's tensors: to `values` if the statement reads them
     /// for their values, else to `others`.
-    fn push(&self, values: &mut Vec<Tensor>, others: &mut Vec<Tensor>);
+    fn push(&self, into: &mut Split);
     /// The value, with its tensors taken from `values` and `others` in the
     /// order [`Arg::push`] gave them.
     fn rebuild(
@@ -30,12 +43,22 @@ pub trait Arg {
     {
         WithoutGrad(self)
     }
+
+    /// The value is read for its values only in part (`parts[0]`,
+    /// `pair.0`, `xs.first()`): one of its tensors reached by the
+    /// statement's graph is enough ([`crate::RematError::InputCut`]).
+    fn partly(self) -> Partly<Self>
+    where
+        Self: Sized,
+    {
+        Partly(self)
+    }
 }
 
 impl<T: Outputs + Clone> Arg for Tensors<T> {
     type Value = T;
-    fn push(&self, values: &mut Vec<Tensor>, _: &mut Vec<Tensor>) {
-        self.0.clone().split_into(values);
+    fn push(&self, into: &mut Split) {
+        self.0.clone().split_into(&mut into.values);
     }
     fn rebuild(
         &self,
@@ -49,7 +72,7 @@ impl<T: Outputs + Clone> Arg for Tensors<T> {
 
 impl<T: Clone> Arg for Cloned<T> {
     type Value = T;
-    fn push(&self, _: &mut Vec<Tensor>, _: &mut Vec<Tensor>) {}
+    fn push(&self, _: &mut Split) {}
     fn rebuild(
         &self,
         _: &mut dyn Iterator<Item = Tensor>,
@@ -61,7 +84,7 @@ impl<T: Clone> Arg for Cloned<T> {
 
 impl<T> Arg for Failed<T> {
     type Value = T;
-    fn push(&self, _: &mut Vec<Tensor>, _: &mut Vec<Tensor>) {}
+    fn push(&self, _: &mut Split) {}
     fn rebuild(
         &self,
         _: &mut dyn Iterator<Item = Tensor>,
@@ -78,8 +101,12 @@ pub struct WithoutGrad<A>(A);
 
 impl<A: Arg> Arg for WithoutGrad<A> {
     type Value = A::Value;
-    fn push(&self, values: &mut Vec<Tensor>, others: &mut Vec<Tensor>) {
-        self.0.push(others, values);
+    fn push(&self, into: &mut Split) {
+        let mut inner = Split::default();
+        self.0.push(&mut inner);
+        // Swapped, as `rebuild` takes them.
+        into.others.extend(inner.values);
+        into.values.extend(inner.others);
     }
     fn rebuild(
         &self,
@@ -90,13 +117,34 @@ impl<A: Arg> Arg for WithoutGrad<A> {
     }
 }
 
+/// An [`Arg`] read in part: see [`Arg::partly`].
+pub struct Partly<A>(A);
+
+impl<A: Arg> Arg for Partly<A> {
+    type Value = A::Value;
+    fn push(&self, into: &mut Split) {
+        let start = into.values.len();
+        self.0.push(into);
+        if into.values.len() > start + 1 {
+            into.parts.push(start..into.values.len());
+        }
+    }
+    fn rebuild(
+        &self,
+        values: &mut dyn Iterator<Item = Tensor>,
+        others: &mut dyn Iterator<Item = Tensor>,
+    ) -> Result<A::Value> {
+        self.0.rebuild(values, others)
+    }
+}
+
 /// Everything a statement reads: a tuple of [`Arg`]s (nested when longer
 /// than 12).
 pub trait Args {
     /// The values the statement sees.
     type Values;
     /// Appends the tensors of every value (see [`Arg::push`]).
-    fn push(&self, values: &mut Vec<Tensor>, others: &mut Vec<Tensor>);
+    fn push(&self, into: &mut Split);
     /// The values, rebuilt (see [`Arg::rebuild`]).
     fn rebuild(
         &self,
@@ -104,14 +152,14 @@ pub trait Args {
         others: &mut dyn Iterator<Item = Tensor>,
     ) -> Result<Self::Values>;
 
-    /// The input tensors, those read for their values first, and how many
-    /// those are.
-    fn tensors(&self) -> (Vec<Tensor>, usize) {
-        let (mut values, mut others) = (Vec::new(), Vec::new());
-        self.push(&mut values, &mut others);
-        let n = values.len();
-        values.extend(others);
-        (values, n)
+    /// The input tensors, those read for their values first, how many
+    /// those are, and the ranges among them of values read in part.
+    fn tensors(&self) -> (Vec<Tensor>, usize, Vec<Range<usize>>) {
+        let mut split = Split::default();
+        self.push(&mut split);
+        let n = split.values.len();
+        split.values.extend(split.others);
+        (split.values, n, split.parts)
     }
 
     /// The values rebuilt from `tensors`, laid out as [`Args::tensors`]
@@ -126,8 +174,8 @@ pub trait Args {
 
 impl<A: Arg> Args for A {
     type Values = A::Value;
-    fn push(&self, values: &mut Vec<Tensor>, others: &mut Vec<Tensor>) {
-        Arg::push(self, values, others);
+    fn push(&self, into: &mut Split) {
+        Arg::push(self, into);
     }
     fn rebuild(
         &self,
@@ -143,9 +191,9 @@ macro_rules! tuple_args {
         impl<$($name: Args),*> Args for ($($name,)*) {
             type Values = ($($name::Values,)*);
             #[allow(non_snake_case, unused_variables)]
-            fn push(&self, values: &mut Vec<Tensor>, others: &mut Vec<Tensor>) {
+            fn push(&self, into: &mut Split) {
                 let ($($name,)*) = self;
-                $($name.push(values, others);)*
+                $($name.push(into);)*
             }
             #[allow(non_snake_case, unused_variables)]
             fn rebuild(

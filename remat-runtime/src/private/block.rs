@@ -59,7 +59,7 @@ impl<R: ResultError> BlockRegion<R> {
         A: Args + Send + Sync + 'static,
         O: Outputs,
     {
-        let (inputs, _) = args.tensors();
+        let (inputs, _, _) = args.tensors();
         self.region.run(inputs, move |ctx, tensors| {
             let values = args.values_from(tensors, tensors.len())?;
             body(
@@ -125,15 +125,18 @@ impl<E> Block<'_, E> {
     where
         E: Into<RematError>,
     {
-        let (inputs, n_values) = args.tensors();
+        let (inputs, n_values, parts) = args.tensors();
         let cut = self.host_cut.take().filter(|(s, _)| s == name);
         // Whether the statement made a float tensor: one of its outputs
         // that is not one of its inputs handed back as it was (a `mut`
         // binding it read but did not change).
         let made_floats = std::cell::Cell::new(false);
-        let out = self
-            .ctx
-            .run(name, declared.policy(), inputs, n_values, |tensors| {
+        let out = self.ctx.run(
+            name,
+            declared.policy(),
+            inputs,
+            (n_values, &parts),
+            |tensors| {
                 let out = f(args.values_from(tensors, n_values)?).map_err(Into::into)?;
                 if cut.is_none() {
                     return Ok(out);
@@ -144,7 +147,8 @@ impl<E> Block<'_, E> {
                     t.dtype().is_float() && !tensors.iter().any(|input| input.id() == t.id())
                 }));
                 O::join(&mut outputs.into_iter(), &skeleton)
-            })?;
+            },
+        )?;
         match cut {
             Some((_, cut)) if made_floats.get() => Err(cut),
             _ => Ok(out),

@@ -23,7 +23,7 @@ mod read;
 mod saved;
 
 pub use crate::rules::{HoldsTensors, Readable, StatementValue};
-pub use args::{Arg, Args, WithoutGrad};
+pub use args::{Arg, Args, Partly, Split, WithoutGrad};
 pub use block::{
     method_region, region, Block, BlockRegion, Declared, Declared::*, ErrorOf, ResultError,
 };

@@ -22,6 +22,7 @@ mod unit;
 pub(crate) use unit::Unit;
 
 use std::collections::{HashMap, HashSet};
+use std::ops::Range;
 
 use candle_core::{Layout, Tensor, TensorId};
 
@@ -277,12 +278,14 @@ impl Replay {
         name: &str,
         declared: Option<Policy>,
         inputs: &[&Tensor],
-        value_inputs: usize,
+        (value_inputs, parts): (usize, &[Range<usize>]),
         f: impl FnOnce(&[Tensor]) -> Result<O>,
     ) -> Result<O> {
         let (k, policy) = self.expect(region, name, declared, inputs)?;
         let out = match policy {
-            Policy::Recompute => self.recompute(region, name, k, inputs, value_inputs, f)?,
+            Policy::Recompute => {
+                self.recompute(region, name, k, inputs, (value_inputs, parts), f)?
+            }
             Policy::Save | Policy::Offload => self.skip_saved(region, name, k, inputs)?,
         };
         if let Some(label) = &self.trace {
@@ -309,7 +312,7 @@ impl Replay {
         name: &str,
         k: usize,
         inputs: &[&Tensor],
-        value_inputs: usize,
+        (value_inputs, parts): (usize, &[Range<usize>]),
         f: impl FnOnce(&[Tensor]) -> Result<O>,
     ) -> Result<O> {
         self.fingerprint_pending_sole()?;
@@ -324,7 +327,7 @@ impl Replay {
         let mut tensors = Vec::new();
         let skeleton = out.split_into(&mut tensors);
         check_cut(region, name, reads_tracked, &tensors)?;
-        check_reached(region, name, &args, value_inputs, &tensors)?;
+        check_reached(region, name, &args, value_inputs, parts, &tensors)?;
         drop(args);
         self.check_outputs(region, name, k, &tensors)?;
         // The statement's value is the same op call's output as in the
@@ -741,9 +744,14 @@ impl Replay {
             // A parameter returned as it is stays a leaf copy: the sweep
             // gives a parameter's gradient to the parameter, not to a unit.
             let ferried = saved.ferried.get(j).cloned().flatten();
+            // An input returned as it is (`None => xs`) is the statement's
+            // own leaf: continued as any other output of its graph.
+            let graph_node = |t: &Tensor| {
+                !t.is_variable() || saved.leaves.iter().flatten().any(|l| l.id() == t.id())
+            };
             // The layout the forward's block read: the ferried output's.
             let value = match (ferried, &target) {
-                (Some(_), Some(tracked)) if requires_grad && !tracked.is_variable() => {
+                (Some(_), Some(tracked)) if requires_grad && graph_node(tracked) => {
                     continued = true;
                     tracked.clone()
                 }

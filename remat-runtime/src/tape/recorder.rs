@@ -12,6 +12,7 @@
 
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -99,6 +100,8 @@ pub(crate) struct Statement<'a> {
     pub policy: Policy,
     /// The first this many inputs are read for their values (`Ctx::run`).
     pub value_inputs: usize,
+    /// Among those, the values read in part (`Ctx::run`).
+    pub parts: &'a [Range<usize>],
 }
 
 /// What the statement's code returned: its tensors (still attached to the
@@ -403,7 +406,14 @@ impl Recorder {
         if self.first {
             let reads_tracked = needs.iter().take(s.value_inputs).any(|&n| n);
             check_cut(s.region, s.name, reads_tracked, &ran.tensors)?;
-            check_reached(s.region, s.name, &args, s.value_inputs, &ran.tensors)?;
+            check_reached(
+                s.region,
+                s.name,
+                &args,
+                s.value_inputs,
+                s.parts,
+                &ran.tensors,
+            )?;
         }
         ran.sole = unread::sole_call::<S>(&calls, &ran.tensors)
             .map(|c| (c, calls[usize::from(c)].input.clone()));
@@ -482,7 +492,14 @@ impl Recorder {
         self.check_captures(s, &args, &ran.tensors)?;
         let reads_tracked = needs.iter().take(s.value_inputs).any(|&n| n);
         check_cut(s.region, s.name, reads_tracked, &ran.tensors)?;
-        check_reached(s.region, s.name, &args, s.value_inputs, &ran.tensors)?;
+        check_reached(
+            s.region,
+            s.name,
+            &args,
+            s.value_inputs,
+            s.parts,
+            &ran.tensors,
+        )?;
         drop(args);
         let tracked = std::mem::take(&mut ran.tensors);
         let mut outputs = Vec::with_capacity(tracked.len());

@@ -29,7 +29,7 @@ fn tensors_are_handed_over_and_plain_values_cloned() {
         read(&cfg).arg(),
         read(&list).arg(),
     );
-    let (tensors, n_values) = args.tensors();
+    let (tensors, n_values, _) = args.tensors();
     assert_eq!((tensors.len(), n_values), (4, 4));
     let fresh: Vec<Tensor> = (0..4).map(|_| ones()).collect();
     let ids: Vec<_> = fresh.iter().map(|t| t.id()).collect();
@@ -48,7 +48,7 @@ fn reads_without_gradient_come_after_the_values() {
         read(&b).arg().without_grad(),
         read(&c).arg(),
     );
-    let (tensors, n_values) = args.tensors();
+    let (tensors, n_values, _) = args.tensors();
     assert_eq!(n_values, 2);
     let order: Vec<_> = tensors.iter().map(|t| t.id()).collect();
     assert_eq!(order, vec![a.id(), c.id(), b.id()]);
@@ -57,6 +57,30 @@ fn reads_without_gradient_come_after_the_values() {
     assert_eq!(
         (a2.id(), c2.id(), b2.id()),
         (fresh[0].id(), fresh[1].id(), fresh[2].id())
+    );
+}
+
+#[test]
+fn a_value_read_in_part_marks_the_range_of_its_tensors() {
+    let (a, b, c) = (ones(), ones(), ones());
+    let parts = vec![ones(), ones(), ones()];
+    let one = vec![ones()];
+    // `parts` read as `parts[0]`: its three tensors, of which one reached
+    // is enough; a value of one tensor read in part is read whole.
+    let args = (
+        read(&a).arg(),
+        read(&b).arg().without_grad(),
+        read(&parts).arg().partly(),
+        read(&one).arg().partly(),
+        read(&c).arg(),
+    );
+    let (tensors, n_values, in_part) = args.tensors();
+    assert_eq!((tensors.len(), n_values), (7, 6));
+    assert_eq!(in_part, vec![1..4]);
+    let (_, _, parts2, one2, c2) = args.values_from(&tensors, n_values).unwrap();
+    assert_eq!(
+        (parts2[2].id(), one2[0].id(), c2.id()),
+        (parts[2].id(), one[0].id(), c.id())
     );
 }
 
@@ -80,7 +104,7 @@ fn long_reads_nest() {
         ),
         (read(&ts[12]).arg(), read(&ts[13]).arg()),
     );
-    let (tensors, n) = args.tensors();
+    let (tensors, n, _) = args.tensors();
     assert_eq!((tensors.len(), n), (14, 14));
     let (_, (_, last)) = args.values_from(&tensors, n).unwrap();
     assert_eq!(last.id(), ts[13].id());

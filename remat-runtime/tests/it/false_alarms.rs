@@ -4,7 +4,7 @@
 use candle_core::{DType, Device, Result, Tensor, Var};
 use remat_runtime::{backward, remat, Plan, Region, RematError};
 
-use crate::common::{rel_diff, var};
+use crate::common::{rel_diff, var, weighted_loss};
 
 remat! {
     fn exp_and_zeros(x: &Tensor) -> Result<(Tensor, Tensor)> {
@@ -185,6 +185,229 @@ fn constants_from_an_inputs_metadata_under_every_plan() {
             let g = backward(&y.sum_all().unwrap())
                 .unwrap_or_else(|e| panic!("{plan} ({dtype:?}): {e}"));
             assert!(rel_diff(g.get(&x).unwrap(), &plain.1) < 1e-6, "{plan}");
+        }
+    }
+}
+
+/// The plans a block's gradients are compared under, each with whether it
+/// runs with offloaded residuals moved as on a GPU.
+fn every_plan(
+    saved: &'static [&'static str],
+    offloaded: &'static [&'static str],
+) -> Vec<(Plan, bool)> {
+    vec![
+        (Plan::off(), false),
+        (Plan::declared(), false),
+        (Plan::recompute_all(), false),
+        (Plan::save_all(), false),
+        (Plan::save_only(saved.iter().copied()), false),
+        (
+            Plan::save_and_offload_only(saved.iter().copied(), offloaded.iter().copied()),
+            true,
+        ),
+        (Plan::budget(0.5), false),
+    ]
+}
+
+/// Loss and gradients of `inputs` through `f` under `plan`, twice (a
+/// first and a later forward), the second's.
+fn grads_under(
+    plan: &Plan,
+    swap: bool,
+    inputs: &[&Var],
+    f: &dyn Fn() -> Result<Tensor>,
+) -> std::result::Result<Vec<Tensor>, String> {
+    let mut out = Vec::new();
+    for _ in 0..2 {
+        let run = || plan.scope(f).map_err(|e| e.to_string());
+        let y = if swap {
+            remat_runtime::offload::swap_on_cpu(run)
+        } else {
+            run()
+        }?;
+        let g = backward(&weighted_loss(&y)).map_err(|e| e.to_string())?;
+        out = inputs.iter().map(|v| g.get(v).unwrap().clone()).collect();
+    }
+    Ok(out)
+}
+
+/// Every plan's gradients against plain candle's.
+fn agrees_with_plain(
+    what: &str,
+    dtype: DType,
+    plans: Vec<(Plan, bool)>,
+    inputs: &[&Var],
+    plain: &dyn Fn() -> Result<Tensor>,
+    block: &dyn Fn() -> Result<Tensor>,
+) {
+    let g = backward(&weighted_loss(&plain().unwrap())).unwrap();
+    let expected: Vec<Tensor> = inputs.iter().map(|v| g.get(v).unwrap().clone()).collect();
+    // The same ops on the same values; only the order in which the
+    // backward adds the contributions of a value read twice differs.
+    let tol = if dtype == DType::F32 { 1e-5 } else { 1e-12 };
+    for (plan, swap) in plans {
+        let got = grads_under(&plan, swap, inputs, block)
+            .unwrap_or_else(|e| panic!("{what}, {dtype:?}, plan {plan}: {e}"));
+        for (i, (a, b)) in got.iter().zip(&expected).enumerate() {
+            let d = rel_diff(a, b);
+            assert!(
+                d < tol,
+                "{what}, {dtype:?}, plan {plan}: input {i} off by {d:e}"
+            );
+        }
+    }
+}
+
+remat! {
+    fn chunks(x: &Tensor, w: &Var) -> Result<Tensor> {
+        let parts = x.matmul(w)?.chunk(3, 1)?;
+        let q = parts[0].tanh()?;
+        let k = parts.get(1).unwrap().exp()?;
+        let v = (parts.last().unwrap() * 2.0)?;
+        Ok(((q * k)? + v)?)
+    }
+}
+
+fn chunks_plain(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let parts = x.matmul(w)?.chunk(3, 1)?;
+    let (q, k, v) = (parts[0].tanh()?, parts[1].exp()?, (&parts[2] * 2.0)?);
+    (q * k)? + v
+}
+
+remat! {
+    fn slice_and_tuple(xs: &[Tensor], w: &Var) -> Result<Tensor> {
+        let a = xs[0].matmul(w)?;
+        let pair = (a.tanh()?, (&xs[1] * 3.0)?);
+        #[save] let s = pair.0.sin()?;
+        let c = (&pair.1 + xs[1].sqr()?)?;
+        Ok((s + c)?)
+    }
+}
+
+fn slice_and_tuple_plain(xs: &[&Tensor], w: &Tensor) -> Result<Tensor> {
+    let a = xs[0].matmul(w)?;
+    let (t, u) = (a.tanh()?, (xs[1] * 3.0)?);
+    t.sin()? + (u + xs[1].sqr()?)?
+}
+
+#[test]
+fn a_statement_reading_one_part_of_a_value_gets_its_gradients() {
+    for dtype in [DType::F32, DType::F64] {
+        let x = var(&[4, 6], 1, 1.0, dtype);
+        let w = var(&[6, 6], 2, 0.5, dtype);
+        agrees_with_plain(
+            "chunks",
+            dtype,
+            every_plan(&["parts", "k"], &["q"]),
+            &[&x, &w],
+            &|| chunks_plain(x.as_tensor(), w.as_tensor()),
+            &|| chunks(x.as_tensor(), &w),
+        );
+        let (a, b) = (var(&[3, 6], 3, 1.0, dtype), var(&[3, 6], 4, 1.0, dtype));
+        let xs = [a.as_tensor().clone(), b.as_tensor().clone()];
+        agrees_with_plain(
+            "a slice and a tuple",
+            dtype,
+            every_plan(&["a", "pair"], &["c"]),
+            &[&a, &b, &w],
+            &|| slice_and_tuple_plain(&[a.as_tensor(), b.as_tensor()], w.as_tensor()),
+            &|| slice_and_tuple(&xs, &w),
+        );
+    }
+}
+
+remat! {
+    fn part_through_a_cut(x: &Tensor, w: &Var, g: &Tensor) -> Result<Tensor> {
+        let parts = x.matmul(w)?.chunk(2, 1)?;
+        let y = x.narrow(1, 0, 3)?.exp()?;
+        let q = (candle_nn::ops::rms_norm(&parts[0].contiguous()?, g, 1e-5)? + &y)?;
+        Ok((q + &parts[1])?)
+    }
+}
+
+#[test]
+fn a_part_read_only_through_an_op_without_backward_is_still_a_cut() {
+    let x = var(&[4, 6], 1, 1.0, DType::F32);
+    let w = var(&[6, 6], 2, 0.5, DType::F32);
+    let g = Tensor::ones(3, DType::F32, &Device::Cpu).unwrap();
+    for plan in [Plan::off(), Plan::recompute_all(), Plan::save_all()] {
+        let err = plan
+            .scope(|| part_through_a_cut(x.as_tensor(), &w, &g))
+            .and_then(|y| Ok(backward(&y.sum_all()?)?))
+            .expect_err("a cut");
+        assert!(
+            err.to_string().contains("statement `q`: input")
+                && err.to_string().contains("shape [4, 3]"),
+            "{plan}: {err}"
+        );
+    }
+}
+
+remat! {
+    fn maybe_cross(x: &Tensor, w: &Var, enc: Option<&Tensor>) -> Result<Tensor> {
+        let h = x.matmul(w)?;
+        let h = match enc {
+            Some(e) => (&h + e.matmul(w)?.tanh()?)?,
+            None => h,
+        };
+        #[save] let f = h.exp()?;
+        let g = (&h * 0.5)?.sin()?;
+        Ok(((&h + f)? + g)?)
+    }
+}
+
+fn maybe_cross_plain(x: &Tensor, w: &Tensor, enc: Option<&Tensor>) -> Result<Tensor> {
+    let mut h = x.matmul(w)?;
+    if let Some(e) = enc {
+        h = (&h + e.matmul(w)?.tanh()?)?;
+    }
+    let f = h.exp()?;
+    let g = (&h * 0.5)?.sin()?;
+    (&h + f)? + g
+}
+
+remat! {
+    fn passes_an_input(x: &Tensor, w: &Var, skip: bool) -> Result<Tensor> {
+        let y = if skip { x.clone() } else { x.matmul(w)? };
+        #[save] let f = y.exp()?;
+        Ok(((&y * 2.0)? + f)?)
+    }
+}
+
+fn passes_an_input_plain(x: &Tensor, w: &Tensor, skip: bool) -> Result<Tensor> {
+    let y = if skip { x.clone() } else { x.matmul(w)? };
+    (&y * 2.0)? + y.exp()?
+}
+
+#[test]
+fn a_saved_statement_may_give_its_input_back_as_it_is() {
+    for dtype in [DType::F32, DType::F64] {
+        let x = var(&[4, 5], 1, 1.0, dtype);
+        let w = var(&[5, 5], 2, 0.5, dtype);
+        let e = var(&[4, 5], 3, 1.0, dtype);
+        for cross in [false, true] {
+            let enc = cross.then(|| e.as_tensor().clone());
+            let inputs: &[&Var] = if cross { &[&x, &w, &e] } else { &[&x, &w] };
+            agrees_with_plain(
+                &format!("maybe_cross (cross: {cross})"),
+                dtype,
+                every_plan(&["h#2", "f"], &["h#2"]),
+                inputs,
+                &|| maybe_cross_plain(x.as_tensor(), w.as_tensor(), enc.as_ref()),
+                &|| maybe_cross(x.as_tensor(), &w, enc.as_ref()),
+            );
+        }
+        let w2 = var(&[5, 5], 4, 0.5, dtype);
+        for skip in [false, true] {
+            let inputs: &[&Var] = if skip { &[&x] } else { &[&x, &w2] };
+            agrees_with_plain(
+                &format!("passes_an_input (skip: {skip})"),
+                dtype,
+                every_plan(&["y"], &["y"]),
+                inputs,
+                &|| passes_an_input_plain(x.as_tensor(), w2.as_tensor(), skip),
+                &|| passes_an_input(x.as_tensor(), &w2, skip),
+            );
         }
     }
 }

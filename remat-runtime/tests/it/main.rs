@@ -16,6 +16,7 @@ mod features;
 mod finite_differences;
 mod grad_equality;
 mod gradient_cuts;
+mod heldout;
 mod host_cuts;
 mod input_cuts;
 mod linear_loss;

@@ -108,6 +108,19 @@ fn offloaded_statements() {
     }));
 }
 
+/// A value read in part (`parts[0]`, `pair.0`) is handed over `.partly()`:
+/// one of its tensors reached is enough.
+#[test]
+fn values_read_in_part() {
+    insta::assert_snapshot!(pretty(quote! {
+        fn heads(x: &Tensor, w: &Var) -> Result<Tensor> {
+            let parts = x.matmul(w)?.chunk(2, 1)?;
+            let q = parts[0].tanh()?;
+            Ok((q + &parts[1])?)
+        }
+    }));
+}
+
 /// Benchmark, not a test: expansion time of a 30-statement block.
 /// `cargo test -p remat-macros --release -- --ignored --nocapture expand_speed`
 #[test]

@@ -328,9 +328,13 @@ fn master_weights_update_in_the_backward_as_after_it() {
         let data = reference_map.data().lock().unwrap();
         for (name, start) in before.iter().filter(|(n, _)| n.ends_with("ln.weight")) {
             let master = after.master(&data[name]).unwrap().as_tensor();
-            // AdamW moves each weight by about the learning rate a step.
+            // AdamW moves each weight by at most about the learning rate a
+            // step, less where its gradient changes sign between steps (the
+            // model's weights are drawn anew each run: one gain moved 4.6e-5
+            // in three steps once); every one moves, each by less than
+            // bf16's half ulp at 1.0 (2^-9), so bf16 alone cannot keep it.
             let m = master.to_vec1::<f32>().unwrap();
-            let moved = |w: f32| (5e-5..4e-4).contains(&(w - 1.0).abs());
+            let moved = |w: f32| (1e-6..4e-4).contains(&(w - 1.0).abs());
             assert!(m.iter().all(|&w| moved(w)), "{plan}: {name} {m:?}");
             let stayed = &alone_map.data().lock().unwrap()[name];
             assert_eq!(rel_diff(stayed.as_tensor(), start), 0.0, "{plan}: {name}");

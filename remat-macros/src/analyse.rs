@@ -6,6 +6,7 @@ use proc_macro2::Span;
 use syn::{Expr, Ident};
 
 use crate::errors::Errors;
+use crate::fields::{field_reads, FieldRead};
 use crate::host::{into_tensors, read_as_data, reads_to_host, HostValue, Place};
 use crate::model::{AnnotationKind, Block, StmtKind};
 use crate::plain::copies;
@@ -85,6 +86,9 @@ pub(crate) struct Analysis {
     /// What the tail turns into tensors from the host (as
     /// [`StatementAnalysis::host_data`]).
     pub tail_host_data: Vec<HostValue>,
+    /// The parameters' fields the statements read in place, each once,
+    /// with the name of the first statement that reads it.
+    pub fields: Vec<(FieldRead, String)>,
 }
 
 /// `Ok(x)` with `x` bound by a statement of the block.
@@ -165,6 +169,9 @@ struct Reads {
     data: Vec<Vec<Place>>,
     /// Per statement: it reads a tensor to the host ([`reads_to_host`]).
     to_host: Vec<bool>,
+    /// Per statement, then the tail: the parameters' fields it reads in
+    /// place ([`field_reads`]).
+    fields: Vec<Vec<FieldRead>>,
     tail: Vec<(usize, Span)>,
 }
 
@@ -216,6 +223,7 @@ impl<'a> Analyser<'a> {
         let mut into = Vec::new();
         let mut data = Vec::new();
         let mut to_host = Vec::new();
+        let mut fields = Vec::new();
         for (i, stmt) in block.statements.iter().enumerate() {
             let forward_only = self.kinds[i] == Some(AnnotationKind::ForwardOnly);
             let (expr, pat) = match &stmt.kind {
@@ -229,6 +237,7 @@ impl<'a> Analyser<'a> {
                     into.push(Vec::new());
                     data.push(Vec::new());
                     to_host.push(false);
+                    fields.push(Vec::new());
                     continue;
                 }
             };
@@ -239,6 +248,7 @@ impl<'a> Analyser<'a> {
             into.push(into_tensors(expr));
             data.push(read_as_data(expr));
             to_host.push(reads_to_host(expr));
+            fields.push(self.field_reads(expr));
             let alias = match pat {
                 Some(p) if self.kinds[i].is_none() => single(p).and(self.alias(expr)),
                 _ => None,
@@ -293,6 +303,7 @@ impl<'a> Analyser<'a> {
                 in_part.push(read_in_part(t));
                 into.push(into_tensors(t));
                 data.push(read_as_data(t));
+                fields.push(self.field_reads(t));
                 self.resolve(t, n, false)
             }
             None => Vec::new(),
@@ -305,8 +316,20 @@ impl<'a> Analyser<'a> {
             into_tensors: into,
             data,
             to_host,
+            fields,
             tail,
         }
+    }
+
+    /// The fields of parameters `expr` reads in place (a parameter the
+    /// block has not bound the name of again).
+    fn field_reads(&self, expr: &Expr) -> Vec<FieldRead> {
+        let is_param = |i: &Ident| {
+            self.current
+                .get(&i.to_string())
+                .is_some_and(|&b| self.bindings[b].producer.is_none())
+        };
+        field_reads(expr, is_param, self.block.receiver.as_ref())
     }
 
     /// `let a = b;` with `b` a reference (a borrowed parameter, or an alias
@@ -628,7 +651,7 @@ impl<'a> Analyser<'a> {
             .map(|i| self.made_tensors(&reads, &names, i))
             .collect();
         let tail_host_data = made.pop().unwrap_or_default();
-        let statements = (0..n)
+        let statements: Vec<StatementAnalysis> = (0..n)
             .map(|i| StatementAnalysis {
                 name: std::mem::take(&mut names[i]),
                 kind: self.kinds[i],
@@ -648,11 +671,28 @@ impl<'a> Analyser<'a> {
                 host_data: std::mem::take(&mut made[i]),
             })
             .collect();
+        // Statements that run in the replay, and the tail unless the block
+        // returns a binding as it is.
+        let mut fields: Vec<(FieldRead, String)> = Vec::new();
+        for (i, read) in reads.fields.into_iter().enumerate() {
+            let name = match statements.get(i) {
+                Some(s) if s.plain || s.name.is_empty() => continue,
+                Some(s) => s.name.clone(),
+                None if tail_passthrough.is_some() => continue,
+                None => "(return)".to_string(),
+            };
+            for f in read {
+                if !fields.iter().any(|(g, _)| g.label == f.label) {
+                    fields.push((f, name.clone()));
+                }
+            }
+        }
         Analysis {
             statements,
             tail_reads: to_reads(&reads.tail, n),
             tail_passthrough,
             tail_host_data,
+            fields,
         }
     }
 }

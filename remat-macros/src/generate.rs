@@ -17,6 +17,7 @@ use syn::spanned::Spanned;
 use syn::{Ident, Type};
 
 use crate::analyse::{Analysis, Borrowed, Read, StatementAnalysis};
+use crate::fields::FieldRead;
 use crate::host::HostValue;
 use crate::model::{AnnotationKind, Block, Param, Passing, Statement, StmtKind};
 
@@ -286,6 +287,7 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
         pats,
         views,
     } = parameters(&block.params);
+    let fields = fields(&analysis.fields);
     let mut body = TokenStream::new();
     for (stmt, sa) in block.statements.iter().zip(&analysis.statements) {
         body.extend(statement(stmt, sa, &block.params));
@@ -301,7 +303,7 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
             use ::remat_runtime::__private::{self as rt, #imports};
             #receiver
             #checks
-            rt::Ok(rt::region::<#ret>(#region).run(
+            rt::Ok(rt::region::<#ret>(#region)#fields.run(
                 #args,
                 move |#ctx, #pats| {
                     #views
@@ -354,6 +356,25 @@ fn parameters(params: &[Param]) -> Parameters {
         pats: tuple(pats),
         views,
     }
+}
+
+/// The tensors of the parameters' fields the statements read in place,
+/// handed to the region before it runs (`.fields((rt::read(&self.mask)
+/// .field("self.mask", "s"),))`: none when a field holds no tensor), which
+/// checks them for changes in place between the forward and the backward.
+fn fields(fields: &[(FieldRead, String)]) -> TokenStream {
+    if fields.is_empty() {
+        return quote!();
+    }
+    let reads: Vec<TokenStream> = fields
+        .iter()
+        .map(|(f, statement)| {
+            let (place, label) = (&f.place, &f.label);
+            quote!(rt::read(&#place).field(#label, #statement))
+        })
+        .collect();
+    let reads = tuple(reads);
+    quote!(.fields(#reads))
 }
 
 /// One top-level statement of the block, by its kind: an item as it is;

@@ -13,7 +13,8 @@
 //!   drops, and the refusals that need them (`plain`: the `let`s that run
 //!   as plain code; `usage`: what a statement's syntax does with the names
 //!   it mentions; `scopes`: which of them are the block's, after the names
-//!   the statement binds itself);
+//!   the statement binds itself; `fields`: the parameters' fields it reads
+//!   in place);
 //! * `generate`: the code, a forward-and-replay body for
 //!   `remat_runtime::Region`.
 //!
@@ -25,6 +26,7 @@ mod analyse;
 mod attributes;
 mod checks;
 mod errors;
+mod fields;
 mod generate;
 mod host;
 mod model;

@@ -158,6 +158,30 @@ pub enum RematError {
         /// Its shape.
         shape: Vec<usize>,
     },
+    /// A tensor the block reads from a field of one of its parameters
+    /// (`self.mask`, `p.cos`: neither a block input nor a parameter) changed
+    /// between the region's forward and its backward (its fingerprint, a
+    /// checksum of every element, does not match bit for bit): written in
+    /// place (`slice_set`, a `Var::set` on a variable sharing its storage)
+    /// after the forward. Saved statements' backward and the replay would
+    /// read its new values.
+    #[error(
+        "region `{region}`: `{field}` (shape {shape:?}, read by statement `{statement}`) \
+         changed between the forward and the backward (its checksum over every element \
+         differs); the backward would read the new values and the gradients would be wrong; \
+         do not write a tensor the block reads in place before its backward (give the field \
+         a new tensor instead)"
+    )]
+    FieldChanged {
+        /// The region's name.
+        region: String,
+        /// The first statement that reads the field.
+        statement: String,
+        /// The field, as the block writes it (`self.mask`).
+        field: String,
+        /// The tensor's shape.
+        shape: Vec<usize>,
+    },
     /// The replay finished without running statements the forward ran.
     #[error(
         "region `{region}`: {} not replayed: the replay returned before running {}; a \

@@ -8,6 +8,7 @@ use crate::backward::{Body, Call};
 use crate::ctx::{Ctx, Mode};
 use crate::graph::{attach, make_leaf};
 use crate::inspect::{memory, trace};
+use crate::tape::fingerprint::FieldRead;
 use crate::tape::recorder::{constant_outputs, first_forward, first_plain_run, Recorded, Recorder};
 use crate::tape::{fingerprint, Mask, Meta, Tape};
 use crate::{plan, random, Inputs, Outputs, Plan, RematError, Result};
@@ -47,6 +48,9 @@ pub struct Region {
     /// code `remat!` and `checkpoint_sequential` write): the first forward
     /// need not look for undeclared reads.
     declares_all_reads: bool,
+    /// Tensors the block reads from fields of its parameters
+    /// (`remat!`'s `self.mask`): checked for changes in place.
+    fields: Vec<FieldRead>,
 }
 
 impl Region {
@@ -62,6 +66,7 @@ impl Region {
             enabled: true,
             plan: None,
             declares_all_reads: false,
+            fields: Vec::new(),
         }
     }
 
@@ -100,6 +105,14 @@ impl Region {
     /// for undeclared reads and the leaf copies it takes.
     pub(crate) fn declaring_all_reads(mut self) -> Self {
         self.declares_all_reads = true;
+        self
+    }
+
+    /// A region whose block reads `fields` from its parameters: each is
+    /// fingerprinted with the parameters at the end of the forward and
+    /// compared in the replay.
+    pub(crate) fn with_fields(mut self, fields: Vec<FieldRead>) -> Self {
+        self.fields = fields;
         self
     }
 
@@ -231,6 +244,7 @@ impl Region {
                 &detached,
                 inputs_read,
                 param_statements,
+                &self.fields,
                 outputs,
             )?),
             None => None,

@@ -6,7 +6,8 @@ use std::ops::Range;
 
 use candle_core::Tensor;
 
-use super::read::{Cloned, Failed, Tensors};
+use super::read::{Cloned, Failed, Field, Tensors};
+use crate::tape::fingerprint::FieldRead;
 use crate::{Outputs, Result};
 
 /// The tensors of what a statement reads, as [`Arg::push`] lays them out.
@@ -18,6 +19,22 @@ pub struct Split {
     pub others: Vec<Tensor>,
     /// Ranges of `values`: the tensors of one value read only in part.
     pub parts: Vec<Range<usize>>,
+    /// Tensors a block reads from fields of its parameters (`self.mask`).
+    pub(crate) fields: Vec<FieldRead>,
+}
+
+impl Arg for Field {
+    type Value = ();
+    fn push(&self, into: &mut Split) {
+        into.fields.extend(self.0.iter().cloned());
+    }
+    fn rebuild(
+        &self,
+        _: &mut dyn Iterator<Item = Tensor>,
+        _: &mut dyn Iterator<Item = Tensor>,
+    ) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// One value a statement reads.

@@ -4,7 +4,7 @@
 
 use std::marker::PhantomData;
 
-use super::args::Args;
+use super::args::{Args, Split};
 use crate::{Ctx, Outputs, Policy, Region, RematError, Result};
 
 /// The policy a statement of a block declares.
@@ -47,6 +47,16 @@ pub struct BlockRegion<R> {
 }
 
 impl<R: ResultError> BlockRegion<R> {
+    /// The region checks the tensors of `fields` (the parameters' fields
+    /// the block reads in place) for changes between its forward and its
+    /// backward.
+    pub fn fields<F: Args>(mut self, fields: F) -> Self {
+        let mut split = Split::default();
+        fields.push(&mut split);
+        self.region = self.region.with_fields(split.fields);
+        self
+    }
+
     /// Runs `body` on `args` (the block's parameters, of which the region
     /// keeps its own copy) as a region: once now, and once more at the
     /// start of its backward.

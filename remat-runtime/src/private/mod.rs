@@ -28,8 +28,8 @@ pub use block::{
     method_region, region, Block, BlockRegion, Declared, Declared::*, ErrorOf, ResultError,
 };
 pub use read::{
-    read, AsClone, AsNothing, AsTensors, ByClone, ByTensors, Cloned, Failed, FromResult, Given,
-    NotClone, Read, Tensors,
+    read, AsClone, AsNothing, AsTensors, ByClone, ByTensors, Cloned, Failed, Field, FromResult,
+    Given, NotClone, Read, Tensors,
 };
 pub use saved::{CheckPlain, CheckTensors, Checked, Probe};
 pub use std::result::Result::Ok;

@@ -19,6 +19,7 @@
 use std::marker::PhantomData;
 use std::ops::Deref;
 
+use crate::tape::fingerprint::FieldRead;
 use crate::Outputs;
 
 /// A value a statement reads, before its level is picked.
@@ -58,6 +59,9 @@ impl<'a, T: ?Sized> Deref for Level3<'a, T> {
 pub struct Tensors<T>(pub T);
 /// A plain value, cloned.
 pub struct Cloned<T>(pub T);
+/// The tensors held in a field a block reads (none when the field holds
+/// no tensor: a module, a number): `rt::read(&self.mask).field(..)`.
+pub struct Field(pub(crate) Vec<FieldRead>);
 /// A value that cannot be read (a compile error elsewhere); never rebuilt.
 pub struct Failed<T>(PhantomData<fn() -> T>);
 
@@ -88,10 +92,26 @@ pub trait ByTensors<T> {
     fn how(&self) -> AsTensors {
         AsTensors
     }
+    /// Read from the field `field` by `statement` first: its tensors.
+    fn field(&self, field: &'static str, statement: &'static str) -> Field;
 }
 impl<T: Outputs + Clone> ByTensors<T> for Read<'_, T> {
     fn arg(&self) -> Tensors<T> {
         Tensors(self.0 .0 .0 .0.clone())
+    }
+    fn field(&self, field: &'static str, statement: &'static str) -> Field {
+        let mut tensors = Vec::new();
+        self.0 .0 .0 .0.clone().split_into(&mut tensors);
+        Field(
+            tensors
+                .into_iter()
+                .map(|tensor| FieldRead {
+                    tensor,
+                    field,
+                    statement,
+                })
+                .collect(),
+        )
     }
 }
 
@@ -102,6 +122,10 @@ pub trait FromResult<T> {
     /// Never given back.
     fn how(&self) -> AsNothing {
         AsNothing
+    }
+    /// Read from a field: it holds no tensor of its own.
+    fn field(&self, _: &'static str, _: &'static str) -> Field {
+        Field(Vec::new())
     }
 }
 impl<T, E> FromResult<T> for Level2<'_, Result<T, E>> {
@@ -118,6 +142,10 @@ pub trait ByClone<T> {
     fn how(&self) -> AsClone {
         AsClone
     }
+    /// Read from a field: it holds no tensor of its own.
+    fn field(&self, _: &'static str, _: &'static str) -> Field {
+        Field(Vec::new())
+    }
 }
 impl<T: Clone> ByClone<T> for Level3<'_, T> {
     fn arg(&self) -> Cloned<T> {
@@ -133,6 +161,10 @@ pub trait NotClone<T> {
     /// Never given back.
     fn how(&self) -> AsNothing {
         AsNothing
+    }
+    /// Read from a field: it holds no tensor of its own.
+    fn field(&self, _: &'static str, _: &'static str) -> Field {
+        Field(Vec::new())
     }
 }
 impl<T> NotClone<T> for Level4<'_, T> {

@@ -191,6 +191,14 @@ impl Replay {
                     };
                     taken.push((subject, Some(t)));
                 }
+                for f in &forward.fields {
+                    let subject = Subject::Field {
+                        field: f.field,
+                        shape: f.tensor.dims().to_vec(),
+                        statement: f.statement,
+                    };
+                    taken.push((subject, Some(&f.tensor)));
+                }
                 let mut checks = Checks {
                     forward: forward.sums,
                     subjects: Vec::new(),

@@ -12,6 +12,8 @@
 //!   bit for bit (nothing recomputes a parameter);
 //! * every block input the replay reads (a mask, a bias table): bit for
 //!   bit too;
+//! * every tensor a `remat!` block reads from its parameters' fields that
+//!   is neither an input nor a parameter ([`FieldRead`]): bit for bit;
 //! * every output of a recomputed statement: bit for bit when the replay
 //!   runs the same kernels on the same bits with the same layouts (on the
 //!   CPU, when every input of the statement is bitwise the forward's and
@@ -86,11 +88,25 @@ pub(crate) mod counts {
     }
 }
 
+/// A tensor a block reads from a field of one of its parameters
+/// (`&self.mask`, `p.cos.narrow(..)`): neither a block input nor a
+/// parameter, and so fingerprinted on its own, to see a change in place
+/// between the forward and the backward ([`RematError::FieldChanged`]).
+#[derive(Debug, Clone)]
+pub(crate) struct FieldRead {
+    /// The tensor.
+    pub tensor: Tensor,
+    /// The field as the block writes it (`self.mask`).
+    pub field: &'static str,
+    /// The first statement that reads it.
+    pub statement: &'static str,
+}
+
 /// The forward's fingerprints of a region call, and what each is of.
 #[derive(Clone)]
 pub(crate) struct Forward {
     /// One after the other: the parameters' (at the end of the forward),
-    /// the read inputs', then every output of every recomputed statement,
+    /// the read inputs', the fields', then every output of every recomputed statement,
     /// in order, each followed by its op's input where the forward took
     /// it (`Record::sole_fingerprinted`).
     pub sums: Tensor,
@@ -100,6 +116,9 @@ pub(crate) struct Forward {
     /// The region inputs the replay reads: index, and the record of the
     /// first recomputed statement that reads it.
     pub inputs: Vec<(u32, u32)>,
+    /// The tensors the block read from fields, each once: neither inputs
+    /// nor parameters, and carrying no gradient.
+    pub fields: Vec<FieldRead>,
 }
 
 impl Forward {
@@ -114,6 +133,7 @@ impl Forward {
         detached: &[Tensor],
         inputs_read: Vec<Option<u32>>,
         mut param_statements: Vec<u32>,
+        fields: &[FieldRead],
         outputs: Vec<Tensor>,
     ) -> Result<Self> {
         let read: Vec<(u32, u32)> = inputs_read
@@ -124,11 +144,24 @@ impl Forward {
             // fingerprinted once, as the parameter.
             .filter(|&(i, _)| !params.iter().any(|p| p.id() == inputs[i as usize].id()))
             .collect();
-        // Parameters first, then the inputs the replay reads, then the
-        // recomputed outputs: one tensor.
+        // A field's tensor that is an input or a parameter is checked as
+        // such; one that carries a gradient is a parameter's view (or an
+        // error the statement reading it reported).
+        let mut seen: std::collections::HashSet<_> =
+            params.iter().chain(inputs).map(|t| t.id()).collect();
+        let fields: Vec<FieldRead> = fields
+            .iter()
+            .filter(|f| {
+                f.tensor.elem_count() > 0 && !f.tensor.track_op() && seen.insert(f.tensor.id())
+            })
+            .cloned()
+            .collect();
+        // Parameters first, then the inputs the replay reads, the fields,
+        // then the recomputed outputs: one tensor.
         let taken: Vec<Option<&Tensor>> = params
             .iter()
             .chain(read.iter().map(|&(i, _)| &detached[i as usize]))
+            .chain(fields.iter().map(|f| &f.tensor))
             .map(Some)
             .collect();
         let mut all = of_all(&taken, Kind::Bits)?;
@@ -139,6 +172,7 @@ impl Forward {
             sums: join(&all)?,
             params: param_statements,
             inputs: read,
+            fields,
         })
     }
 }
@@ -237,6 +271,11 @@ pub(crate) enum Subject {
         index: usize,
         shape: Vec<usize>,
         statement: String,
+    },
+    Field {
+        field: &'static str,
+        shape: Vec<usize>,
+        statement: &'static str,
     },
 }
 
@@ -349,6 +388,20 @@ impl Checks {
                             region,
                             statement,
                             index,
+                            shape,
+                        });
+                    }
+                }
+                Subject::Field {
+                    field,
+                    shape,
+                    statement,
+                } => {
+                    if !matches(f, r, Compare::Bitwise) {
+                        return Err(RematError::FieldChanged {
+                            region,
+                            statement: statement.to_string(),
+                            field: field.to_string(),
                             shape,
                         });
                     }

@@ -374,27 +374,196 @@ fn slice_set_column(t: &Tensor, column: &Tensor, col: usize) {
 }
 
 #[test]
-fn a_mask_in_a_field_changed_in_place_is_caught_through_the_outputs() {
+fn a_mask_in_a_field_changed_in_place_is_caught_under_every_plan() {
     for dtype in DTYPES {
-        let q = var(&[6, 4], 7, 1.0, dtype);
-        let k = var(&[8, 4], 8, 1.0, dtype);
-        let m = Masked {
-            mask: padding_mask(6, 8, dtype).affine(1e-9, 0.0).unwrap(),
+        for plan in [
+            Plan::declared(),
+            Plan::recompute_all(),
+            Plan::save_all(),
+            Plan::save_only(["s"]),
+        ] {
+            let q = var(&[6, 4], 7, 1.0, dtype);
+            let k = var(&[8, 4], 8, 1.0, dtype);
+            let m = Masked {
+                mask: padding_mask(6, 8, dtype).affine(1e-9, 0.0).unwrap(),
+            };
+            let y = plan
+                .scope(|| masked_by_field(q.as_tensor(), k.as_tensor(), &m))
+                .unwrap();
+            let column = Tensor::full(-3.0, (6, 1), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            slice_set_column(&m.mask, &column, 2);
+            let e = backward(&y).unwrap_err();
+            assert!(
+                matches!(&e, RematError::FieldChanged { region, statement, field, shape }
+                    if region == "masked_by_field" && statement == "s" && field == "m.mask"
+                        && shape == &[6, 8]),
+                "{dtype:?} {plan}: {e:?}"
+            );
+        }
+    }
+}
+
+/// Rotary tables as candle-transformers keeps them, in a struct of their own.
+#[derive(Clone)]
+struct Rotary {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+/// A layer with constants in its fields, neither block inputs nor
+/// parameters, each read by candle's own ops (whose backward reads them
+/// again): an additive bias, rotary tables in a nested struct, per-layer
+/// scales in a `Vec`, an optional mask, a frozen weight that shares its
+/// storage with a `Var` (a detached view of it).
+#[derive(Clone)]
+struct Constants {
+    w: Var,
+    bias: Tensor,
+    rotary: Rotary,
+    scales: Vec<Tensor>,
+    mask: Option<Tensor>,
+    frozen: Tensor,
+}
+
+const FIELDS: [&str; 6] = [
+    "self.bias",
+    "self.rotary.cos",
+    "self.rotary.sin",
+    "self.scales",
+    "self.mask",
+    "self.frozen",
+];
+
+impl Constants {
+    /// `frozen` shares the storage of `source`.
+    fn new(dtype: DType, source: &Var) -> Self {
+        let (t, d) = (5, 4);
+        Constants {
+            w: var(&[d, d], 31, 0.5, dtype),
+            bias: tensor(&[t, t], 32, 1.0, dtype),
+            rotary: Rotary {
+                cos: tensor(&[t, d], 33, 1.0, dtype),
+                sin: tensor(&[t, d], 34, 1.0, dtype),
+            },
+            scales: vec![tensor(&[t], 35, 1.0, dtype), tensor(&[t], 36, 1.0, dtype)],
+            mask: Some(tensor(&[t, t], 37, 1.0, dtype)),
+            frozen: source.as_tensor().detach(),
+        }
+    }
+
+    /// The same ops as `forward`, without a region.
+    fn plain(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let h = x.matmul(self.w.as_tensor())?;
+        let r = (h.broadcast_mul(&self.rotary.cos)? + h.broadcast_mul(&self.rotary.sin)?)?;
+        let s = r.matmul(&h.t()?)?.broadcast_add(&self.bias)?;
+        let m = match &self.mask {
+            Some(m) => s.mul(m)?,
+            None => s,
         };
-        let y = Plan::recompute_all()
-            .scope(|| masked_by_field(q.as_tensor(), k.as_tensor(), &m))
-            .unwrap();
-        let column = Tensor::full(-3.0, (6, 1), &Device::Cpu)
-            .unwrap()
-            .to_dtype(dtype)
-            .unwrap();
-        slice_set_column(&m.mask, &column, 2);
-        let e = backward(&y).unwrap_err();
-        assert!(
-            matches!(&e, RematError::ReplayDiverged { region, statement, .. }
-                if region == "masked_by_field" && statement == "s"),
-            "{dtype:?}: {e:?}"
-        );
+        let z = m.broadcast_mul(&self.scales[1])?.matmul(&h)?;
+        let f = z.matmul(&self.frozen)?;
+        f.tanh()?.sqr()?.sum_all()
+    }
+
+    remat! {
+        fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+            let h = x.matmul(self.w.as_tensor())?;
+            let r = (h.broadcast_mul(&self.rotary.cos)? + h.broadcast_mul(&self.rotary.sin)?)?;
+            let s = r.matmul(&h.t()?)?.broadcast_add(&self.bias)?;
+            let m = match &self.mask {
+                Some(m) => s.mul(m)?,
+                None => s,
+            };
+            let z = m.broadcast_mul(&self.scales[1])?.matmul(&h)?;
+            let f = z.matmul(&self.frozen)?;
+            Ok(f.tanh()?.sqr()?.sum_all()?)
+        }
+    }
+}
+
+/// Each of a layer's constant fields written in place between the forward
+/// and the backward (`slice_set`, or `Var::set` on the variable whose
+/// storage it shares) is an error naming the region, the field and the
+/// first statement reading it (an indexed field, `self.scales[1]`, is
+/// checked whole), under every plan, saved statements
+/// included (their backward would read the new values: plain candle's
+/// gradients would be silently wrong); unchanged, or given a new tensor
+/// instead, every gradient is plain candle's.
+#[test]
+fn constants_held_in_fields_changed_in_place_are_caught_under_every_plan() {
+    let plans = || {
+        [
+            Plan::declared(),
+            Plan::recompute_all(),
+            Plan::save_all(),
+            Plan::save_only(["h", "s"]),
+            Plan::budget(0.5),
+        ]
+    };
+    let statements = ["s", "r", "r", "z", "m", "f"];
+    for dtype in DTYPES {
+        let x = var(&[5, 4], 30, 1.0, dtype);
+        for plan in plans() {
+            // Unchanged: plain candle's gradients.
+            let source = var(&[4, 4], 38, 0.5, dtype);
+            let c = Constants::new(dtype, &source);
+            let y = plan.scope(|| c.forward(x.as_tensor())).unwrap();
+            let g = backward(&y).unwrap();
+            let g_ref = c.plain(x.as_tensor()).unwrap().backward().unwrap();
+            for v in [&x, &c.w] {
+                let d = rel_diff(g.get(v).unwrap(), g_ref.get(v).unwrap());
+                assert!(d <= 1e-6, "{dtype:?} {plan}: {d}");
+            }
+            // A field given a new tensor after the forward: the region
+            // kept its own copy of the layer, so nothing changed for it.
+            let mut c2 = c.clone();
+            let y = plan.scope(|| c2.forward(x.as_tensor())).unwrap();
+            c2.bias = c2.bias.affine(2.0, 1.0).unwrap();
+            let g = backward(&y).unwrap();
+            let d = rel_diff(g.get(&c.w).unwrap(), g_ref.get(&c.w).unwrap());
+            assert!(d <= 1e-6, "{dtype:?} {plan}: {d}");
+
+            for (i, field) in FIELDS.iter().enumerate() {
+                let source = var(&[4, 4], 38, 0.5, dtype);
+                let c = Constants::new(dtype, &source);
+                let y = plan.scope(|| c.forward(x.as_tensor())).unwrap();
+                let t = match i {
+                    0 => &c.bias,
+                    1 => &c.rotary.cos,
+                    2 => &c.rotary.sin,
+                    3 => &c.scales[1],
+                    4 => c.mask.as_ref().unwrap(),
+                    _ => &c.frozen,
+                };
+                // One element up by a quarter, in place.
+                let bumped = {
+                    let v = t.to_dtype(DType::F64).unwrap();
+                    let one = v.flatten_all().unwrap().narrow(0, 0, 1).unwrap();
+                    let one = (one + 0.25).unwrap().reshape(vec![1; t.rank()]).unwrap();
+                    v.slice_assign(&vec![0..1; t.rank()], &one)
+                        .unwrap()
+                        .to_dtype(dtype)
+                        .unwrap()
+                };
+                if i == 5 {
+                    source.set(&bumped).unwrap();
+                } else {
+                    t.slice_set(&bumped, 0, 0).unwrap();
+                }
+                let e = backward(&y).unwrap_err();
+                assert!(
+                    matches!(&e, RematError::FieldChanged { region, statement, field: f, shape }
+                        if region == "Constants::forward" && statement == statements[i]
+                            && f == field && shape == t.dims()),
+                    "{dtype:?} {plan} {field}: {e:?}"
+                );
+                let text = e.to_string();
+                assert!(text.contains(&format!("`{field}`")), "{text}");
+            }
+        }
     }
 }
 
@@ -436,8 +605,8 @@ impl Tables {
 /// A fused op's untracked argument that its backward reads again (an
 /// attention bias, rotary tables), held in a field and written in place
 /// between the forward and the backward: an error naming the op and the
-/// argument (and, in a region, the region and the statement), under every
-/// plan and outside any region, never a silent gradient; unchanged, every
+/// argument outside any region, and in a region the region, the field and
+/// the statement, under every plan, never a silent gradient; unchanged, every
 /// gradient is plain candle's (the same ops without a region).
 #[test]
 fn a_fused_op_s_kept_bias_or_table_changed_in_place_is_caught() {
@@ -474,15 +643,16 @@ fn a_fused_op_s_kept_bias_or_table_changed_in_place_is_caught() {
                 t.slice_set(&edited.to_dtype(dtype).unwrap(), 0, 0).unwrap();
                 let e = backward(&y).unwrap_err().to_string();
                 let what_ = format!("{dtype:?} {plan}, {what}: {e}");
-                // A recomputing plan replays the op on the new values: the
-                // replay check names the statement whose output moved.
-                let replayed = e.contains("replay");
-                assert!(
-                    replayed || e.contains(&format!("{what} [")) && e.contains("changed between"),
-                    "{what_}"
-                );
-                if !plan.is_off() {
+                assert!(e.contains("changed between"), "{what_}");
+                if plan.is_off() {
+                    // The op's own check names the op's argument.
+                    assert!(e.contains(&format!("{what} [")), "{what_}");
+                } else {
+                    // The region's check of the fields the block reads
+                    // comes first, and names the field.
+                    let field = ["`self.bias`", "`self.cos`", "`self.sin`"][table];
                     assert!(e.contains("region `Tables::attend`"), "{what_}");
+                    assert!(e.contains(field), "{what_}");
                 }
             }
         }

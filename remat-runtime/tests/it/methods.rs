@@ -637,3 +637,141 @@ fn a_wrapped_module_matches_plain_candle() {
         );
     }
 }
+
+/// A layer whose fields are of every kind a block may read in place: a
+/// generic module passed by reference, a shared `dyn Module`, a tensor
+/// behind a mutex, a tuple with a tensor and a number, an optional bias, a
+/// `Vec` of tables, a name, a number. Only the tensors among them are
+/// handed to the region (`FieldChanged` checks them); the others must
+/// still compile as written.
+#[derive(Clone)]
+struct Fields<M: Module + Clone> {
+    module: M,
+    shared: std::sync::Arc<dyn Module + Send + Sync>,
+    locked: std::sync::Arc<std::sync::Mutex<Tensor>>,
+    pair: (Tensor, f64),
+    bias: Option<Tensor>,
+    tables: Vec<Tensor>,
+    name: String,
+    scale: f64,
+}
+
+impl<M: Module + Clone + Send + Sync + 'static> Fields<M> {
+    fn plain(&self, x: &Tensor) -> Result<Tensor> {
+        let h = Module::forward(&self.module, x)?;
+        let h = self.shared.forward(&h)?;
+        let t = self.locked.lock().unwrap().clone();
+        let h = (h.broadcast_mul(&t)? * self.scale)?;
+        let h = h.broadcast_add(&self.pair.0)?.affine(self.pair.1, 0.0)?;
+        let h = match &self.bias {
+            Some(b) => h.broadcast_add(b)?,
+            None => h,
+        };
+        let h = h.broadcast_mul(&self.tables[1])?;
+        assert!(!self.name.as_str().is_empty());
+        h.tanh()?.sqr()?.sum_all()
+    }
+
+    remat! {
+        fn forward(&self, x: &Tensor) -> Result<Tensor> {
+            let h = Module::forward(&self.module, x)?;
+            let h = self.shared.forward(&h)?;
+            let t = self.locked.lock().unwrap().clone();
+            let h = (h.broadcast_mul(&t)? * self.scale)?;
+            let h = h.broadcast_add(&self.pair.0)?.affine(self.pair.1, 0.0)?;
+            let h = match &self.bias {
+                Some(b) => h.broadcast_add(b)?,
+                None => h,
+            };
+            let h = h.broadcast_mul(&self.tables[1])?;
+            assert!(!self.name.as_str().is_empty());
+            Ok(h.tanh()?.sqr()?.sum_all()?)
+        }
+    }
+}
+
+#[test]
+fn fields_of_every_kind_compile_and_those_holding_tensors_are_checked() {
+    use remat_runtime::RematError;
+    for dtype in [DType::F32, DType::F64] {
+        let vm = VarMap::new();
+        let make = || Fields {
+            module: linear(&vm, "a", 4, 4, true, dtype),
+            shared: std::sync::Arc::new(linear(&vm, "b", 4, 4, false, dtype)),
+            locked: std::sync::Arc::new(std::sync::Mutex::new(
+                Tensor::new(&[0.5f32, -1.0, 2.0, 0.25], &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap(),
+            )),
+            pair: (
+                Tensor::new(&[0.1f32, 0.2, -0.3, 0.4], &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap(),
+                1.5,
+            ),
+            bias: Some(
+                Tensor::full(0.3, 4, &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap(),
+            ),
+            tables: vec![
+                Tensor::ones(4, dtype, &Device::Cpu).unwrap(),
+                Tensor::new(&[1.0f32, 0.5, 2.0, -1.0], &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap(),
+            ],
+            name: "layer".to_string(),
+            scale: 0.7,
+        };
+        let layer = make();
+        let x = Var::from_tensor(
+            &Tensor::arange(0f32, 12.0, &Device::Cpu)
+                .unwrap()
+                .reshape((3, 4))
+                .unwrap()
+                .affine(0.1, -0.5)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap(),
+        )
+        .unwrap();
+        let reference = layer.plain(x.as_tensor()).unwrap().backward().unwrap();
+        for plan in plans() {
+            let y = plan.scope(|| layer.forward(x.as_tensor())).unwrap();
+            let g = backward(&y).unwrap();
+            for v in vm.all_vars().iter().chain([&x]) {
+                let d = crate::common::rel_diff(g.get(v).unwrap(), reference.get(v).unwrap());
+                assert!(d <= 1e-6, "{dtype:?} {plan}: {d}");
+            }
+            // The tuple's tensor, written in place: an error under every
+            // checkpointing plan.
+            if !plan.is_off() {
+                let y = plan.scope(|| layer.forward(x.as_tensor())).unwrap();
+                let first = layer.pair.0.narrow(0, 0, 1).unwrap();
+                layer
+                    .pair
+                    .0
+                    .slice_set(&(first + 1.0).unwrap(), 0, 0)
+                    .unwrap();
+                let e = backward(&y).unwrap_err();
+                assert!(
+                    matches!(&e, RematError::FieldChanged { field, .. } if field == "self.pair.0"),
+                    "{dtype:?} {plan}: {e:?}"
+                );
+                layer
+                    .pair
+                    .0
+                    .slice_set(
+                        &(layer.pair.0.narrow(0, 0, 1).unwrap() - 1.0).unwrap(),
+                        0,
+                        0,
+                    )
+                    .unwrap();
+            }
+        }
+    }
+}

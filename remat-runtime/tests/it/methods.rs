@@ -668,7 +668,8 @@ impl<M: Module + Clone + Send + Sync + 'static> Fields<M> {
             None => h,
         };
         let h = h.broadcast_mul(&self.tables[1])?;
-        assert!(!self.name.as_str().is_empty());
+        let upper = self.name.to_uppercase();
+        assert_eq!(upper, "LAYER");
         h.tanh()?.sqr()?.sum_all()
     }
 
@@ -684,7 +685,8 @@ impl<M: Module + Clone + Send + Sync + 'static> Fields<M> {
                 None => h,
             };
             let h = h.broadcast_mul(&self.tables[1])?;
-            assert!(!self.name.as_str().is_empty());
+            let upper = self.name.to_uppercase();
+            assert_eq!(upper, "LAYER");
             Ok(h.tanh()?.sqr()?.sum_all()?)
         }
     }

@@ -404,16 +404,7 @@ impl Recorder {
         ran.strided_reads = strided_reads(args.iter().take(s.value_inputs));
         self.check_captures(s, &args, &ran.tensors)?;
         if self.first {
-            let reads_tracked = needs.iter().take(s.value_inputs).any(|&n| n);
-            check_cut(s.region, s.name, reads_tracked, &ran.tensors)?;
-            check_reached(
-                s.region,
-                s.name,
-                &args,
-                s.value_inputs,
-                s.parts,
-                &ran.tensors,
-            )?;
+            check_paths(s, needs, &args, &ran.tensors)?;
         }
         ran.sole = unread::sole_call::<S>(&calls, &ran.tensors)
             .map(|c| (c, calls[usize::from(c)].input.clone()));
@@ -490,16 +481,7 @@ impl Recorder {
         // Its op calls count in no other statement.
         let mut ran = unread::watch(None, || run(&args)).0?;
         self.check_captures(s, &args, &ran.tensors)?;
-        let reads_tracked = needs.iter().take(s.value_inputs).any(|&n| n);
-        check_cut(s.region, s.name, reads_tracked, &ran.tensors)?;
-        check_reached(
-            s.region,
-            s.name,
-            &args,
-            s.value_inputs,
-            s.parts,
-            &ran.tensors,
-        )?;
+        check_paths(s, needs, &args, &ran.tensors)?;
         drop(args);
         let tracked = std::mem::take(&mut ran.tensors);
         let mut outputs = Vec::with_capacity(tracked.len());
@@ -708,6 +690,16 @@ impl Recorder {
             fingerprints: self.fingerprints,
         })
     }
+}
+
+/// The gradient paths of statement `s`, which ran on `args` (`needs`: which
+/// need gradients) and gave `outputs`: one carries a gradient if it read
+/// values that need one ([`check_cut`]), and their graph reaches each
+/// of those ([`check_reached`]).
+fn check_paths(s: &Statement, needs: &[bool], args: &[Tensor], outputs: &[Tensor]) -> Result<()> {
+    let reads_tracked = needs.iter().take(s.value_inputs).any(|&n| n);
+    check_cut(s.region, s.name, reads_tracked, outputs)?;
+    check_reached(s.region, s.name, args, s.value_inputs, s.parts, outputs)
 }
 
 /// The values of `args` that are strided views.

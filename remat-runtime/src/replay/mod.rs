@@ -445,8 +445,11 @@ impl Replay {
         let (tensor, shared, share) = (v.tensor.clone(), v.leaf.clone(), v.share);
         let layout = v.layout.clone().filter(|_| strided);
         // A value that is a leaf already serves every unit that reads it:
-        // no copy.
-        let leaf = match (tensor.is_variable(), shared) {
+        // no copy. Not a parameter a statement gave as it is (`w.clone()`):
+        // the gradient through the value belongs to the statement's unit,
+        // which passes it on to the parameter.
+        let own_leaf = tensor.is_variable() && !self.params.contains(&tensor.id());
+        let leaf = match (own_leaf, shared) {
             (true, _) => tensor,
             (false, Some(leaf)) => leaf,
             (false, None) => self.leaf_of(&tensor, layout.as_ref())?,
@@ -749,8 +752,6 @@ impl Replay {
         for (j, meta) in metas.iter().enumerate() {
             let target = saved.outs.get(j).cloned();
             let requires_grad = target.as_ref().is_some_and(carries_grad);
-            // A parameter returned as it is stays a leaf copy: the sweep
-            // gives a parameter's gradient to the parameter, not to a unit.
             let ferried = saved.ferried.get(j).cloned().flatten();
             // An input returned as it is (`None => xs`) is the statement's
             // own leaf: continued as any other output of its graph.
@@ -763,7 +764,10 @@ impl Replay {
                     continued = true;
                     tracked.clone()
                 }
-                (Some(ferried), _) if requires_grad => make_leaf(&ferried)?,
+                // A parameter returned as it is (`w.clone()`): statements
+                // of this unit read the parameter, later units a leaf copy
+                // whose gradient reaches it through this unit's target.
+                (Some(_), Some(tracked)) if requires_grad => tracked.clone(),
                 (Some(ferried), _) => ferried,
                 (None, _) => {
                     let p = placeholder(meta)?;
@@ -771,13 +775,19 @@ impl Replay {
                     p
                 }
             };
+            outputs.push(value.clone());
+            // A parameter some statement gave as its value already is that
+            // statement's value.
+            if self.values.contains_key(&value.id()) {
+                continue;
+            }
             self.order.push(value.id());
             self.values.insert(
                 value.id(),
                 Value {
                     unit: Some(u),
                     requires_grad,
-                    share: requires_grad && !value.is_variable(),
+                    share: requires_grad,
                     tensor: value.clone(),
                     leaf: None,
                     target,
@@ -785,7 +795,6 @@ impl Replay {
                     layout: strided(&value),
                 },
             );
-            outputs.push(value);
         }
         Ok((outputs, continued))
     }

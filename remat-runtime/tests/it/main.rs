@@ -5,6 +5,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod as_is;
 mod attention_masks;
 mod cancelling_replays;
 mod corpus;

@@ -71,6 +71,20 @@ remat! {
     }
 }
 
+remat! {
+    /// A statement's output taken as it is by another statement, read on
+    /// both sides of the saved `z`.
+    fn output_as_is(x: &Tensor, w: &Var, way: usize) -> Result<Tensor> {
+        let a = x.matmul(w)?;
+        let ac = as_is(&a, way)?;
+        let y = ac.tanh()?;
+        #[save]
+        let z = y.exp()?;
+        let s = ac.sqr()?.sum_keepdim(0)?;
+        Ok(z.broadcast_add(&s)?)
+    }
+}
+
 fn reference(x: &Tensor, w: &Tensor, of_input: bool) -> Tensor {
     let twice = if of_input { x } else { w };
     let y = x.matmul(w).unwrap().tanh().unwrap();
@@ -81,7 +95,7 @@ fn reference(x: &Tensor, w: &Tensor, of_input: bool) -> Tensor {
 /// Every plan a user might pick: the annotations, the uniform ones, a
 /// budget (two steps: the first measures), and every save/recompute
 /// combination of the four statements (annotations overridden).
-fn plans(names: [&'static str; 4]) -> Vec<(Plan, usize)> {
+fn plans(names: &'static [&'static str]) -> Vec<(Plan, usize)> {
     let mut plans = vec![
         (Plan::declared(), 1),
         (Plan::recompute_all(), 1),
@@ -89,8 +103,8 @@ fn plans(names: [&'static str; 4]) -> Vec<(Plan, usize)> {
         (Plan::budget(0.4), 2),
         (Plan::budget(0.0), 2),
     ];
-    for mask in 0..16u32 {
-        let plan = Plan::from_fn(&format!("combination {mask:04b}"), move |s| {
+    for mask in 0..1u32 << names.len() {
+        let plan = Plan::from_fn(&format!("combination {mask:05b}"), move |s| {
             match names.iter().position(|n| *n == s.name) {
                 Some(i) if mask >> i & 1 == 1 => Policy::Save,
                 _ => Policy::Recompute,
@@ -107,10 +121,10 @@ fn a_parameter_or_input_taken_as_it_is_gets_plain_candle_s_gradients_under_every
     for dtype in [DType::F64, DType::F32] {
         let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
         for of_input in [false, true] {
-            let names = if of_input {
-                ["xc", "y", "z", "s"]
+            let names: &'static [&'static str] = if of_input {
+                &["xc", "y", "z", "s"]
             } else {
-                ["wc", "y", "z", "s"]
+                &["wc", "y", "z", "s"]
             };
             for way in 0..WAYS {
                 let x = var(&[4, 4], 1, 1.0, dtype);
@@ -169,7 +183,7 @@ fn a_parameter_taken_as_it_is_and_returned_gets_plain_candle_s_gradients_under_e
             let w = var(&[4, 4], 2, 0.5, dtype);
             let out = reference(x.as_tensor(), w.as_tensor(), false);
             let expected = loss(&out, w.as_tensor()).backward().unwrap();
-            for (plan, steps) in plans(["wc", "y", "z", "s"]) {
+            for (plan, steps) in plans(&["wc", "y", "z", "s"]) {
                 for step in 0..steps {
                     let case = format!("{dtype:?} way {way}, {plan} step {step}");
                     let run = || parameter_as_is_returned(x.as_tensor(), &w, way);
@@ -237,7 +251,7 @@ fn a_tied_autoencoder_casting_its_weight_to_its_own_dtype_gets_plain_candle_s_gr
             .broadcast_matmul(w.as_tensor())
             .unwrap();
         let expected = weighted_loss(&plain).backward().unwrap();
-        for (plan, steps) in plans(["w", "h", "a", "o"]) {
+        for (plan, steps) in plans(&["w", "h", "a", "o"]) {
             for step in 0..steps {
                 let y = plan.scope(|| model.forward(x.as_tensor())).unwrap();
                 assert!(rel_diff(&y, &plain) <= tol, "{plan}");
@@ -252,4 +266,46 @@ fn a_tied_autoencoder_casting_its_weight_to_its_own_dtype_gets_plain_candle_s_gr
             }
         }
     }
+}
+
+#[test]
+fn a_statement_s_output_taken_as_it_is_gets_plain_candle_s_gradients_under_every_plan() {
+    let mut wrong = Vec::new();
+    for dtype in [DType::F64, DType::F32] {
+        let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
+        for way in 0..WAYS {
+            let x = var(&[4, 4], 1, 1.0, dtype);
+            let w = var(&[4, 4], 2, 0.5, dtype);
+            let a = x.as_tensor().matmul(w.as_tensor()).unwrap();
+            let s = a.sqr().unwrap().sum_keepdim(0).unwrap();
+            let out = a.tanh().unwrap().exp().unwrap().broadcast_add(&s).unwrap();
+            let expected = weighted_loss(&out).backward().unwrap();
+            for (plan, steps) in plans(&["a", "ac", "y", "z", "s"]) {
+                for step in 0..steps {
+                    let case = format!("{dtype:?} way {way}, {plan} step {step}");
+                    let run = || output_as_is(x.as_tensor(), &w, way);
+                    let grads = match plan.scope(run).and_then(|y| weighted_loss(&y).backward()) {
+                        Ok(g) => g,
+                        Err(e) => {
+                            wrong
+                                .push(format!("{case}: {}", e.to_string().lines().next().unwrap()));
+                            continue;
+                        }
+                    };
+                    for (name, v) in [("x", &x), ("w", &w)] {
+                        let d = rel_diff(grads.get(v).unwrap(), expected.get(v).unwrap());
+                        if !(d <= tol) {
+                            wrong.push(format!("{case}: grad {name} off by {d:e}"));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "{} wrong:\n{}",
+        wrong.len(),
+        wrong.join("\n")
+    );
 }

@@ -14,6 +14,16 @@ pub(crate) fn make_leaf(t: &Tensor) -> Result<Tensor> {
     Ok(Var::from_tensor(&t.detach())?.into_inner())
 }
 
+/// A new handle to `t`'s elements with no graph: the same storage and
+/// layout under an id of its own (no copy). A statement that gives back a
+/// value the block holds (`h.clone()`, `h.detach()` of a value the forward
+/// holds detached) gets a value of its own: whether it needs gradients is
+/// that statement's to decide, not the value's it came from.
+pub(crate) fn new_handle(t: &Tensor) -> Result<Tensor> {
+    let d = t.detach();
+    Ok(d.broadcast_as(d.shape())?)
+}
+
 /// Whether a gradient can flow through `t`: a float tensor with a graph.
 /// candle records ops on integer and boolean results too (a comparison of a
 /// tracked value), but its backward skips them.

@@ -28,7 +28,7 @@ mod tap;
 
 pub(crate) use anchor::anchor_chain;
 pub(crate) use leaf::{
-    carries_grad, check_cut, check_input, check_reached, check_reads, make_leaf,
+    carries_grad, check_cut, check_input, check_reached, check_reads, make_leaf, new_handle,
 };
 pub(crate) use relayout::Relayout;
 pub(crate) use seed::Seed;

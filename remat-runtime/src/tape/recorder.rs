@@ -24,7 +24,8 @@ use super::Mask;
 use super::{fingerprint, unread};
 use super::{Meta, Profile, Record, Saved, Source};
 use crate::graph::{
-    carries_grad, check_cut, check_input, check_reached, check_reads, make_leaf, Relayout,
+    carries_grad, check_cut, check_input, check_reached, check_reads, make_leaf, new_handle,
+    Relayout,
 };
 use crate::inspect::trace::{self, Phase, TraceEvent};
 use crate::{Outputs, Policy, Result};
@@ -524,7 +525,14 @@ impl Recorder {
     /// block then sees a leaf copy.
     fn detach_output(&mut self, t: &Tensor, requires_grad: bool) -> Result<(Tensor, Tensor)> {
         self.discover_params(t);
-        let d = t.detach();
+        // A value the block holds already, given back as it is (`h.clone()`,
+        // `h.detach()` of the detached `h` the block sees) gets a handle of
+        // its own: what is recorded of it is this statement's, and the value
+        // it came from keeps its own.
+        let d = match self.requires_grad.contains_key(&t.id()) {
+            true => new_handle(t)?,
+            false => t.detach(),
+        };
         let visible = if self.captures && requires_grad {
             let leaf = make_leaf(&d)?;
             self.value_leaves.insert(leaf.id());

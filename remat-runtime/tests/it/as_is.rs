@@ -309,3 +309,106 @@ fn a_statement_s_output_taken_as_it_is_gets_plain_candle_s_gradients_under_every
         wrong.join("\n")
     );
 }
+
+remat! {
+    /// A value bound detached by a statement of its own, read beside the
+    /// value it came from.
+    fn detached_then_read(x: &Tensor, w: &Var) -> Result<Tensor> {
+        let h = x.matmul(w)?;
+        let frozen = h.detach();
+        let mixed = (&h * frozen.tanh()?)?;
+        Ok(mixed)
+    }
+}
+
+remat! {
+    /// A stop-gradient passed on as it is, and a straight-through estimator
+    /// (VQ-VAE's `z + (q - z).detach()`).
+    fn stop_gradients(x: &Tensor, w: &Var) -> Result<Tensor> {
+        let a = x.matmul(w)?;
+        let b = a.detach();
+        let c = b.clone();
+        let q = (c.clone() * 4.0)?.round()?;
+        let st = (&a + (q / 4.0 - &a)?.detach())?;
+        let d = (&a * c.exp()?)?;
+        let e = d.tanh()?;
+        let f = ((&e + &st)? + &a)?;
+        Ok(f)
+    }
+}
+
+#[test]
+fn a_value_bound_detached_by_its_own_statement_gets_plain_candle_s_gradients_under_every_plan() {
+    let mut wrong = Vec::new();
+    for dtype in [DType::F64, DType::F32] {
+        let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
+        let x = var(&[4, 4], 5, 1.0, dtype);
+        let w = var(&[4, 4], 6, 0.5, dtype);
+        let (xt, wt) = (x.as_tensor(), w.as_tensor());
+        let h = xt.matmul(wt).unwrap();
+        let mixed = (&h * h.detach().tanh().unwrap()).unwrap();
+        let a = h;
+        let c = a.detach();
+        let q = (c.clone() * 4.0).unwrap().round().unwrap();
+        let st = (&a + ((q / 4.0).unwrap() - &a).unwrap().detach()).unwrap();
+        let e = (&a * c.exp().unwrap()).unwrap().tanh().unwrap();
+        let f = ((e + st).unwrap() + &a).unwrap();
+        let blocks: [(&str, &'static [&'static str], Tensor); 2] = [
+            ("detached_then_read", &["h", "frozen", "mixed"], mixed),
+            (
+                "stop_gradients",
+                &["a", "b", "c", "q", "st", "d", "e", "f"],
+                f,
+            ),
+        ];
+        for (block, names, out) in blocks {
+            let expected = weighted_loss(&out).backward().unwrap();
+            let mut all = plans(names);
+            all.push((Plan::off(), 1));
+            for (plan, steps) in all {
+                for step in 0..steps {
+                    let case = format!("{dtype:?} {block}, {plan} step {step}");
+                    let run = || match block {
+                        "detached_then_read" => detached_then_read(xt, &w),
+                        _ => stop_gradients(xt, &w),
+                    };
+                    let y = match plan.scope(run) {
+                        Ok(y) => y,
+                        Err(e) => {
+                            wrong.push(format!("{case}: forward: {e}"));
+                            continue;
+                        }
+                    };
+                    if !(rel_diff(&y, &out) <= tol) {
+                        wrong.push(format!("{case}: output off by {:e}", rel_diff(&y, &out)));
+                    }
+                    let grads = match weighted_loss(&y).backward() {
+                        Ok(g) => g,
+                        Err(e) => {
+                            wrong
+                                .push(format!("{case}: {}", e.to_string().lines().next().unwrap()));
+                            continue;
+                        }
+                    };
+                    for (name, v) in [("x", &x), ("w", &w)] {
+                        match grads.get(v) {
+                            None => wrong.push(format!("{case}: no gradient for {name}")),
+                            Some(g) => {
+                                let d = rel_diff(g, expected.get(v).unwrap());
+                                if !(d <= tol) {
+                                    wrong.push(format!("{case}: grad {name} off by {d:e}"));
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "{} wrong:\n{}",
+        wrong.len(),
+        wrong.join("\n")
+    );
+}

@@ -12,7 +12,7 @@ use crate::model::{AnnotationKind, Block, StmtKind};
 use crate::plain::copies;
 use crate::scopes::outer_view;
 use crate::usage::{
-    assigned, bound, locals, mentions, moved, read_for_value, read_in_part, single,
+    assigned, bound, locals, mentions, moved, read_for_value, read_in_part, read_on_branch, single,
 };
 
 /// A binding a statement reads.
@@ -32,6 +32,9 @@ pub(crate) struct Read {
     /// Read for its value only in part (`parts[0]`, `pair.0`): of its
     /// tensors, the statement's graph need reach one.
     pub in_part: bool,
+    /// Read for its value only on some branches of the statement (`if skip
+    /// { (h + x)? } else { h }`): its graph need not reach it.
+    pub on_branch: bool,
     /// Bound by plain code (a closure, a guard), whose type may not be
     /// `Clone`: the read is checked where it is written.
     pub plain_code: bool,
@@ -161,6 +164,9 @@ struct Reads {
     /// Per statement, then the tail: those of them it reads only in part
     /// ([`read_in_part`]).
     in_part: Vec<Vec<String>>,
+    /// Per statement, then the tail: those it reads only on some branches
+    /// ([`read_on_branch`]).
+    on_branch: Vec<Vec<String>>,
     /// Per statement, then the tail: the names it turns into tensors
     /// ([`into_tensors`]).
     into_tensors: Vec<Vec<String>>,
@@ -220,6 +226,7 @@ impl<'a> Analyser<'a> {
         let mut inouts = Vec::new();
         let mut for_value = Vec::new();
         let mut in_part = Vec::new();
+        let mut on_branch = Vec::new();
         let mut into = Vec::new();
         let mut data = Vec::new();
         let mut to_host = Vec::new();
@@ -234,6 +241,7 @@ impl<'a> Analyser<'a> {
                     inouts.push(Vec::new());
                     for_value.push(Vec::new());
                     in_part.push(Vec::new());
+                    on_branch.push(Vec::new());
                     into.push(Vec::new());
                     data.push(Vec::new());
                     to_host.push(false);
@@ -245,6 +253,7 @@ impl<'a> Analyser<'a> {
             let expr = &outer_view(expr);
             for_value.push(read_for_value(expr));
             in_part.push(read_in_part(expr));
+            on_branch.push(read_on_branch(expr));
             into.push(into_tensors(expr));
             data.push(read_as_data(expr));
             to_host.push(reads_to_host(expr));
@@ -301,6 +310,7 @@ impl<'a> Analyser<'a> {
                 self.check_assignments(t, &assigned(t));
                 for_value.push(read_for_value(t));
                 in_part.push(read_in_part(t));
+                on_branch.push(read_on_branch(t));
                 into.push(into_tensors(t));
                 data.push(read_as_data(t));
                 fields.push(self.field_reads(t));
@@ -313,6 +323,7 @@ impl<'a> Analyser<'a> {
             inouts,
             for_value,
             in_part,
+            on_branch,
             into_tensors: into,
             data,
             to_host,
@@ -624,6 +635,7 @@ impl<'a> Analyser<'a> {
         let to_reads = |ids: &[(usize, Span)], i: usize| -> Vec<Read> {
             let for_value = reads.for_value.get(i);
             let in_part = reads.in_part.get(i);
+            let on_branch = reads.on_branch.get(i);
             ids.iter()
                 .map(|&(b, span)| {
                     let binding = &self.bindings[b];
@@ -634,6 +646,7 @@ impl<'a> Analyser<'a> {
                         mutable: binding.mutable,
                         for_value: for_value.is_none_or(|v| v.contains(&name)),
                         in_part: in_part.is_some_and(|v| v.contains(&name)),
+                        on_branch: on_branch.is_some_and(|v| v.contains(&name)),
                         plain_code: binding.borrowed.is_none()
                             && binding.producer.is_some_and(|p| {
                                 self.plain[p] && !copies(&self.block.statements[p].kind)

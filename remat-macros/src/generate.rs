@@ -66,23 +66,26 @@ enum Taker {
     Region,
     /// A statement: `mutable` when it may change the binding (`mut`),
     /// `for_value` when it reads its values (else only its shape, or
-    /// detached), `in_part` when only some of them (`parts[0]`).
+    /// detached), `in_part` when only some of them (`parts[0]`),
+    /// `on_branch` when only on some branches (`if skip { (h + x)? } ...`).
     Statement {
         mutable: bool,
         for_value: bool,
         in_part: bool,
+        on_branch: bool,
     },
 }
 
 fn handover(ident: &Ident, passing: Option<&Passing>, taker: Taker) -> Handover {
     let span = ident.span();
-    let (region, mutable, for_value, in_part) = match taker {
-        Taker::Region => (true, false, true, false),
+    let (region, mutable, for_value, in_part, on_branch) = match taker {
+        Taker::Region => (true, false, true, false, false),
         Taker::Statement {
             mutable,
             for_value,
             in_part,
-        } => (false, mutable, for_value, in_part),
+            on_branch,
+        } => (false, mutable, for_value, in_part, on_branch),
     };
     let mutability = mutable.then(|| quote!(mut));
     let (read, pat, view) = match passing {
@@ -111,10 +114,11 @@ fn handover(ident: &Ident, passing: Option<&Passing>, taker: Taker) -> Handover 
             quote!(),
         ),
     };
-    let arg = match (for_value, in_part) {
-        (true, false) => quote!(#read.arg()),
-        (true, true) => quote!(#read.arg().partly()),
-        (false, _) => quote!(#read.arg().without_grad()),
+    let arg = match (for_value, in_part, on_branch) {
+        (true, _, true) => quote!(#read.arg().on_branch()),
+        (true, false, false) => quote!(#read.arg()),
+        (true, true, false) => quote!(#read.arg().partly()),
+        (false, _, _) => quote!(#read.arg().without_grad()),
     };
     Handover { arg, pat, view }
 }
@@ -158,6 +162,7 @@ fn reads(
             mutable: r.mutable && changes.contains(&r.ident),
             for_value: r.for_value,
             in_part: r.in_part,
+            on_branch: r.on_branch,
         };
         let h = handover(&r.ident, passing, taker);
         args.push(h.arg);
@@ -548,7 +553,7 @@ fn imports(block: &Block, analysis: &Analysis) -> TokenStream {
     let dispatch = reads_anything
         .then(|| quote!(ByClone as _, ByTensors as _, FromResult as _, NotClone as _,));
     let arg_methods = reads()
-        .any(|r| !r.for_value || r.in_part)
+        .any(|r| !r.for_value || r.in_part || r.on_branch)
         .then(|| quote!(Arg as _,));
     let saves = analysis
         .statements

@@ -384,6 +384,24 @@ pub(crate) fn read_in_part(expr: &Expr) -> Vec<String> {
     out
 }
 
+/// Of the identifiers `expr` mentions for their values
+/// ([`read_for_value`]), those it reads only on some of its branches: in
+/// one arm of an `if` or `match` and not in another (`if skip { (h + x)? }
+/// else { h }` reads `x` so). The statement's graph need not reach them:
+/// on the branch it took, it may not have read them.
+pub(crate) fn read_on_branch(expr: &Expr) -> Vec<String> {
+    let (whole, parts) = value_reads(expr);
+    let (every, every_part) = reads_of(expr, true);
+    let mut out: Vec<String> = whole
+        .into_iter()
+        .chain(parts)
+        .filter(|n| !every.contains(n) && !every_part.contains(n))
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
 /// Methods that read one element of a collection.
 const IN_PART: &[&str] = &["first", "last", "get"];
 
@@ -400,8 +418,53 @@ fn name_of(e: &Expr) -> Option<String> {
 /// The identifiers `expr` reads for their values: those mentioned whole,
 /// and those mentioned only as the base of a part (see [`read_in_part`]).
 fn value_reads(expr: &Expr) -> (Vec<String>, Vec<String>) {
-    struct Collect(Vec<String>, Vec<String>);
+    reads_of(expr, false)
+}
+
+/// [`value_reads`], or with `every_branch` only the reads on every branch:
+/// of an `if` or `match`, those of all its arms (an `if` without `else`
+/// has an empty one).
+fn reads_of(expr: &Expr, every_branch: bool) -> (Vec<String>, Vec<String>) {
+    struct Collect(Vec<String>, Vec<String>, bool);
+    impl Collect {
+        /// The reads every arm makes (whole or in part: as read whole).
+        fn arms<'a>(&mut self, arms: impl Iterator<Item = Option<&'a Expr>>) {
+            let mut common: Option<Vec<String>> = None;
+            for arm in arms {
+                let mut c = Collect(Vec::new(), Vec::new(), true);
+                if let Some(e) = arm {
+                    c.visit_expr(e);
+                }
+                let read: Vec<String> = c.0.into_iter().chain(c.1).collect();
+                common = Some(match common {
+                    None => read,
+                    Some(w) => w.into_iter().filter(|n| read.contains(n)).collect(),
+                });
+            }
+            self.0.extend(common.unwrap_or_default());
+        }
+    }
     impl<'ast> Visit<'ast> for Collect {
+        fn visit_expr_if(&mut self, e: &'ast syn::ExprIf) {
+            if !self.2 {
+                return syn::visit::visit_expr_if(self, e);
+            }
+            self.visit_expr(&e.cond);
+            let then = Expr::Block(syn::ExprBlock {
+                attrs: Vec::new(),
+                label: None,
+                block: e.then_branch.clone(),
+            });
+            let otherwise = e.else_branch.as_ref().map(|(_, b)| &**b);
+            self.arms([Some(&then), otherwise].into_iter());
+        }
+        fn visit_expr_match(&mut self, m: &'ast syn::ExprMatch) {
+            if !self.2 {
+                return syn::visit::visit_expr_match(self, m);
+            }
+            self.visit_expr(&m.expr);
+            self.arms(m.arms.iter().map(|a| Some(&*a.body)));
+        }
         fn visit_expr_method_call(&mut self, m: &'ast syn::ExprMethodCall) {
             let receiver = name_of(&m.receiver);
             let method = m.method.to_string();
@@ -476,7 +539,7 @@ fn value_reads(expr: &Expr) -> (Vec<String>, Vec<String>) {
     if detached_whole(expr) {
         return (Vec::new(), Vec::new());
     }
-    let mut c = Collect(Vec::new(), Vec::new());
+    let mut c = Collect(Vec::new(), Vec::new(), every_branch);
     c.visit_expr(expr);
     (c.0, c.1)
 }
@@ -513,6 +576,48 @@ mod tests {
         assert_eq!(for_value("{ println!(\"{x:?}\"); y }"), ["y"]);
         // Tokens that are not expressions: every identifier counts.
         assert_eq!(for_value("m!(a => b)"), ["a", "b"]);
+    }
+
+    fn on_branch(src: &str) -> Vec<String> {
+        read_on_branch(&syn::parse_str(src).unwrap())
+    }
+
+    #[test]
+    fn values_read_on_some_branches_only_are_read_on_a_branch() {
+        assert_eq!(on_branch("if skip { (&h + x)? } else { h.clone() }"), ["x"]);
+        assert_eq!(
+            on_branch("if skip { (&h + x)? } else { (&h * 2.0)? }"),
+            ["x"]
+        );
+        assert_eq!(
+            on_branch("if c { x.exp()? } else { x.tanh()? }"),
+            Vec::<String>::new()
+        );
+        // Read on a branch and outside it: read.
+        assert!(on_branch("(if skip { (&h + x)? } else { h.clone() } + x.sqr()?)?").is_empty());
+        // No `else`: an empty branch.
+        assert_eq!(
+            on_branch("{ let mut y = h.clone(); if skip { y = (y + x)?; } y }"),
+            ["x"]
+        );
+        // The scrutinee is read whatever the arm.
+        assert_eq!(
+            on_branch("match m { Some(m) => h.broadcast_add(m)?, None => (h * s)? }"),
+            ["s"]
+        );
+        // Nested: `a` on every branch of the inner `if` (and its
+        // condition), which is on one branch of the outer.
+        assert_eq!(
+            on_branch("if p { if q { a.exp()? } else { a.sin()? } } else { b.exp()? }"),
+            ["a", "b", "q"]
+        );
+        // In part on one branch, whole on the other: on every branch.
+        assert!(on_branch("if p { parts[0].exp()? } else { parts.concat() }").is_empty());
+        // The condition is read whatever the branch.
+        assert!(on_branch(
+            "if g.sum_all()?.to_scalar::<f32>()? > 0.0 { g.exp()? } else { g.sin()? }"
+        )
+        .is_empty());
     }
 
     #[test]

@@ -2,11 +2,10 @@
 //! recorded by the forward (`tape/recorder.rs`) or replayed (`replay/`).
 
 use std::collections::HashSet;
-use std::ops::Range;
 
 use candle_core::Tensor;
 
-use crate::graph::{check_cut, check_reached};
+use crate::graph::{check_cut, check_reached, Reach};
 use crate::random;
 use crate::replay::Replay;
 use crate::tape::recorder::{Recorder, Statement};
@@ -181,16 +180,16 @@ impl Ctx {
     /// the code, if any; `value_inputs`: the first this many inputs are
     /// read for their values, the rest only for their shapes or detached
     /// (the `remat!` macro sees which), so that only the first can make an
-    /// untracked output a cut ([`RematError::GradientCut`]); `parts`: among
-    /// those, the ranges of tensors of one value read only in part
-    /// (`parts[0]`, `pair.0`), of which one reached is enough
-    /// ([`RematError::InputCut`]).
+    /// untracked output a cut ([`RematError::GradientCut`]); `reach`: among
+    /// those, the values read only in part (`parts[0]`, `pair.0`), of which
+    /// one tensor reached is enough, and those read only on a branch, which
+    /// need none ([`RematError::InputCut`]).
     pub(crate) fn run<O: Outputs, E: Into<RematError>>(
         &mut self,
         name: &str,
         declared: Option<Policy>,
         inputs: impl Inputs,
-        (value_inputs, parts): (usize, &[Range<usize>]),
+        (value_inputs, reach): (usize, &[Reach]),
         f: impl FnOnce(&[Tensor]) -> std::result::Result<O, E>,
     ) -> Result<O> {
         let owned = inputs.into_tensors();
@@ -223,7 +222,7 @@ impl Ctx {
                 }
                 check_cut(&self.region, name, tracked, &tensors)?;
                 if *first {
-                    check_reached(&self.region, name, &owned, value_inputs, parts, &tensors)?;
+                    check_reached(&self.region, name, &owned, value_inputs, reach, &tensors)?;
                 }
                 O::join(&mut tensors.into_iter(), &skeleton)
             }
@@ -239,7 +238,7 @@ impl Ctx {
                     declared,
                     policy,
                     value_inputs,
-                    parts,
+                    reach,
                 };
                 recorder.statement(statement, inputs, f)
             }
@@ -248,7 +247,7 @@ impl Ctx {
                 name,
                 declared,
                 inputs,
-                (value_inputs, parts),
+                (value_inputs, reach),
                 f,
             ),
         }

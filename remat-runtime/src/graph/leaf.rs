@@ -96,10 +96,21 @@ pub(crate) fn check_cut(
     }
 }
 
+/// What the graph of a statement must reach of a value it reads for its
+/// values, where not every tensor of it ([`check_reached`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reach {
+    /// One of these tensors: a value read in part (`parts[0]`, `pair.0`).
+    OneOf(Range<usize>),
+    /// None of them: a value read only on some branches of the statement
+    /// (`if skip { (h + x)? } else { h }`), which the branch taken may not
+    /// read.
+    NoneOf(Range<usize>),
+}
+
 /// Checks that the graph of a statement's `outputs` reaches every one of
-/// its first `value_inputs` arguments that carries a gradient (of each
-/// range in `parts`, one: the tensors of one value the statement read
-/// only in part, `parts[0]`, `pair.0`), when some output is a float (integer and boolean outputs carry no gradient by
+/// its first `value_inputs` arguments that carries a gradient (but as
+/// `reach` says for the values read in part or on a branch), when some output is a float (integer and boolean outputs carry no gradient by
 /// nature). Paths through integer values (a comparison, `argmax`) and
 /// `affine(0.0, ..)` do not count: candle's backward skips them. The forward's, the replay's and a
 /// plain run's check, wherever the arguments are tracked; after
@@ -109,7 +120,7 @@ pub(crate) fn check_reached(
     statement: &str,
     args: &[Tensor],
     value_inputs: usize,
-    parts: &[Range<usize>],
+    reach: &[Reach],
     outputs: &[Tensor],
 ) -> Result<()> {
     let mut tracked = args
@@ -138,12 +149,17 @@ pub(crate) fn check_reached(
     let cut = |t: &Tensor| {
         !reached.contains(&t.id()) && t.elem_count() > 0 && !t.sorted_nodes().is_empty()
     };
-    // A value read in part is cut only if none of its tensors is reached.
+    // A value read in part is cut only if none of its tensors is reached;
+    // one read on a branch, never.
     let part_reached = |i: usize| {
-        parts.iter().find(|r| r.contains(&i)).is_some_and(|r| {
-            args[r.clone()]
-                .iter()
-                .any(|t| carries_grad(t) && reached.contains(&t.id()))
+        reach.iter().any(|r| match r {
+            Reach::OneOf(range) => {
+                range.contains(&i)
+                    && args[range.clone()]
+                        .iter()
+                        .any(|t| carries_grad(t) && reached.contains(&t.id()))
+            }
+            Reach::NoneOf(range) => range.contains(&i),
         })
     };
     match tracked.find(|(i, t)| cut(t) && !part_reached(*i)) {

@@ -27,6 +27,7 @@ mod seed;
 mod tap;
 
 pub(crate) use anchor::anchor_chain;
+pub use leaf::Reach;
 pub(crate) use leaf::{
     carries_grad, check_cut, check_input, check_reached, check_reads, make_leaf, new_handle,
 };

@@ -2,11 +2,10 @@
 //! statement's input tensors, and rebuilt from the tensors the runtime
 //! hands the statement (in the replay, its own leaves).
 
-use std::ops::Range;
-
 use candle_core::Tensor;
 
 use super::read::{Cloned, Failed, Field, Tensors};
+use crate::graph::Reach;
 use crate::tape::fingerprint::FieldRead;
 use crate::{Outputs, Result};
 
@@ -17,8 +16,8 @@ pub struct Split {
     pub values: Vec<Tensor>,
     /// Those read only for their shapes, or detached.
     pub others: Vec<Tensor>,
-    /// Ranges of `values`: the tensors of one value read only in part.
-    pub parts: Vec<Range<usize>>,
+    /// Values among `values` read only in part, or only on a branch.
+    pub(crate) reach: Vec<Reach>,
     /// Tensors a block reads from fields of its parameters (`self.mask`).
     pub(crate) fields: Vec<FieldRead>,
 }
@@ -69,6 +68,16 @@ pub trait Arg {
         Self: Sized,
     {
         Partly(self)
+    }
+
+    /// The value is read for its values only on some branches of the
+    /// statement (`if skip { (h + x)? } else { h }`): the statement's
+    /// graph need not reach it ([`crate::RematError::InputCut`]).
+    fn on_branch(self) -> OnBranch<Self>
+    where
+        Self: Sized,
+    {
+        OnBranch(self)
     }
 }
 
@@ -143,7 +152,28 @@ impl<A: Arg> Arg for Partly<A> {
         let start = into.values.len();
         self.0.push(into);
         if into.values.len() > start + 1 {
-            into.parts.push(start..into.values.len());
+            into.reach.push(Reach::OneOf(start..into.values.len()));
+        }
+    }
+    fn rebuild(
+        &self,
+        values: &mut dyn Iterator<Item = Tensor>,
+        others: &mut dyn Iterator<Item = Tensor>,
+    ) -> Result<A::Value> {
+        self.0.rebuild(values, others)
+    }
+}
+
+/// An [`Arg`] read on a branch: see [`Arg::on_branch`].
+pub struct OnBranch<A>(A);
+
+impl<A: Arg> Arg for OnBranch<A> {
+    type Value = A::Value;
+    fn push(&self, into: &mut Split) {
+        let start = into.values.len();
+        self.0.push(into);
+        if into.values.len() > start {
+            into.reach.push(Reach::NoneOf(start..into.values.len()));
         }
     }
     fn rebuild(
@@ -170,13 +200,14 @@ pub trait Args {
     ) -> Result<Self::Values>;
 
     /// The input tensors, those read for their values first, how many
-    /// those are, and the ranges among them of values read in part.
-    fn tensors(&self) -> (Vec<Tensor>, usize, Vec<Range<usize>>) {
+    /// those are, and what of the values read in part or on a branch the
+    /// statement must reach.
+    fn tensors(&self) -> (Vec<Tensor>, usize, Vec<Reach>) {
         let mut split = Split::default();
         self.push(&mut split);
         let n = split.values.len();
         split.values.extend(split.others);
-        (split.values, n, split.parts)
+        (split.values, n, split.reach)
     }
 
     /// The values rebuilt from `tensors`, laid out as [`Args::tensors`]

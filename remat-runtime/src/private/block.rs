@@ -135,7 +135,7 @@ impl<E> Block<'_, E> {
     where
         E: Into<RematError>,
     {
-        let (inputs, n_values, parts) = args.tensors();
+        let (inputs, n_values, reach) = args.tensors();
         let cut = self.host_cut.take().filter(|(s, _)| s == name);
         // Whether the statement made a float tensor: one of its outputs
         // that is not one of its inputs handed back as it was (a `mut`
@@ -145,7 +145,7 @@ impl<E> Block<'_, E> {
             name,
             declared.policy(),
             inputs,
-            (n_values, &parts),
+            (n_values, &reach),
             |tensors| {
                 let out = f(args.values_from(tensors, n_values)?).map_err(Into::into)?;
                 if cut.is_none() {

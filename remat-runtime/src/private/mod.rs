@@ -22,8 +22,9 @@ mod given;
 mod read;
 mod saved;
 
+pub use crate::graph::Reach;
 pub use crate::rules::{HoldsTensors, Readable, StatementValue};
-pub use args::{Arg, Args, Partly, Split, WithoutGrad};
+pub use args::{Arg, Args, OnBranch, Partly, Split, WithoutGrad};
 pub use block::{
     method_region, region, Block, BlockRegion, Declared, Declared::*, ErrorOf, ResultError,
 };

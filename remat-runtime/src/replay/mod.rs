@@ -22,12 +22,11 @@ mod unit;
 pub(crate) use unit::Unit;
 
 use std::collections::{HashMap, HashSet};
-use std::ops::Range;
 
 use candle_core::{Layout, Tensor, TensorId};
 
 use crate::graph::{
-    carries_grad, check_cut, check_input, check_reached, check_reads, make_leaf, Relayout,
+    carries_grad, check_cut, check_input, check_reached, check_reads, make_leaf, Reach, Relayout,
 };
 use crate::inspect::trace::{self, Phase, TraceEvent};
 use crate::tape::checksum::Kind;
@@ -286,13 +285,13 @@ impl Replay {
         name: &str,
         declared: Option<Policy>,
         inputs: &[&Tensor],
-        (value_inputs, parts): (usize, &[Range<usize>]),
+        (value_inputs, reach): (usize, &[Reach]),
         f: impl FnOnce(&[Tensor]) -> Result<O>,
     ) -> Result<O> {
         let (k, policy) = self.expect(region, name, declared, inputs)?;
         let out = match policy {
             Policy::Recompute => {
-                self.recompute(region, name, k, inputs, (value_inputs, parts), f)?
+                self.recompute(region, name, k, inputs, (value_inputs, reach), f)?
             }
             Policy::Save | Policy::Offload => self.skip_saved(region, name, k, inputs)?,
         };
@@ -320,7 +319,7 @@ impl Replay {
         name: &str,
         k: usize,
         inputs: &[&Tensor],
-        (value_inputs, parts): (usize, &[Range<usize>]),
+        (value_inputs, reach): (usize, &[Reach]),
         f: impl FnOnce(&[Tensor]) -> Result<O>,
     ) -> Result<O> {
         self.fingerprint_pending_sole()?;
@@ -335,7 +334,7 @@ impl Replay {
         let mut tensors = Vec::new();
         let skeleton = out.split_into(&mut tensors);
         check_cut(region, name, reads_tracked, &tensors)?;
-        check_reached(region, name, &args, value_inputs, parts, &tensors)?;
+        check_reached(region, name, &args, value_inputs, reach, &tensors)?;
         drop(args);
         self.check_outputs(region, name, k, &tensors)?;
         // The statement's value is the same op call's output as in the

@@ -12,7 +12,6 @@
 
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
-use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -24,7 +23,7 @@ use super::Mask;
 use super::{fingerprint, unread};
 use super::{Meta, Profile, Record, Saved, Source};
 use crate::graph::{
-    carries_grad, check_cut, check_input, check_reached, check_reads, make_leaf, new_handle,
+    carries_grad, check_cut, check_input, check_reached, check_reads, make_leaf, new_handle, Reach,
     Relayout,
 };
 use crate::inspect::trace::{self, Phase, TraceEvent};
@@ -102,7 +101,7 @@ pub(crate) struct Statement<'a> {
     /// The first this many inputs are read for their values (`Ctx::run`).
     pub value_inputs: usize,
     /// Among those, the values read in part (`Ctx::run`).
-    pub parts: &'a [Range<usize>],
+    pub reach: &'a [Reach],
 }
 
 /// What the statement's code returned: its tensors (still attached to the
@@ -707,7 +706,7 @@ impl Recorder {
 fn check_paths(s: &Statement, needs: &[bool], args: &[Tensor], outputs: &[Tensor]) -> Result<()> {
     let reads_tracked = needs.iter().take(s.value_inputs).any(|&n| n);
     check_cut(s.region, s.name, reads_tracked, outputs)?;
-    check_reached(s.region, s.name, args, s.value_inputs, s.parts, outputs)
+    check_reached(s.region, s.name, args, s.value_inputs, s.reach, outputs)
 }
 
 /// The values of `args` that are strided views.

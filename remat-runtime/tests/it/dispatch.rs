@@ -5,7 +5,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use remat_runtime::__private::{
-    read, Arg as _, Args, ByClone as _, ByTensors as _, FromResult as _, NotClone as _,
+    read, Arg as _, Args, ByClone as _, ByTensors as _, FromResult as _, NotClone as _, Reach,
 };
 
 #[derive(Clone, PartialEq, Debug)]
@@ -76,7 +76,7 @@ fn a_value_read_in_part_marks_the_range_of_its_tensors() {
     );
     let (tensors, n_values, in_part) = args.tensors();
     assert_eq!((tensors.len(), n_values), (7, 6));
-    assert_eq!(in_part, vec![1..4]);
+    assert_eq!(in_part, vec![Reach::OneOf(1..4)]);
     let (_, _, parts2, one2, c2) = args.values_from(&tensors, n_values).unwrap();
     assert_eq!(
         (parts2[2].id(), one2[0].id(), c2.id()),
@@ -124,4 +124,22 @@ fn results_and_values_that_are_not_clone_carry_no_tensor_and_never_rebuild() {
     let args = (read(&NotClone).arg(),);
     assert_eq!(args.tensors().0.len(), 0);
     assert!(args.values_from(&[], 0).is_err());
+}
+
+#[test]
+fn a_value_read_on_a_branch_marks_the_range_of_its_tensors() {
+    let (a, b) = (ones(), ones());
+    let pair = (ones(), ones());
+    // `b` and `pair` read on a branch (`if skip { (a + b)? } else { a }`):
+    // none of their tensors need be reached, a value of one tensor too.
+    let args = (
+        read(&a).arg(),
+        read(&b).arg().on_branch(),
+        read(&pair).arg().on_branch(),
+    );
+    let (tensors, n_values, reach) = args.tensors();
+    assert_eq!((tensors.len(), n_values), (4, 4));
+    assert_eq!(reach, vec![Reach::NoneOf(1..2), Reach::NoneOf(2..4)]);
+    let (_, b2, pair2) = args.values_from(&tensors, n_values).unwrap();
+    assert_eq!((b2.id(), pair2.1.id()), (b.id(), pair.1.id()));
 }

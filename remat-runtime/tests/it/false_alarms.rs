@@ -411,3 +411,119 @@ fn a_saved_statement_may_give_its_input_back_as_it_is() {
         }
     }
 }
+
+/// A residual stack whose skip connection and bias are optional: the
+/// statements read `x`, `bias` and `scale` only on the branches that use
+/// them.
+#[derive(Clone)]
+struct Residual {
+    w: Var,
+    skip: bool,
+}
+
+impl Residual {
+    remat! {
+        fn forward(&self, x: &Tensor, bias: &Tensor, scale: Option<&Tensor>) -> Result<Tensor> {
+            let h = x.matmul(&self.w)?.tanh()?;
+            let y = if self.skip { (&h + x)? } else { h.clone() };
+            let mut z = y.sqr()?;
+            if self.skip {
+                z = z.broadcast_add(bias)?;
+            }
+            let s = match scale {
+                Some(s) => z.broadcast_mul(s)?,
+                None => (&z * 0.5)?,
+            };
+            let o = if self.skip {
+                if z.dim(0)? > 1 { (&s + &y)? } else { (&s - &y)? }
+            } else {
+                (&s + &h)?
+            };
+            Ok(o)
+        }
+    }
+
+    fn plain(&self, x: &Tensor, bias: &Tensor, scale: Option<&Tensor>) -> Result<Tensor> {
+        let h = x.matmul(self.w.as_tensor())?.tanh()?;
+        let y = if self.skip { (&h + x)? } else { h.clone() };
+        let mut z = y.sqr()?;
+        if self.skip {
+            z = z.broadcast_add(bias)?;
+        }
+        let s = match scale {
+            Some(s) => z.broadcast_mul(s)?,
+            None => (&z * 0.5)?,
+        };
+        if self.skip {
+            &s + &y
+        } else {
+            &s + &h
+        }
+    }
+}
+
+#[test]
+fn a_value_read_only_on_a_branch_not_taken_is_no_cut_under_any_plan() {
+    for dtype in [DType::F32, DType::F64] {
+        let x = var(&[4, 5], 11, 1.0, dtype);
+        let w = var(&[5, 5], 12, 0.5, dtype);
+        let bias = var(&[5], 13, 1.0, dtype);
+        let scale = var(&[5], 14, 1.0, dtype);
+        for skip in [false, true] {
+            for scaled in [false, true] {
+                let layer = Residual { w: w.clone(), skip };
+                let sc = scaled.then(|| scale.as_tensor().clone());
+                let mut inputs = vec![&x, &w];
+                if skip {
+                    inputs.push(&bias);
+                }
+                if scaled {
+                    inputs.push(&scale);
+                }
+                agrees_with_plain(
+                    &format!("residual (skip: {skip}, scaled: {scaled})"),
+                    dtype,
+                    every_plan(&["y", "s"], &["z"]),
+                    &inputs,
+                    &|| layer.plain(x.as_tensor(), bias.as_tensor(), sc.as_ref()),
+                    &|| layer.forward(x.as_tensor(), bias.as_tensor(), sc.as_ref()),
+                );
+            }
+        }
+    }
+}
+
+remat! {
+    /// A cut on a value read on every branch is still a cut.
+    fn cut_on_every_branch(x: &Tensor, h: &Tensor, skip: bool) -> Result<Tensor> {
+        let y = if skip {
+            (candle_nn::ops::softmax_last_dim(x)? + h)?
+        } else {
+            (candle_nn::ops::softmax_last_dim(x)? * h)?
+        };
+        Ok(y)
+    }
+}
+
+#[test]
+fn a_cut_on_a_value_read_on_every_branch_is_still_an_error_under_every_plan() {
+    let x = var(&[4, 5], 15, 1.0, DType::F32);
+    let h = var(&[4, 5], 16, 1.0, DType::F32);
+    // `Plan::off` (first in the list) checks a block's first plain run on a
+    // thread only: the first skip.
+    for (k, (plan, _)) in every_plan(&["y"], &[]).into_iter().enumerate() {
+        for skip in [false, true].into_iter().filter(|&s| k > 0 || !s) {
+            let e = match plan.scope(|| cut_on_every_branch(x.as_tensor(), h.as_tensor(), skip)) {
+                Err(e) => e.to_string(),
+                Ok(y) => match backward(&weighted_loss(&y)) {
+                    Err(e) => e.to_string(),
+                    Ok(_) => panic!("{plan}, skip {skip}: no error"),
+                },
+            };
+            assert!(
+                e.contains("statement `y`: input 0") && e.contains("needs gradients"),
+                "{plan}, skip {skip}: {e}"
+            );
+        }
+    }
+}

@@ -97,7 +97,7 @@ pub(crate) fn check_cut(
 }
 
 /// What the graph of a statement must reach of a value it reads for its
-/// values, where not every tensor of it ([`check_reached`]).
+/// values, where not every tensor of it ([`crate::RematError::InputCut`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reach {
     /// One of these tensors: a value read in part (`parts[0]`, `pair.0`).

@@ -1,6 +1,7 @@
 //! The code of a checkpointed block: one call of the runtime's
 //! `rt::region(name).run(args, body)`, in which every top-level statement
-//! is one call `rt::StatementValue::run(ctx, name, policy, reads, code)`.
+//! is one call `rt::StatementValue::run(ctx, name, names, policy, reads,
+//! code)`.
 //!
 //! What a statement reads is handed over as `rt::read(&x).arg()` (the
 //! runtime picks how by the value's type) and seen again by its code as a
@@ -139,17 +140,34 @@ fn tuple(items: Vec<TokenStream>) -> TokenStream {
     }
 }
 
+/// What a statement reads, handed over.
+struct Reads {
+    /// The tuple of handovers.
+    args: TokenStream,
+    /// The closure's pattern for them.
+    pats: TokenStream,
+    /// `let x = x.as_ref();` for `Option<&T>` parameters.
+    views: TokenStream,
+    /// The `Readable` checks of reads of plain code's bindings.
+    checks: TokenStream,
+    /// `&["q", "k"]`: the names of those read for their values, as errors
+    /// name them.
+    names: TokenStream,
+}
+
 /// The reads of a statement in the order it hands them over: those read
 /// for their values first, then those read only for their shapes or
 /// detached. Each as its handover; plus the `Readable` checks of reads of
 /// plain code's bindings (a closure may not be `Clone`).
 /// `changes`: the `mut` bindings the statement may change.
-fn reads(
-    reads: &[Read],
-    changes: &[Ident],
-    params: &[Param],
-) -> (TokenStream, TokenStream, TokenStream, TokenStream) {
+fn reads(reads: &[Read], changes: &[Ident], params: &[Param]) -> Reads {
     let (values, others): (Vec<&Read>, Vec<&Read>) = reads.iter().partition(|r| r.for_value);
+    // A method's `self` is read as the macro's `self_`.
+    let names = values.iter().map(|r| match r.ident.to_string() {
+        name if name == "self_" => "self".to_string(),
+        name => name,
+    });
+    let names = quote!(&[#(#names),*]);
     let (mut args, mut pats, mut views, mut checks) =
         (vec![], vec![], TokenStream::new(), TokenStream::new());
     for r in values.into_iter().chain(others) {
@@ -175,7 +193,13 @@ fn reads(
             });
         }
     }
-    (tuple(args), tuple(pats), views, checks)
+    Reads {
+        args: tuple(args),
+        pats: tuple(pats),
+        views,
+        checks,
+        names,
+    }
 }
 
 fn declared(statement: &StatementAnalysis) -> TokenStream {
@@ -203,8 +227,8 @@ fn host_data(name: &str, values: &[HostValue]) -> TokenStream {
         .collect()
 }
 
-/// One statement: `rt::StatementValue::run(ctx, name, policy, reads,
-/// |reads| code)`, spanned at the user's code (so that a value no
+/// One statement: `rt::StatementValue::run(ctx, name, names, policy,
+/// reads, |reads| code)`, spanned at the user's code (so that a value no
 /// statement can give is reported there); the checks of what it reads
 /// come before it.
 struct StatementCall {
@@ -221,7 +245,13 @@ fn statement_call(
     let ctx = own("ctx");
     let (name, declared) = (sa.name.as_str(), declared(sa));
     let changes = &sa.changes;
-    let (args, pats, views, checks) = reads(&sa.reads, changes, params);
+    let Reads {
+        args,
+        pats,
+        views,
+        checks,
+        names,
+    } = reads(&sa.reads, changes, params);
     // A `mut` binding the statement may change (a method call on it) but
     // does not.
     let pats = if changes.is_empty() {
@@ -235,7 +265,7 @@ fn statement_call(
         quote!({ #views #code })
     };
     let call = quote_spanned! {span=>
-        rt::StatementValue::run(#ctx, #name, #declared, #args, |#pats| #code)
+        rt::StatementValue::run(#ctx, #name, #names, #declared, #args, |#pats| #code)
     };
     StatementCall { checks, call }
 }
@@ -526,7 +556,13 @@ fn tail(block: &Block, analysis: &Analysis) -> TokenStream {
     }
     let ctx = own("ctx");
     let (name, declared) = ("(return)", quote!(rt::Open));
-    let (args, pats, views, checks) = reads(&analysis.tail_reads, &[], &block.params);
+    let Reads {
+        args,
+        pats,
+        views,
+        checks,
+        names,
+    } = reads(&analysis.tail_reads, &[], &block.params);
     let code = if views.is_empty() {
         quote!(#tail)
     } else {
@@ -534,7 +570,7 @@ fn tail(block: &Block, analysis: &Analysis) -> TokenStream {
     };
     let host = host_data(name, &analysis.tail_host_data);
     let call = quote_spanned! {tail.span()=>
-        rt::StatementValue::run(#ctx, #name, #declared, #args, |#pats| #code)
+        rt::StatementValue::run(#ctx, #name, #names, #declared, #args, |#pats| #code)
     };
     quote! { #checks #host #call }
 }

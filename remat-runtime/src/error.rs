@@ -254,7 +254,7 @@ pub enum RematError {
     /// and came back as a constant (`Tensor::new`); its gradient would be
     /// missing without a word.
     #[error(
-        "region `{region}`, statement `{statement}`: input {input} (shape {shape:?}) needs gradients \
+        "region `{region}`, statement `{statement}`: {} needs gradients \
          and is read for its value, but the statement's outputs do not depend on it through candle's graph, so \
          its gradient would be missing; an op without a backward cut the path (candle's \
          `candle_nn::ops::rms_norm`, `layer_norm`, `softmax_last_dim`, `sdpa`, \
@@ -262,7 +262,8 @@ pub enum RematError {
          use `remat_runtime::candle_nn`'s drop-ins of the same names or `remat_runtime::nn`'s \
          ops), or its values went through the host (`to_vec*`, `to_scalar`) and came back as a \
          constant (`Tensor::new`): compute them with tensor ops instead; if the input is meant to \
-         give no gradient (read for control flow, indices or logging), read it as `.detach()`"
+         give no gradient (read for control flow, indices or logging), read it as `.detach()`",
+        input_label(name, *input, shape)
     )]
     InputCut {
         /// The region's name.
@@ -272,8 +273,12 @@ pub enum RematError {
         /// Which of the statement's inputs (0-based, in the order the
         /// statement declares them; `remat!` declares the bindings a
         /// statement reads for their values first, in the order it first
-        /// mentions them).
+        /// mentions them); the position among the tensors of those values.
         input: usize,
+        /// The name the block reads it by (`q`; `self` for a tensor among
+        /// the fields of a method's receiver), in a `remat!` block; `None`
+        /// in the statement API, whose inputs have no names.
+        name: Option<String>,
         /// Its shape.
         shape: Vec<usize>,
     },
@@ -545,6 +550,15 @@ impl RematError {
             statement: statement.to_string(),
             source: Arc::new(self),
         }
+    }
+}
+
+/// An input as an error names it: `` `q` (input 1, shape [2, 3]) `` where
+/// the block names it, else `input 1 (shape [2, 3])`.
+fn input_label(name: &Option<String>, input: usize, shape: &[usize]) -> String {
+    match name {
+        Some(name) => format!("`{name}` (input {input}, shape {shape:?})"),
+        None => format!("input {input} (shape {shape:?})"),
     }
 }
 

@@ -57,12 +57,14 @@ pub trait HoldsTensors {}
     note = "a `Result`: add `?`; a reference: clone it (`x.clone()`); a value of another type (a struct of your own): make it outside the block and pass it in"
 )]
 pub trait StatementValue: Sized {
-    /// Runs the statement `name` of a block: `f` on what it reads (`args`),
-    /// under the policy it declares.
+    /// Runs the statement `name` of a block: `f` on what it reads (`args`;
+    /// `reads` names those read for their values, in order), under the
+    /// policy it declares.
     #[doc(hidden)]
     fn run<A: Args, E: Into<RematError>>(
         block: &mut Block<'_, E>,
         name: &str,
+        reads: &[&str],
         declared: Declared,
         args: A,
         f: impl FnOnce(A::Values) -> std::result::Result<Self, E>,
@@ -74,11 +76,12 @@ impl<T: Outputs> StatementValue for T {
     fn run<A: Args, E: Into<RematError>>(
         block: &mut Block<'_, E>,
         name: &str,
+        reads: &[&str],
         declared: Declared,
         args: A,
         f: impl FnOnce(A::Values) -> std::result::Result<Self, E>,
     ) -> Result<Self> {
-        block.statement(name, declared, args, f)
+        block.statement(name, reads, declared, args, f)
     }
 }
 

@@ -167,6 +167,7 @@ pub(crate) fn check_reached(
             region: region.to_string(),
             statement: statement.to_string(),
             input,
+            name: None,
             shape: t.dims().to_vec(),
         }),
         None => Ok(()),

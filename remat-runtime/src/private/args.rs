@@ -20,6 +20,8 @@ pub struct Split {
     pub(crate) reach: Vec<Reach>,
     /// Tensors a block reads from fields of its parameters (`self.mask`).
     pub(crate) fields: Vec<FieldRead>,
+    /// Per value, in order: where its tensors end among `values`.
+    pub(crate) ends: Vec<usize>,
 }
 
 impl Arg for Field {
@@ -210,6 +212,14 @@ pub trait Args {
         (split.values, n, split.reach)
     }
 
+    /// Which value (its position among the values read) holds the tensor
+    /// at `input` among those read for their values.
+    fn value_of(&self, input: usize) -> Option<usize> {
+        let mut split = Split::default();
+        self.push(&mut split);
+        split.ends.iter().position(|&end| input < end)
+    }
+
     /// The values rebuilt from `tensors`, laid out as [`Args::tensors`]
     /// gave them.
     fn values_from(&self, tensors: &[Tensor], n_values: usize) -> Result<Self::Values> {
@@ -224,6 +234,7 @@ impl<A: Arg> Args for A {
     type Values = A::Value;
     fn push(&self, into: &mut Split) {
         Arg::push(self, into);
+        into.ends.push(into.values.len());
     }
     fn rebuild(
         &self,

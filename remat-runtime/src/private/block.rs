@@ -128,6 +128,7 @@ impl<E> Block<'_, E> {
     pub(crate) fn statement<A: Args, O: Outputs>(
         &mut self,
         name: &str,
+        reads: &[&str],
         declared: Declared,
         args: A,
         f: impl FnOnce(A::Values) -> std::result::Result<O, E>,
@@ -158,11 +159,46 @@ impl<E> Block<'_, E> {
                 }));
                 O::join(&mut outputs.into_iter(), &skeleton)
             },
-        )?;
+        );
+        let out = out.map_err(|e| name_input(e, (self.ctx.region(), name), reads, &args))?;
         match cut {
             Some((_, cut)) if made_floats.get() => Err(cut),
             _ => Ok(out),
         }
+    }
+}
+
+/// An [`RematError::InputCut`] of statement `statement` of region
+/// `in_region` with the name the
+/// block reads the input by (`reads`: the names of the values `args` reads
+/// for their values, in order).
+fn name_input<A: Args>(
+    e: RematError,
+    (in_region, statement): (&str, &str),
+    reads: &[&str],
+    args: &A,
+) -> RematError {
+    match e {
+        RematError::InputCut {
+            region,
+            statement: s,
+            input,
+            name: None,
+            shape,
+        } if s == statement && region == in_region => {
+            let name = args
+                .value_of(input)
+                .and_then(|v| reads.get(v))
+                .map(|n| n.to_string());
+            RematError::InputCut {
+                region,
+                statement: s,
+                input,
+                name,
+                shape,
+            }
+        }
+        e => e,
     }
 }
 

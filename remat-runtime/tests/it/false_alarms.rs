@@ -336,8 +336,8 @@ fn a_part_read_only_through_an_op_without_backward_is_still_a_cut() {
             .and_then(|y| Ok(backward(&y.sum_all()?)?))
             .expect_err("a cut");
         assert!(
-            err.to_string().contains("statement `q`: input")
-                && err.to_string().contains("shape [4, 3]"),
+            err.to_string()
+                .contains("statement `q`: `parts` (input 0, shape [4, 3])"),
             "{plan}: {err}"
         );
     }
@@ -521,7 +521,7 @@ fn a_cut_on_a_value_read_on_every_branch_is_still_an_error_under_every_plan() {
                 },
             };
             assert!(
-                e.contains("statement `y`: input 0") && e.contains("needs gradients"),
+                e.contains("statement `y`: `x` (input 0, shape [4, 5]) needs gradients"),
                 "{plan}, skip {skip}: {e}"
             );
         }

@@ -137,13 +137,17 @@ fn step_error(y: Result<Tensor>) -> Option<String> {
     }
 }
 
+/// A cut in a `remat!` block: it names the input as the block does.
 fn assert_input_cut(text: &str, statement: &str) {
-    let head = format!("statement `{statement}`: input ");
+    let head = format!("statement `{statement}`: `");
     assert!(
         text.contains(&head) && text.contains("needs gradients and is read for its value"),
         "{text}"
     );
-    assert!(text.contains("(shape ["), "{text}");
+    assert!(
+        text.contains("(input ") && text.contains(", shape ["),
+        "{text}"
+    );
     assert!(text.contains("remat_runtime::candle_nn"), "{text}");
     assert!(text.contains(".detach()"), "{text}");
 }
@@ -166,7 +170,7 @@ fn rope_on_the_queries_and_keys_while_the_values_flow_is_an_error_under_every_pl
                     let e = e.unwrap_or_else(|| panic!("{dtype:?} {plan} {round}: no error"));
                     assert_input_cut(&e, "att");
                     // `q`, the first binding the statement mentions.
-                    assert!(e.contains("input 0 (shape [2, 2, 5, 4])"), "{e}");
+                    assert!(e.contains("`q` (input 0, shape [2, 2, 5, 4])"), "{e}");
                 }
             }
         })
@@ -196,7 +200,7 @@ fn the_first_forward_reports_the_cut_before_any_backward() {
         .unwrap()
         .unwrap_err();
         assert!(
-            e.to_string().contains("statement `att`: input "),
+            e.to_string().contains("statement `att`: `q` (input 0, "),
             "{label}: {e}"
         );
     }
@@ -309,7 +313,7 @@ fn routing_weights_through_the_host_are_an_error_under_every_plan() {
                 let e = e.unwrap_or_else(|| panic!("{dtype:?} {plan}: no error"));
                 assert_input_cut(&e, "ys");
                 // `probs`, after `xs`.
-                assert!(e.contains("input 1 (shape [7, 2])"), "{e}");
+                assert!(e.contains("`probs` (input 1, shape [7, 2])"), "{e}");
                 assert!(e.contains("through the host"), "{e}");
             }
         })
@@ -473,4 +477,50 @@ fn shapes_read_in_a_macro_and_an_input_declared_twice_are_not_cuts() {
         .unwrap();
     let g = backward(&y).unwrap();
     assert!(rel_diff(g.get(&x).unwrap(), &x.as_tensor().exp().unwrap()) < 1e-12);
+}
+
+remat! {
+    /// The cut is on one tensor of a list the statement reads whole.
+    fn cut_in_a_list(h: &Tensor, xs: &[Tensor]) -> Result<Tensor> {
+        let y = {
+            let mut acc = h.clone();
+            for (i, x) in xs.iter().enumerate() {
+                let x = if i == 2 { candle_nn::ops::softmax_last_dim(x)? } else { x.clone() };
+                acc = (acc * x)?;
+            }
+            acc
+        };
+        Ok(y)
+    }
+}
+
+#[test]
+fn the_error_names_the_input_as_the_block_reads_it() {
+    let h = var(&[2, 3], 61, 1.0, DType::F32);
+    let xs: Vec<Var> = (0..4)
+        .map(|i| var(&[2, 3], 62 + i, 1.0, DType::F32))
+        .collect();
+    let xs: Vec<Tensor> = xs.iter().map(|x| x.as_tensor().clone()).collect();
+    for plan in plans_saving(&["y"]) {
+        let e = step_error(plan.scope(|| cut_in_a_list(h.as_tensor(), &xs)));
+        let e = e.unwrap_or_else(|| panic!("{plan}: no error"));
+        assert_input_cut(&e, "y");
+        // `h` is input 0, the list's tensors 1 to 4: the third is input 3.
+        assert!(e.contains("`xs` (input 3, shape [2, 3])"), "{plan}: {e}");
+    }
+    // The statement API's inputs have no names: by position.
+    let (a, b) = (
+        var(&[2, 3], 71, 1.0, DType::F32),
+        var(&[2, 3], 72, 1.0, DType::F32),
+    );
+    let y = remat_runtime::Region::new("api").run(&[a.as_tensor(), b.as_tensor()], |ctx, ins| {
+        ctx.recompute("s", &[&ins[0], &ins[1]], |t| {
+            (candle_nn::ops::softmax_last_dim(&t[0])? + &t[1])?.sum_all()
+        })
+    });
+    let e = step_error(y.map_err(Into::into)).expect("no error");
+    assert!(
+        e.contains("statement `s`: input 0 (shape [2, 3]) needs gradients"),
+        "{e}"
+    );
 }

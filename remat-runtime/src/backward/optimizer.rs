@@ -96,12 +96,16 @@ struct Param<O> {
 }
 
 impl<O: Optimizer> Param<O> {
+    /// Its step of this training step, once: with its gradient, or with
+    /// none (a layer the loss skipped), which leaves it as it is and counts
+    /// the step, as one candle-nn optimizer over every parameter counts it
+    /// (AdamW's bias correction reads the count).
     fn step(&mut self) -> Result<()> {
+        let mut store = GradStore::default();
         if let Some(g) = self.grad.take() {
-            let mut store = GradStore::default();
             store.insert(self.var.as_tensor(), g);
-            self.optimizer.step(&store)?;
         }
+        self.optimizer.step(&store)?;
         Ok(())
     }
 }
@@ -166,7 +170,13 @@ impl<O: Optimizer + Send> Sink for State<O> {
 /// Each parameter gets its own optimizer `O` (any candle-nn
 /// [`Optimizer`], built with `O::new(vec![var], config)`), so that
 /// per-step state such as AdamW's step count stays right when parameters
-/// are updated one by one.
+/// are updated one by one. Every parameter's optimizer steps once per
+/// `backward_step`, a parameter no gradient reached with none (it is left
+/// as it is), so that each counts the steps as one candle-nn optimizer over
+/// all of them does: after a step that skipped a layer (stochastic depth,
+/// an expert no token chose), AdamW's bias correction is candle-nn's.
+/// (PyTorch's AdamW counts a parameter's steps only when it has a
+/// gradient.)
 ///
 /// What it gives up, as torchtune does:
 /// * **global-norm gradient clipping**, and anything else that needs every

@@ -28,6 +28,11 @@ use crate::Region;
 /// gradient, and a random op of candle's (`candle_nn::Dropout` in training)
 /// is caught by the replay check ([`crate::RematError::ReplayDiverged`]):
 /// use [`crate::random`] and [`crate::candle_nn`] inside layers you wrap.
+/// The layer's effects run again in the replay, and nothing catches them:
+/// candle-nn's `BatchNorm` in training would update its running statistics
+/// twice per step (use [`crate::candle_nn::BatchNorm`]); code of your own
+/// with effects that must happen once per step skips them when
+/// [`crate::in_replay`] is `true`.
 ///
 /// The layer must be `Send + Sync + 'static` (its region's tape lives until
 /// the backward); it need not be `Clone`: the wrapper shares it with the

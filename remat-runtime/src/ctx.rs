@@ -27,6 +27,33 @@ pub(crate) enum Mode {
     Replay(Replay),
 }
 
+/// Whether code on this thread runs inside a region's replay: a layer
+/// called from a checkpointed block or [`Checkpointed`](crate::Checkpointed)
+/// runs twice per step, once in the forward and once more when its region
+/// replays in the backward. Effects that must happen once per step (a
+/// batch norm's running statistics, a counter, logging) are skipped when
+/// this is `true`; in a `remat!` block, `#[forward_only]` does it.
+///
+/// ```
+/// use std::sync::{Arc, Mutex};
+/// use candle_core::{DType, Device, Var};
+/// use remat_runtime::{in_replay, Region};
+/// let x = Var::ones(3, DType::F32, &Device::Cpu)?;
+/// let seen = Arc::new(Mutex::new(Vec::new()));
+/// let log = seen.clone();
+/// let y = Region::new("r").run(&[x.as_tensor()], move |ctx, ins| {
+///     log.lock().unwrap().push(in_replay());
+///     ctx.recompute("s", &[&ins[0]], |t| t[0].exp()?.sum_all())
+/// })?;
+/// y.backward()?;
+/// assert_eq!(*seen.lock().unwrap(), [false, true]); // the forward, the replay
+/// assert!(!in_replay());
+/// # Ok::<(), remat_runtime::RematError>(())
+/// ```
+pub fn in_replay() -> bool {
+    crate::plan::in_replay()
+}
+
 /// The context a checkpointed block runs its statements through.
 ///
 /// A block runs twice: once in the forward, where every statement runs and
@@ -113,7 +140,11 @@ impl Ctx {
         &self.region
     }
 
-    /// Whether the block is running as the replay of a backward.
+    /// Whether the block is running as the replay of a backward: its own,
+    /// or that of a region it runs inside (a block called by a recomputed
+    /// statement of another block runs again in that block's replay). Code
+    /// with effects that must happen once per step (running statistics, a
+    /// counter) runs only when this is `false`; see also [`in_replay`].
     ///
     /// ```
     /// # use remat_runtime::Region;
@@ -122,7 +153,7 @@ impl Ctx {
     /// # Ok::<(), remat_runtime::RematError>(())
     /// ```
     pub fn is_replay(&self) -> bool {
-        matches!(self.mode, Mode::Replay(_))
+        matches!(self.mode, Mode::Replay(_)) || in_replay()
     }
 
     /// Runs a statement under `policy`.

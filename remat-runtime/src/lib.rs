@@ -90,7 +90,7 @@ mod values;
 
 pub use backward::{backward, retain_tape, OptimizerInBackward};
 pub use checkpointed::Checkpointed;
-pub use ctx::Ctx;
+pub use ctx::{in_replay, Ctx};
 pub use error::{Mismatch, RematError, Result};
 pub use inspect::{check_gradients, MemoryReport};
 pub use plan::{Plan, StatementInfo};

@@ -26,7 +26,9 @@
 //! candle-nn's holds up to fifteen temporaries the size of each parameter,
 //! which for a real vocabulary's embedding outweighs the rest of the step.
 //! [`MasterWeights`] wraps any candle-nn optimizer to train `bf16` or `f16`
-//! parameters from `f32` master weights (not in candle-nn).
+//! parameters from `f32` master weights (not in candle-nn). [`BatchNorm`]
+//! is candle-nn's, whose running statistics a replay would update a second
+//! time in each step; this one updates them once.
 //!
 //! What a drop-in computes, against candle's fused op:
 //!
@@ -63,12 +65,14 @@
 //! ```
 
 mod adamw;
+mod batch_norm;
 pub mod layer_norm;
 mod master_weights;
 pub mod ops;
 pub mod rotary_emb;
 
 pub use adamw::AdamW;
+pub use batch_norm::{batch_norm, BatchNorm};
 pub use layer_norm::{
     layer_norm, layer_norm_no_bias, rms_norm, LayerNorm, LayerNormConfig, RmsNorm,
 };

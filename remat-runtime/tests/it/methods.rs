@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Module, ModuleT, Result, Tensor, Var, D};
 use candle_nn::{Linear, VarBuilder, VarMap};
 use remat_runtime::{backward, nn, remat, Plan};
 
-use crate::common::{causal_mask, max_abs, repeat_kv, weighted_loss as loss};
+use crate::common::{causal_mask, max_abs, rel_diff, repeat_kv, weighted_loss as loss};
 
 fn plans() -> [Plan; 3] {
     [Plan::off(), Plan::recompute_all(), Plan::save_all()]
@@ -440,50 +440,171 @@ impl BatchNorm {
     }
 }
 
+impl ModuleT for BatchNorm {
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
+        BatchNorm::forward_t(self, xs, train)
+    }
+}
+
+/// A block that calls the batch norm from one of its statements: the
+/// norm's region runs again in this block's replay.
+#[derive(Clone)]
+struct Around {
+    bn: BatchNorm,
+}
+
+impl Around {
+    remat! {
+        fn forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
+            let h = xs.sin()?;
+            let y = self.bn.forward_t(&h, train)?;
+            let z = y.tanh()?;
+            Ok(z)
+        }
+    }
+}
+
 #[test]
 fn running_statistics_change_once_per_step_under_every_plan() {
-    for plan in plans() {
-        let dev = Device::Cpu;
-        let bn = BatchNorm {
-            gamma: Var::ones(3, DType::F64, &dev).unwrap(),
-            beta: Var::zeros(3, DType::F64, &dev).unwrap(),
-            running_mean: std::sync::Arc::new(std::sync::Mutex::new(
-                Tensor::zeros(3, DType::F64, &dev).unwrap(),
-            )),
-            updates: Default::default(),
-            momentum: 0.1,
-        };
-        let x = Var::from_tensor(
-            &Tensor::arange(0f64, 12.0, &dev)
-                .unwrap()
-                .reshape((4, 3))
-                .unwrap(),
-        )
-        .unwrap();
-        for step in 1..=3 {
-            let y = plan.scope(|| bn.forward_t(x.as_tensor(), true)).unwrap();
-            backward(&loss(&y)).unwrap();
-            // One update per step, forward only: the replay did not update.
+    // The norm called directly, from a statement of another block, and
+    // wrapped in `Checkpointed`: in the last two its region runs again
+    // when the enclosing region replays.
+    for caller in ["direct", "nested", "checkpointed"] {
+        for plan in plans() {
+            let dev = Device::Cpu;
+            let bn = BatchNorm {
+                gamma: Var::ones(3, DType::F64, &dev).unwrap(),
+                beta: Var::zeros(3, DType::F64, &dev).unwrap(),
+                running_mean: std::sync::Arc::new(std::sync::Mutex::new(
+                    Tensor::zeros(3, DType::F64, &dev).unwrap(),
+                )),
+                updates: Default::default(),
+                momentum: 0.1,
+            };
+            let around = Around { bn: bn.clone() };
+            let wrapped = remat_runtime::Checkpointed::new("bn", bn.clone());
+            let forward = |x: &Tensor, train: bool| match caller {
+                "direct" => bn.forward_t(x, train),
+                "nested" => around.forward_t(x, train),
+                _ => wrapped.forward_t(x, train),
+            };
+            let x = Var::from_tensor(
+                &Tensor::arange(0f64, 12.0, &dev)
+                    .unwrap()
+                    .reshape((4, 3))
+                    .unwrap(),
+            )
+            .unwrap();
+            let seen = if caller == "nested" {
+                x.sin().unwrap()
+            } else {
+                x.as_tensor().clone()
+            };
+            for step in 1..=3 {
+                let y = plan.scope(|| forward(x.as_tensor(), true)).unwrap();
+                backward(&loss(&y)).unwrap();
+                // One update per step, forward only: the replay did not update.
+                assert_eq!(
+                    bn.updates.load(std::sync::atomic::Ordering::SeqCst),
+                    step,
+                    "{caller}, {plan}"
+                );
+            }
+            // After three updates from 0 with momentum 0.1: m * (1 - 0.9^3),
+            // m the mean of the norm's input's columns.
+            let running = bn.running_mean.lock().unwrap().to_vec1::<f64>().unwrap();
+            let means = seen.mean(0).unwrap().to_vec1::<f64>().unwrap();
+            let factor = 1.0 - 0.9f64.powi(3);
+            for (r, m) in running.iter().zip(means) {
+                assert!(
+                    (r - m * factor).abs() < 1e-12,
+                    "{caller}, {plan}: {running:?}"
+                );
+            }
+            // Evaluation does not update.
+            let _ = plan.scope(|| forward(x.as_tensor(), false)).unwrap();
             assert_eq!(
                 bn.updates.load(std::sync::atomic::Ordering::SeqCst),
-                step,
-                "{plan}"
+                3,
+                "{caller}, {plan}"
             );
         }
-        // mean of the columns: 4.5, 5.5, 6.5; after three updates from 0 with
-        // momentum 0.1: m * (1 - 0.9^3).
-        let running = bn.running_mean.lock().unwrap().to_vec1::<f64>().unwrap();
-        let factor = 1.0 - 0.9f64.powi(3);
-        for (r, m) in running.iter().zip([4.5, 5.5, 6.5]) {
-            assert!((r - m * factor).abs() < 1e-12, "{plan}: {running:?}");
+    }
+}
+
+#[test]
+fn the_batch_norm_drop_in_updates_its_statistics_once_per_step() {
+    use candle_nn::BatchNormConfig;
+    use remat_runtime::candle_nn::batch_norm;
+    // candle-nn's `BatchNorm` in plain candle against the drop-in called
+    // directly, wrapped in `Checkpointed`, and from a block's statement:
+    // the same outputs, gradients and running statistics after each step.
+    let dev = Device::Cpu;
+    let config = BatchNormConfig {
+        momentum: 0.2,
+        ..Default::default()
+    };
+    let xs: Vec<f64> = (0..24).map(|i| ((i * 7 % 11) as f64 - 5.0) / 3.0).collect();
+    let x = Var::from_vec(xs, (2, 3, 4), &dev).unwrap();
+    for caller in ["direct", "checkpointed", "nested"] {
+        for plan in plans() {
+            let map = VarMap::new();
+            let bn =
+                batch_norm(3, config, VarBuilder::from_varmap(&map, DType::F64, &dev)).unwrap();
+            let wrapped = remat_runtime::Checkpointed::new("bn", bn.clone());
+            let block = NormBlock { bn: bn.clone() };
+            let fresh = candle_nn::batch_norm(
+                3,
+                config,
+                VarBuilder::from_varmap(&VarMap::new(), DType::F64, &dev),
+            )
+            .unwrap();
+            for step in 0..3 {
+                let y = plan
+                    .scope(|| match caller {
+                        "direct" => bn.forward_t(x.as_tensor(), true),
+                        "checkpointed" => wrapped.forward_t(x.as_tensor(), true),
+                        _ => block.forward(x.as_tensor()),
+                    })
+                    .unwrap();
+                let g = backward(&loss(&y)).unwrap();
+                let mut y_ref = fresh.forward_t(x.as_tensor(), true).unwrap();
+                if caller == "nested" {
+                    y_ref = y_ref.tanh().unwrap();
+                }
+                let g_ref = loss(&y_ref).backward().unwrap();
+                let what = format!("{caller}, {plan}, step {step}");
+                assert!(rel_diff(&y, &y_ref) < 1e-12, "{what}");
+                assert!(
+                    rel_diff(g.get(&x).unwrap(), g_ref.get(&x).unwrap()) < 1e-12,
+                    "{what}"
+                );
+                assert!(
+                    rel_diff(bn.running_mean(), fresh.running_mean()) < 1e-14,
+                    "{what}"
+                );
+                assert!(
+                    rel_diff(bn.running_var(), fresh.running_var()) < 1e-14,
+                    "{what}"
+                );
+            }
         }
-        // Evaluation does not update.
-        let _ = plan.scope(|| bn.forward_t(x.as_tensor(), false)).unwrap();
-        assert_eq!(
-            bn.updates.load(std::sync::atomic::Ordering::SeqCst),
-            3,
-            "{plan}"
-        );
+    }
+}
+
+/// A block whose statement calls the drop-in batch norm in training.
+#[derive(Clone)]
+struct NormBlock {
+    bn: remat_runtime::candle_nn::BatchNorm,
+}
+
+impl NormBlock {
+    remat! {
+        fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+            let y = self.bn.forward_t(xs, true)?;
+            let z = y.tanh()?;
+            Ok(z)
+        }
     }
 }
 

@@ -81,10 +81,12 @@ pub(crate) fn check_cut(
     if !reads_tracked {
         return Ok(());
     }
+    // An empty output carries nothing (candle gives a tensor of no
+    // elements no graph: an expert no token chose, an empty batch).
     let mut floats = outputs
         .iter()
         .enumerate()
-        .filter(|(_, t)| t.dtype().is_float());
+        .filter(|(_, t)| t.dtype().is_float() && t.elem_count() > 0);
     let first = floats.clone().next();
     match first {
         Some((output, _)) if floats.all(|(_, t)| !t.track_op()) => Err(RematError::GradientCut {
@@ -129,7 +131,14 @@ pub(crate) fn check_reached(
         .enumerate()
         .filter(|(_, t)| carries_grad(t))
         .peekable();
-    if tracked.peek().is_none() || !outputs.iter().any(|t| t.dtype().is_float()) {
+    // An empty float output has no graph in candle, so what it depends on
+    // is unknown: the statement's reads are not checked in this run (a
+    // gradient through it would be empty anyway).
+    let floats = || outputs.iter().filter(|t| t.dtype().is_float());
+    if tracked.peek().is_none()
+        || floats().next().is_none()
+        || floats().any(|t| t.elem_count() == 0)
+    {
         return Ok(());
     }
     let mut reached = HashSet::new();

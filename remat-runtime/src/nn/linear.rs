@@ -192,7 +192,7 @@ impl Linear {
     fn grads(&self, x: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor, Bias)> {
         let (rows, input) = rows(x)?;
         let x = x.detach();
-        let g2 = g.detach().reshape((rows, ()))?;
+        let g2 = g.detach().reshape((rows, g.dim(candle_core::D::Minus1)?))?;
         if !self.gelu {
             let dx = g2.matmul(&w.detach())?.reshape(x.shape())?;
             let dw = g2.t()?.matmul(&x.reshape((rows, input))?)?;

@@ -108,7 +108,9 @@ impl CustomOp3 for LayerNormLinear {
             Some((w, _)) => w.clone(),
             None => third.detach(),
         };
-        let dy = dy.detach().reshape((rows, ()))?;
+        let dy = dy
+            .detach()
+            .reshape((rows, dy.dim(candle_core::D::Minus1)?))?;
         if let Some(eps) = self.pass {
             // The norm's one pass again: the forward's bits, then its
             // backward.

@@ -79,7 +79,9 @@ pub fn max_abs(t: &Tensor) -> f64 {
         .unwrap()
 }
 
-/// Largest absolute difference divided by the largest absolute reference value.
+/// Largest absolute difference divided by the largest absolute reference
+/// value; infinite where either holds a NaN (candle's `max` skips them, so
+/// NaNs would otherwise compare equal to anything).
 pub fn rel_diff(a: &Tensor, reference: &Tensor) -> f64 {
     assert_eq!(a.dims(), reference.dims());
     let a = a.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
@@ -88,6 +90,10 @@ pub fn rel_diff(a: &Tensor, reference: &Tensor) -> f64 {
         .unwrap()
         .flatten_all()
         .unwrap();
+    let has_nan = |t: &Tensor| t.to_vec1::<f64>().unwrap().iter().any(|v| v.is_nan());
+    if has_nan(&a) || has_nan(&r) {
+        return f64::INFINITY;
+    }
     let diff: f64 = (&a - &r)
         .unwrap()
         .abs()

@@ -11,6 +11,7 @@ mod cancelling_replays;
 mod corpus;
 mod dispatch;
 mod dropin;
+mod empty_batches;
 mod errors;
 mod false_alarms;
 mod features;

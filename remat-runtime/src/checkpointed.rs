@@ -1,10 +1,12 @@
 //! [`Checkpointed`]: a layer one cannot edit, checkpointed whole by a
 //! one-line wrap.
 
+use std::any::Any;
 use std::sync::Arc;
 
 use candle_core::{Module, ModuleT, Tensor};
 
+use crate::candle_nn::BatchNorm;
 use crate::Region;
 
 /// A candle layer checkpointed whole: its forward runs as a region of one
@@ -29,10 +31,11 @@ use crate::Region;
 /// is caught by the replay check ([`crate::RematError::ReplayDiverged`]):
 /// use [`crate::random`] and [`crate::candle_nn`] inside layers you wrap.
 /// The layer's effects run again in the replay, and nothing catches them:
-/// candle-nn's `BatchNorm` in training would update its running statistics
-/// twice per step (use [`crate::candle_nn::BatchNorm`]); code of your own
-/// with effects that must happen once per step skips them when
-/// [`crate::in_replay`] is `true`.
+/// candle-nn's `BatchNorm` in training, inside a layer you wrap, would
+/// update its running statistics twice per step (use
+/// [`crate::candle_nn::BatchNorm`]; a candle-nn `BatchNorm` wrapped by
+/// itself runs as that drop-in); code of your own with effects that must
+/// happen once per step skips them when [`crate::in_replay`] is `true`.
 ///
 /// The layer must be `Send + Sync + 'static` (its region's tape lives until
 /// the backward); it need not be `Clone`: the wrapper shares it with the
@@ -141,7 +144,14 @@ impl<M: ModuleT + Send + Sync + 'static> Checkpointed<M> {
     pub fn forward_t(&self, xs: &Tensor, train: bool) -> candle_core::Result<Tensor> {
         let layer = Arc::clone(&self.layer);
         Ok(Region::new(self.name.as_str()).run(&[xs], move |ctx, ins| {
-            ctx.open("forward", &[&ins[0]], |t| layer.forward_t(&t[0], train))
+            ctx.open("forward", &[&ins[0]], |t| {
+                // candle-nn's batch norm, wrapped as it is: as the drop-in,
+                // whose running statistics the replay leaves alone.
+                match (&*layer as &dyn Any).downcast_ref::<candle_nn::BatchNorm>() {
+                    Some(bn) => BatchNorm::from(bn.clone()).forward_t(&t[0], train),
+                    None => layer.forward_t(&t[0], train),
+                }
+            })
         })?)
     }
 }

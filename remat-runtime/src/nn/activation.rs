@@ -23,6 +23,12 @@ struct Swiglu {
 /// ```
 pub fn swiglu(x: &Tensor) -> Result<Tensor> {
     let _profile = crate::inspect::profile::op("swiglu");
+    if x.dims().last().is_none_or(|c| c % 2 != 0) {
+        candle_core::bail!(
+            "swiglu: the input has shape {:?}; its last dimension holds the gate and the value side by side, so it must be even",
+            x.dims()
+        );
+    }
     let y = candle_nn::ops::swiglu(&x.detach())?;
     x.apply_op1(Swiglu {
         out: Computed::new(y),

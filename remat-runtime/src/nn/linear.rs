@@ -107,6 +107,12 @@ fn fused(
     residual: Option<&Tensor>,
     gelu: bool,
 ) -> Result<Tensor> {
+    let name = match (residual, gelu) {
+        (None, _) => "linear",
+        (Some(_), false) => "linear_add",
+        (Some(_), true) => "gelu_linear_add",
+    };
+    check_weight(name, x, w, b)?;
     let dims = output_dims(x, w)?;
     if let Some(r) = residual {
         if r.dims() != dims.as_slice() {
@@ -177,6 +183,36 @@ pub(super) fn output_dims(x: &Tensor, w: &Tensor) -> Result<Vec<usize>> {
         ),
     }
     Ok(dims)
+}
+
+/// An error naming the weight or the bias of `op`'s product `x W^T + b`
+/// when they do not fit: `w` is `(out, in)` with `in` the width of `x`'s
+/// rows (candle-nn's `Linear` layout, not transposed), `b` is `(out,)`.
+pub(super) fn check_weight(op: &str, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<()> {
+    let &[out, input] = w.dims() else {
+        candle_core::bail!(
+            "{op}: the weight has shape {:?}; a linear layer's weight is (out, in), as candle-nn's `Linear` holds it",
+            w.dims()
+        );
+    };
+    let width = x.dims().last().copied();
+    if width != Some(input) {
+        candle_core::bail!(
+            "{op}: the input has shape {:?} but the weight {:?} reads rows {input} wide; a linear layer's weight is (out, in), as candle-nn's `Linear` holds it (not transposed)",
+            x.dims(),
+            w.dims()
+        );
+    }
+    if let Some(b) = b {
+        if b.dims() != [out] {
+            candle_core::bail!(
+                "{op}: the bias has shape {:?} but the weight {:?} gives {out} outputs: the bias is (out,)",
+                b.dims(),
+                w.dims()
+            );
+        }
+    }
+    Ok(())
 }
 
 /// `(rows, in)` of `x`, flattened over all but the last dimension.

@@ -1,6 +1,6 @@
 //! Mean cross-entropy over logits.
 
-use candle_core::{CustomOp2, Result, Tensor, D};
+use candle_core::{CustomOp2, DType, Result, Tensor, D};
 
 use super::attach::{forward_computed, Computed};
 
@@ -29,7 +29,19 @@ struct CrossEntropy {
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let _profile = crate::inspect::profile::op("cross_entropy");
     let l = logits.detach();
-    let (n, _) = l.dims2()?;
+    let &[n, _] = l.dims() else {
+        candle_core::bail!(
+            "cross_entropy: the logits have shape {:?}; expected (N, classes) (flatten the batch and the positions first)",
+            l.dims()
+        );
+    };
+    if targets.dims() != [n] || !matches!(targets.dtype(), DType::U8 | DType::U32 | DType::I64) {
+        candle_core::bail!(
+            "cross_entropy: the targets are {:?} of shape {:?}; expected class indices (u32, u8 or i64) of shape ({n},)",
+            targets.dtype(),
+            targets.dims()
+        );
+    }
     let max = l.max_keepdim(D::Minus1)?;
     let lse = (l
         .broadcast_sub(&max)?

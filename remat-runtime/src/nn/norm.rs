@@ -36,6 +36,7 @@ struct LayerNorm {
 /// ```
 pub fn layer_norm(x: &Tensor, g: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
     let _profile = crate::inspect::profile::op("layer_norm");
+    check_gain("layer_norm", x, g, Some(b))?;
     if let Some(rows) = pass_rows(x, g, Some(b)) {
         let (y, mean, rstd) = norm_pass::forward(&rows, g, Some(b), eps)?;
         let stats = x.dims()[..x.rank() - 1]
@@ -66,6 +67,24 @@ pub fn layer_norm(x: &Tensor, g: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor
         rstd,
     };
     x.apply_op3(g, b, op)
+}
+
+/// An error naming `op`'s gain `g` or shift `b` when either is not
+/// `(C,)` (or broadcast from it), `C` the width of `x`'s rows.
+pub(super) fn check_gain(op: &str, x: &Tensor, g: &Tensor, b: Option<&Tensor>) -> Result<()> {
+    let Some(&c) = x.dims().last() else {
+        candle_core::bail!("{op}: the input is a scalar; a norm reads (.., C) rows");
+    };
+    for (what, t) in [("gain", Some(g)), ("shift", b)] {
+        if let Some(t) = t.filter(|t| t.dims().last() != Some(&c)) {
+            candle_core::bail!(
+                "{op}: the {what} has shape {:?} but the input {:?} has rows {c} wide: it is ({c},)",
+                t.dims(),
+                x.dims()
+            );
+        }
+    }
+    Ok(())
 }
 
 /// `x` (detached) as `(rows, C)` when the CPU's one pass can normalize its
@@ -195,6 +214,7 @@ struct RmsNorm {
 /// ```
 pub fn rms_norm(x: &Tensor, g: &Tensor, eps: f64) -> Result<Tensor> {
     let _profile = crate::inspect::profile::op("rms_norm");
+    check_gain("rms_norm", x, g, None)?;
     if let Some(rows) = pass_rows(x, g, None) {
         let (y, _, rstd) = norm_pass::forward(&rows, g, None, eps)?;
         let stats = x.dims()[..x.rank() - 1]

@@ -58,6 +58,8 @@ pub fn layer_norm_linear(
     b: Option<&Tensor>,
 ) -> Result<Tensor> {
     let _profile = crate::inspect::profile::op("layer_norm_linear");
+    super::linear::check_weight("layer_norm_linear", x, w, b)?;
+    super::norm::check_gain("layer_norm_linear", x, g, Some(beta))?;
     let (h, mean, rstd, pass) = match pass_rows(x, g, Some(beta)) {
         Some(rows) => {
             let (h, mean, rstd) = norm_pass::forward(&rows, g, Some(beta), eps)?;

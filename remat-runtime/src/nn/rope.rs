@@ -33,6 +33,31 @@ fn apply(layout: Layout, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tenso
 }
 
 fn rope_op(layout: Layout, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let op = match layout {
+        Layout::Halves => "rope",
+        Layout::Interleaved => "rope_i",
+    };
+    let &[b, _, t, d] = x.dims() else {
+        candle_core::bail!(
+            "{op}: the input has shape {:?}; expected (B, H, T, D)",
+            x.dims()
+        );
+    };
+    let fits = |c: &Tensor| match c.dims() {
+        [rows, half] => (*rows, *half) == (t, d / 2),
+        [batch, rows, half] => (*rows, *half) == (t, d / 2) && (*batch == b || *batch == 1),
+        _ => false,
+    };
+    if d % 2 != 0 || !fits(cos) || !fits(sin) {
+        candle_core::bail!(
+            "{op}: the tables are {:?} (cos) and {:?} (sin) but the input {:?} needs ({t}, {}) or ({b}, {t}, {}): one row per position, half the head size (narrow a longer table to the positions: `cos.narrow(0, offset, {t})`)",
+            cos.dims(),
+            sin.dims(),
+            x.dims(),
+            d / 2,
+            d / 2
+        );
+    }
     if cos.track_op() || sin.track_op() {
         // Tables that need gradients (learned or scaled frequencies): the
         // rotation in candle's composed ops, every one with a backward.

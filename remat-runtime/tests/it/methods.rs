@@ -546,12 +546,15 @@ fn the_batch_norm_drop_in_updates_its_statistics_once_per_step() {
     };
     let xs: Vec<f64> = (0..24).map(|i| ((i * 7 % 11) as f64 - 5.0) / 3.0).collect();
     let x = Var::from_vec(xs, (2, 3, 4), &dev).unwrap();
-    for caller in ["direct", "checkpointed", "nested"] {
+    // Last: candle-nn's own layer wrapped by itself in `Checkpointed`, which
+    // runs it as the drop-in.
+    for caller in ["direct", "checkpointed", "nested", "candle-nn checkpointed"] {
         for plan in plans() {
             let map = VarMap::new();
             let bn =
                 batch_norm(3, config, VarBuilder::from_varmap(&map, DType::F64, &dev)).unwrap();
             let wrapped = remat_runtime::Checkpointed::new("bn", bn.clone());
+            let candle_wrapped = remat_runtime::Checkpointed::new("bn", bn.inner().clone());
             let block = NormBlock { bn: bn.clone() };
             let fresh = candle_nn::batch_norm(
                 3,
@@ -564,6 +567,7 @@ fn the_batch_norm_drop_in_updates_its_statistics_once_per_step() {
                     .scope(|| match caller {
                         "direct" => bn.forward_t(x.as_tensor(), true),
                         "checkpointed" => wrapped.forward_t(x.as_tensor(), true),
+                        "candle-nn checkpointed" => candle_wrapped.forward_t(x.as_tensor(), true),
                         _ => block.forward(x.as_tensor()),
                     })
                     .unwrap();

@@ -1130,3 +1130,97 @@ fn half_precision_backwards_on_the_cpu_compute_in_f64_and_round_once() {
         }
     }
 }
+
+#[test]
+fn products_refuse_weights_that_do_not_fit_naming_them() {
+    // A transposed weight, a weight of the wrong rank, a bias of the wrong
+    // width: an error naming the op and the weight or the bias, before
+    // anything is computed (candle's would name a matmul's operands).
+    let x = tensor(&[2, 3, 8], 1, 1.0, DType::F32);
+    let w = tensor(&[5, 8], 2, 1.0, DType::F32);
+    let b = tensor(&[5], 3, 1.0, DType::F32);
+    let r = tensor(&[2, 3, 5], 4, 1.0, DType::F32);
+    let (g, beta) = (
+        tensor(&[8], 5, 1.0, DType::F32),
+        tensor(&[8], 6, 1.0, DType::F32),
+    );
+    let ops: [(&str, &dyn Fn(&Tensor, Option<&Tensor>) -> Result<Tensor>); 4] = [
+        ("linear", &|w, b| nn::linear(&x, w, b)),
+        ("linear_add", &|w, b| nn::linear_add(&x, w, b, &r)),
+        ("gelu_linear_add", &|w, b| nn::gelu_linear_add(&x, w, b, &r)),
+        ("layer_norm_linear", &|w, b| {
+            nn::layer_norm_linear(&x, &g, &beta, 1e-5, w, b)
+        }),
+    ];
+    for (name, op) in ops {
+        assert_eq!(op(&w, Some(&b)).unwrap().dims(), [2, 3, 5], "{name}");
+        let e = op(&w.t().unwrap(), Some(&b)).unwrap_err().to_string();
+        assert!(
+            e.starts_with(&format!(
+                "{name}: the input has shape [2, 3, 8] but the weight [8, 5]"
+            )) && e.contains("(out, in)"),
+            "{e}"
+        );
+        let e = op(&w.unsqueeze(0).unwrap(), None).unwrap_err().to_string();
+        assert!(
+            e.starts_with(&format!("{name}: the weight has shape [1, 5, 8]")),
+            "{e}"
+        );
+        let e = op(&w, Some(&tensor(&[4], 7, 1.0, DType::F32)))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with(&format!("{name}: the bias has shape [4]")),
+            "{e}"
+        );
+    }
+}
+
+#[test]
+fn norms_losses_and_rotations_refuse_arguments_that_do_not_fit_naming_them() {
+    let f = |dims: &[usize]| tensor(dims, 8, 1.0, DType::F32);
+    let x = f(&[2, 3, 8]);
+    let err = |r: Result<Tensor>| r.unwrap_err().to_string();
+    let e = err(nn::layer_norm(&x, &f(&[7]), &f(&[8]), 1e-5));
+    assert!(
+        e.starts_with("layer_norm: the gain has shape [7] but the input [2, 3, 8]"),
+        "{e}"
+    );
+    let e = err(nn::layer_norm(&x, &f(&[8]), &f(&[2, 9]), 1e-5));
+    assert!(
+        e.starts_with("layer_norm: the shift has shape [2, 9]"),
+        "{e}"
+    );
+    let e = err(nn::rms_norm(&x, &f(&[9]), 1e-5));
+    assert!(e.starts_with("rms_norm: the gain has shape [9]"), "{e}");
+    let logits = f(&[4, 5]);
+    let e = err(nn::cross_entropy(&logits, &f(&[4])));
+    assert!(
+        e.starts_with("cross_entropy: the targets are F32 of shape [4]"),
+        "{e}"
+    );
+    let ids = Tensor::new(&[1u32, 0, 4], &candle_core::Device::Cpu).unwrap();
+    let e = err(nn::cross_entropy(&logits, &ids));
+    assert!(e.contains("of shape (4,)"), "{e}");
+    let e = err(nn::cross_entropy(&f(&[2, 4, 5]), &ids));
+    assert!(
+        e.starts_with("cross_entropy: the logits have shape [2, 4, 5]"),
+        "{e}"
+    );
+    let e = err(nn::swiglu(&f(&[2, 7])));
+    assert!(e.starts_with("swiglu: the input has shape [2, 7]"), "{e}");
+    let q = f(&[1, 2, 3, 4]);
+    let e = err(nn::rope(&q, &f(&[2, 2]), &f(&[2, 2])));
+    assert!(e.starts_with("rope: the tables are [2, 2] (cos) and [2, 2] (sin) but the input [1, 2, 3, 4] needs (3, 2)"), "{e}");
+    let e = err(nn::rope_i(&q, &f(&[3, 2]), &f(&[3, 4])));
+    assert!(
+        e.starts_with("rope_i: the tables are [3, 2] (cos) and [3, 4] (sin)"),
+        "{e}"
+    );
+    // What fits still runs.
+    assert_eq!(
+        nn::rope(&q, &f(&[3, 2]), &f(&[3, 2])).unwrap().dims(),
+        [1, 2, 3, 4]
+    );
+    assert_eq!(nn::swiglu(&f(&[2, 8])).unwrap().dims(), [2, 4]);
+}

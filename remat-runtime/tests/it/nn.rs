@@ -1144,7 +1144,8 @@ fn products_refuse_weights_that_do_not_fit_naming_them() {
         tensor(&[8], 5, 1.0, DType::F32),
         tensor(&[8], 6, 1.0, DType::F32),
     );
-    let ops: [(&str, &dyn Fn(&Tensor, Option<&Tensor>) -> Result<Tensor>); 4] = [
+    type Product<'a> = &'a dyn Fn(&Tensor, Option<&Tensor>) -> Result<Tensor>;
+    let ops: [(&str, Product); 4] = [
         ("linear", &|w, b| nn::linear(&x, w, b)),
         ("linear_add", &|w, b| nn::linear_add(&x, w, b, &r)),
         ("gelu_linear_add", &|w, b| nn::gelu_linear_add(&x, w, b, &r)),

@@ -329,6 +329,7 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
     }
     let result = tail(block, analysis);
     let imports = imports(block, analysis);
+    let names = registered_names(analysis);
     let ret = &block.ret;
     let body = braces(
         block,
@@ -336,6 +337,7 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
             // Statements are `Ok(code)`, and their code ends in `?`.
             #![allow(clippy::needless_question_mark)]
             use ::remat_runtime::__private::{self as rt, #imports};
+            #names
             #receiver
             #checks
             rt::Ok(rt::region::<#ret>(#region)#fields.run(
@@ -352,6 +354,21 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
         #(#attrs)*
         #vis #sig #body
     }
+}
+
+/// `rt::names!("h", "o");`: the names a plan may use for the block's
+/// statements, known to plans before the block first runs.
+fn registered_names(analysis: &Analysis) -> TokenStream {
+    let names: Vec<&str> = analysis
+        .statements
+        .iter()
+        .filter(|s| !s.plain && !s.name.is_empty())
+        .map(|s| s.name.as_str())
+        .collect();
+    if names.is_empty() {
+        return quote!();
+    }
+    quote! { rt::names!(#(#names),*); }
 }
 
 /// The function's parameters as the region takes them: the `Readable`

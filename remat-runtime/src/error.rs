@@ -363,14 +363,16 @@ pub enum RematError {
         blocks: usize,
     },
     /// A plan names statements (`Plan::save_only`, `Plan::save_and_offload_only`)
-    /// that no statement run under it has: a misspelt name would otherwise
-    /// leave its statement recomputed, silently. Raised by the backward of
-    /// the first region that ran under the plan, when every region of the
-    /// forward has run.
+    /// that no statement has: none run under the plan, and none of a
+    /// `remat!` block compiled into the program. A misspelt name would
+    /// otherwise leave its statement recomputed, silently. Raised by the
+    /// backward of the first region that ran under the plan, when every
+    /// region of the forward has run.
     #[error(
-        "region `{region}` ran under the plan `{plan}`, which names {names:?}: no statement run \
-         under the plan has such a name (the statements are {known:?}); correct the names, or \
-         name statements with `#[save(name = \"...\")]`"
+        "region `{region}` ran under the plan `{plan}`, which names {names:?}: no statement has \
+         such a name, neither one run under the plan nor one of a `remat!` block of the program \
+         (the names a plan may use are {known:?}); correct the names, or name statements with \
+         `#[save(name = \"...\")]`"
     )]
     UnknownStatement {
         /// The region whose backward found it.
@@ -379,7 +381,8 @@ pub enum RematError {
         plan: String,
         /// The names no statement has.
         names: Vec<String>,
-        /// The names of the statements run under the plan, sorted.
+        /// The names a plan may use (of the statements run under the plan
+        /// and of every `remat!` block of the program), sorted.
         known: Vec<String>,
     },
     /// A statement read a tensor that needs gradients but that the region does

@@ -4,10 +4,12 @@
 //! * `budget`: budget plans, their [`Solution`]s;
 //! * `planner`: the exact solver behind a budget;
 //! * `calls`: plans that decide call by call;
-//! * `peak`: [`PeakPlan`], plans measured for the peak of a step.
+//! * `peak`: [`PeakPlan`], plans measured for the peak of a step;
+//! * `compiled`: the statement names of every `remat!` block of the program.
 
 mod budget;
 mod calls;
+pub(crate) mod compiled;
 pub(crate) use calls::{in_replay, replaying};
 mod peak;
 mod planner;
@@ -359,9 +361,12 @@ impl Plan {
         }
     }
 
-    /// The names this plan lists that no statement it decided so far has
-    /// (sorted), with the names of those statements (sorted); `None` when
-    /// every name was found, or the plan lists no names.
+    /// The names this plan lists that no statement has (sorted): neither a
+    /// statement the plan decided so far nor one of a `remat!` block
+    /// compiled into the program (a block that has not run yet, such as a
+    /// layer enabled later, still has its names). With them, every name a
+    /// plan may use (sorted). `None` when every name was found, or the plan
+    /// lists no names.
     ///
     /// ```
     /// use remat_runtime::{Plan, StatementInfo};
@@ -381,7 +386,7 @@ impl Plan {
             .save
             .iter()
             .chain(&names.offload)
-            .filter(|n| !seen.contains(*n))
+            .filter(|n| !seen.contains(*n) && !compiled::has(n))
             .cloned()
             .collect();
         if unknown.is_empty() {
@@ -393,10 +398,12 @@ impl Plan {
         // included; not `(return)`, a block's tail, which no plan can name.
         let mut known: Vec<String> = seen
             .iter()
-            .filter(|n| n.as_str() != "(return)")
             .cloned()
+            .chain(compiled::names().map(str::to_string))
+            .filter(|n| n != "(return)")
             .collect();
         known.sort();
+        known.dedup();
         Some((unknown, known))
     }
 

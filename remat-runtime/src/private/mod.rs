@@ -14,7 +14,9 @@
 //! * `block`: the region of a block and the context its statements run in;
 //! * `given`: a `mut` binding a statement changed, given back with its
 //!   value;
-//! * `saved`: the check that a `#[save]` statement's value holds a tensor.
+//! * `saved`: the check that a `#[save]` statement's value holds a tensor;
+//! * `names!`: registers the names of a block's statements, which a plan
+//!   may use before the block first runs.
 
 mod args;
 mod block;
@@ -22,12 +24,15 @@ mod given;
 mod read;
 mod saved;
 
+pub use crate::__remat_statement_names as names;
 pub use crate::graph::Reach;
+pub use crate::plan::compiled::StatementNames;
 pub use crate::rules::{HoldsTensors, Readable, StatementValue};
 pub use args::{Arg, Args, OnBranch, Partly, Split, WithoutGrad};
 pub use block::{
     method_region, region, Block, BlockRegion, Declared, Declared::*, ErrorOf, ResultError,
 };
+pub use inventory;
 pub use read::{
     read, AsClone, AsNothing, AsTensors, ByClone, ByTensors, Cloned, Failed, Field, FromResult,
     Given, NotClone, Read, Tensors,

@@ -50,3 +50,39 @@ fn lint_blocks_run() -> Result<()> {
     assert_eq!(z.dims(), &[2, 4]);
     Ok(())
 }
+
+/// Blocks that must compile, warning-free, and run: the forms a statement
+/// may take, guards and closures, candle idioms, a reference alias. They
+/// are written as users write blocks, so clippy's style lints are theirs
+/// to choose (rustc's warnings are denied).
+#[allow(clippy::all)]
+mod compiles {
+    #[path = "../compiles/forms.rs"]
+    mod forms;
+    #[path = "../compiles/guards_and_closures.rs"]
+    mod guards_and_closures;
+    #[path = "../compiles/idioms.rs"]
+    mod idioms;
+    #[path = "../compiles/reference_alias.rs"]
+    mod reference_alias;
+
+    #[test]
+    fn forms_run() -> candle_core::Result<()> {
+        forms::main()
+    }
+
+    #[test]
+    fn guards_and_closures_run() -> candle_core::Result<()> {
+        guards_and_closures::main()
+    }
+
+    #[test]
+    fn idioms_run() -> candle_core::Result<()> {
+        idioms::main()
+    }
+
+    #[test]
+    fn reference_alias_runs() -> candle_core::Result<()> {
+        reference_alias::main()
+    }
+}

@@ -54,14 +54,19 @@ remat! {
     }
 }
 
-fn main() -> Result<()> {
+pub fn main() -> Result<()> {
     let dev = Device::Cpu;
     let x = Tensor::ones((2, 3), DType::F32, &dev)?;
     let p = Params {
-        ws: vec![Var::ones((3, 3), DType::F32, &dev)?, Var::ones((3, 3), DType::F32, &dev)?],
+        ws: vec![
+            Var::ones((3, 3), DType::F32, &dev)?,
+            Var::ones((3, 3), DType::F32, &dev)?,
+        ],
     };
     assert_eq!(accumulate(&x, &p)?.dims(), &[2, 3]);
-    let ls = vec![Linear { w: Var::ones((3, 3), DType::F32, &dev)? }];
+    let ls = vec![Linear {
+        w: Var::ones((3, 3), DType::F32, &dev)?,
+    }];
     let mask = Tensor::ones(3, DType::F32, &dev)?;
     assert_eq!(layers(&x, &ls, Some(&mask))?.dims(), &[2, 3]);
     assert_eq!(layers(&x, &ls, None)?.dims(), &[2, 3]);

@@ -34,9 +34,12 @@ remat! {
     }
 }
 
-fn main() -> Result<()> {
+pub fn main() -> Result<()> {
     let dev = Device::Cpu;
-    let proj = Proj { w: Var::ones((3, 3), DType::F32, &dev)?, calls: 0 };
+    let proj = Proj {
+        w: Var::ones((3, 3), DType::F32, &dev)?,
+        calls: 0,
+    };
     let x = Var::ones((2, 3), DType::F32, &dev)?;
     let y = block(x.as_tensor(), &proj)?;
     let g = y.sum_all()?.backward()?;

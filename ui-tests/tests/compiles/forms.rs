@@ -46,7 +46,7 @@ remat! {
     }
 }
 
-fn main() -> Result<()> {
+pub fn main() -> Result<()> {
     let dev = Device::Cpu;
     let x = Var::ones((2, 3), DType::F32, &dev)?;
     let w = Var::ones((3, 3), DType::F32, &dev)?;
@@ -69,6 +69,9 @@ fn main() -> Result<()> {
     // d/dx_ij sum(tanh(x w) w) = sum_k w_jk (1 - tanh(3)^2) * 3 = 9 (1 - tanh(3)^2)
     let want = 9.0 * (1.0 - 3.0f32.tanh().powi(2));
     let got = g.get(&x).unwrap().to_vec2::<f32>()?;
-    assert!(got.iter().flatten().all(|v| (v - want).abs() <= 1e-5 * want));
+    assert!(got
+        .iter()
+        .flatten()
+        .all(|v| (v - want).abs() <= 1e-5 * want));
     Ok(())
 }

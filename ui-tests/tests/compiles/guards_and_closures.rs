@@ -1,6 +1,6 @@
 //! A tracing guard bound to `_enter` and a helper closure bound with `let`
 //! run as plain code in the forward and the replay.
-use candle_core::{Result, Tensor, Var};
+use candle_core::{DType, Device, Result, Tensor, Var};
 use remat_runtime::remat;
 
 #[derive(Clone)]
@@ -34,4 +34,15 @@ impl Layer {
     }
 }
 
-fn main() {}
+pub fn main() -> Result<()> {
+    let dev = Device::Cpu;
+    let layer = Layer {
+        a: Var::ones((4, 4), DType::F32, &dev)?,
+        b: Var::ones((4, 4), DType::F32, &dev)?,
+        span: tracing_like::Span,
+    };
+    let x = Var::ones((2, 4), DType::F32, &dev)?;
+    let g = layer.forward(x.as_tensor())?.sum_all()?.backward()?;
+    assert!(g.get(&layer.a).is_some() && g.get(&x).is_some());
+    Ok(())
+}

@@ -573,7 +573,7 @@ impl<'a> Analyser<'a> {
                 false => places.iter().map(|p| p.fields.clone()).collect(),
             };
             out.extend(fields.into_iter().map(|fields| HostValue {
-                ident: Ident::new(&name, span),
+                ident: crate::ident(&name, span),
                 fields,
                 sources: sources.clone(),
             }));
@@ -625,7 +625,7 @@ impl<'a> Analyser<'a> {
                 continue;
             }
             let release = match (b.moved_by, b.last_reader) {
-                (Some((m, span)), _) => Some((m, Ident::new(&b.ident.to_string(), span))),
+                (Some((m, span)), _) => Some((m, crate::ident(&b.ident.to_string(), span))),
                 (None, r) => r.map(|r| (r, b.ident.clone())),
             };
             if let Some((r, ident)) = release.filter(|&(r, _)| r < n) {
@@ -641,7 +641,7 @@ impl<'a> Analyser<'a> {
                     let binding = &self.bindings[b];
                     let name = binding.ident.to_string();
                     Read {
-                        ident: Ident::new(&name, span),
+                        ident: crate::ident(&name, span),
                         borrowed: binding.borrowed,
                         mutable: binding.mutable,
                         for_value: for_value.is_none_or(|v| v.contains(&name)),

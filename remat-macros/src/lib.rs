@@ -36,7 +36,16 @@ mod receiver;
 mod scopes;
 mod usage;
 
-use proc_macro2::TokenStream;
+use proc_macro2::{Ident, Span, TokenStream};
+
+/// The identifier `name` as the user wrote it, a raw one (`r#type`)
+/// included, which `Ident::new` refuses.
+pub(crate) fn ident(name: &str, span: Span) -> Ident {
+    match name.strip_prefix("r#") {
+        Some(raw) => Ident::new_raw(raw, span),
+        None => Ident::new(name, span),
+    }
+}
 
 /// See `remat_runtime::remat`.
 #[proc_macro]

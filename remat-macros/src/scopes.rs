@@ -57,7 +57,7 @@ impl Renamer {
                 if let Some(scope) = self.0.scopes.last_mut() {
                     scope.insert(name, fresh.clone());
                 }
-                p.ident = Ident::new(&fresh, p.ident.span());
+                p.ident = crate::ident(&fresh, p.ident.span());
                 if let Some((_, sub)) = &mut p.subpat {
                     self.visit_pat_mut(sub);
                 }
@@ -101,7 +101,7 @@ impl Renamer {
         ts.into_iter()
             .map(|tt| match tt {
                 TokenTree::Ident(i) => match self.lookup(&i.to_string()) {
-                    Some(fresh) => TokenTree::Ident(Ident::new(fresh, i.span())),
+                    Some(fresh) => TokenTree::Ident(crate::ident(fresh, i.span())),
                     None => TokenTree::Ident(i),
                 },
                 TokenTree::Group(g) => {
@@ -121,7 +121,7 @@ impl VisitMut for Renamer {
         if p.qself.is_none() && p.path.segments.len() == 1 {
             let seg = &mut p.path.segments[0];
             if let Some(fresh) = self.lookup(&seg.ident.to_string()) {
-                seg.ident = Ident::new(fresh, seg.ident.span());
+                seg.ident = crate::ident(fresh, seg.ident.span());
             }
         }
         syn::visit_mut::visit_expr_path_mut(self, p);

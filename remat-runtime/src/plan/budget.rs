@@ -54,8 +54,11 @@ impl Budget {
     pub fn plan_region(&self, region: &str, items: Vec<Item>) {
         let forced_only = planner::forced_saves(&items);
         let open_saved: Vec<bool> = items.iter().map(|i| i.may_save()).collect();
-        let min_bytes = planner::bytes(&items, &forced_only);
-        let max_bytes = planner::bytes(&items, &open_saved);
+        // Saving more can hold less: a saved statement chained to the one
+        // before it needs no leaf copy of what that one gave (a plain copy
+        // of a parameter, saved at no cost, spares its reader the copy).
+        let min_bytes = planner::bytes(&items, &planner::least(&items));
+        let max_bytes = planner::bytes(&items, &open_saved).max(min_bytes);
         let budget = match self.target {
             Target::Bytes(n) => n,
             Target::Fraction(f) => {
@@ -132,9 +135,12 @@ pub struct Solution {
     pub budget: usize,
     /// Bytes held by the plan chosen (cost model).
     pub bytes: usize,
-    /// Bytes when only the statements the code saves are saved.
+    /// The least bytes a plan can hold: the statements the code saves,
+    /// with the open ones whose saving holds less (saving a statement
+    /// chained to a saved one spares the leaf copy of what it gave).
     pub min_bytes: usize,
-    /// Bytes when every statement the code leaves open is saved.
+    /// Bytes when every statement the code leaves open is saved (at least
+    /// `min_bytes`).
     pub max_bytes: usize,
     /// Recompute time of the plan chosen.
     pub recompute_seconds: f64,

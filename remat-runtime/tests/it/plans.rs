@@ -740,3 +740,53 @@ fn annotating_a_statement_renames_no_other() {
     assert_eq!(plain, ["h", "g", "h#2"], "{plain:?}");
     assert_eq!(annotated, ["h", "act", "h#2"], "{annotated:?}");
 }
+
+remat! {
+    /// A parameter's tensor copied in a plain `let` and read by a saved
+    /// statement.
+    fn copied_weight(x: &Tensor, w: &Var) -> Result<Tensor> {
+        let wt = w.as_tensor().clone();
+        #[save] let h = x.matmul(&wt)?;
+        let y = h.tanh()?;
+        Ok(y)
+    }
+}
+
+/// Budget plans over a block whose forced saves alone hold more than its
+/// open statements saved too (a plain copy of a parameter read by a saved
+/// statement): they plan, keep the annotation and give plain candle's
+/// gradients, where they panicked with an overflow.
+#[test]
+fn budget_plans_where_saving_more_holds_less() {
+    let x = var(&[3, 4], 133, 1.0, DType::F32);
+    let w = var(&[4, 4], 134, 0.5, DType::F32);
+    let weights = tensor(&[3, 4], 135, 1.0, DType::F32);
+    let loss = |y: Tensor| (y * &weights)?.sum_all();
+    let g_ref = Plan::off()
+        .scope(|| loss(copied_weight(x.as_tensor(), &w)?))
+        .unwrap()
+        .backward()
+        .unwrap();
+    for fraction in [0.0, 0.5, 1.0] {
+        let plan = Plan::budget(fraction);
+        let g = plan
+            .scope(|| loss(copied_weight(x.as_tensor(), &w)?))
+            .unwrap()
+            .backward()
+            .unwrap();
+        for v in [&x, &w] {
+            let d = rel_diff(g.get(v).unwrap(), g_ref.get(v).unwrap());
+            assert!(d <= 1e-6, "budget({fraction}): {d}");
+        }
+        let solution = &plan.solutions()[0];
+        assert!(
+            solution.min_bytes <= solution.bytes
+                && solution.bytes <= solution.budget.max(solution.min_bytes)
+                && solution.budget <= solution.max_bytes,
+            "{solution:?}"
+        );
+        // `h` is declared saved whatever the budget.
+        let h = solution.statements.iter().find(|s| s.name == "h").unwrap();
+        assert_eq!(h.policy, Policy::Save, "{solution:?}");
+    }
+}

@@ -172,3 +172,38 @@ fn match_arms_closures_loops_nested_blocks_and_macros_shadow_too() {
         }
     }
 }
+
+remat! {
+    /// Raw identifiers, as parameters, bindings and shadowed names.
+    fn raw_names(r#type: &Tensor, w: &Tensor) -> Result<Tensor> {
+        let r#match = r#type.matmul(w)?;
+        let r#match = { let r#type = r#match.tanh()?; (r#type * 2.0)? };
+        Ok((r#match + r#type)?)
+    }
+}
+
+/// Raw identifiers (`r#type`) compile inside `remat!` as outside (the
+/// macro panicked on them), and give plain candle's gradients.
+#[test]
+fn raw_identifiers_are_names_like_any_other() {
+    let x = var(&[3, 4], 21, 1.0, DType::F64);
+    let w = var(&[4, 4], 22, 0.5, DType::F64);
+    let plain = |x: &Tensor, w: &Tensor| -> Result<Tensor> {
+        let m = x.matmul(w)?.tanh()?;
+        ((m * 2.0)? + x)?.sqr()?.sum_all()
+    };
+    let reference = plain(x.as_tensor(), w.as_tensor())
+        .unwrap()
+        .backward()
+        .unwrap();
+    for plan in plans() {
+        let y = plan
+            .scope(|| raw_names(x.as_tensor(), w.as_tensor())?.sqr()?.sum_all())
+            .unwrap();
+        let g = backward(&y).unwrap();
+        for v in [&x, &w] {
+            let d = rel_diff(g.get(v).unwrap(), reference.get(v).unwrap());
+            assert!(d < 1e-12, "{plan}: {d}");
+        }
+    }
+}

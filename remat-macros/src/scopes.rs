@@ -12,7 +12,7 @@
 
 use std::collections::HashMap;
 
-use proc_macro2::{Group, Ident, Literal, TokenStream, TokenTree};
+use proc_macro2::{Group, Literal, TokenStream, TokenTree};
 use quote::ToTokens;
 use syn::visit_mut::VisitMut;
 use syn::{Expr, Pat};

@@ -684,12 +684,20 @@ impl<'a> Analyser<'a> {
                 host_data: std::mem::take(&mut made[i]),
             })
             .collect();
-        // Statements that run in the replay, and the tail unless the block
-        // returns a binding as it is.
+        // Statements that run in the replay, plain code (a copy of a field,
+        // `let m = self.mask.clone();`, read by saved statements as it is),
+        // and the tail unless the block returns a binding as it is.
         let mut fields: Vec<(FieldRead, String)> = Vec::new();
         for (i, read) in reads.fields.into_iter().enumerate() {
             let name = match statements.get(i) {
-                Some(s) if s.plain || s.name.is_empty() => continue,
+                Some(s) if s.plain => match &block.statements[i].kind {
+                    StmtKind::Let { pat, .. } => match crate::usage::single(pat) {
+                        Some(ident) => ident.to_string(),
+                        None => format!("(statement {})", i + 1),
+                    },
+                    _ => format!("(statement {})", i + 1),
+                },
+                Some(s) if s.name.is_empty() => continue,
                 Some(s) => s.name.clone(),
                 None if tail_passthrough.is_some() => continue,
                 None => "(return)".to_string(),

@@ -287,6 +287,19 @@ remat! {
     }
 }
 
+remat! {
+    /// The mask copied by plain code first (`let mask = m.mask.clone();`: a
+    /// handle on the same storage), then read by a saved statement, whose
+    /// backward reads it again.
+    fn masked_by_copy(q: &Tensor, k: &Tensor, m: &Masked) -> candle_core::Result<Tensor> {
+        let mask = m.mask.clone();
+        let scores = q.matmul(&k.t()?)?;
+        #[save] let s = scores.broadcast_mul(&mask)?;
+        let loss = s.exp()?.sum_all()?;
+        Ok(loss)
+    }
+}
+
 fn padding_mask(t: usize, s: usize, dtype: DType) -> Tensor {
     // 0 on the first s - 2 keys, -1e9 on the last two.
     let v: Vec<f64> = (0..t * s)
@@ -400,6 +413,42 @@ fn a_mask_in_a_field_changed_in_place_is_caught_under_every_plan() {
                 matches!(&e, RematError::FieldChanged { region, statement, field, shape }
                     if region == "masked_by_field" && statement == "s" && field == "m.mask"
                         && shape == &[6, 8]),
+                "{dtype:?} {plan}: {e:?}"
+            );
+        }
+    }
+}
+
+/// A field copied by plain code (`let mask = m.mask.clone();`) and read by
+/// a saved statement is checked as a field read in place is: written in
+/// place between the forward and the backward, it is `FieldChanged` naming
+/// the copy, under every plan (saving plans gave a wrong gradient, silently).
+#[test]
+fn a_field_copied_by_plain_code_and_changed_in_place_is_caught_under_every_plan() {
+    for dtype in DTYPES {
+        for plan in [
+            Plan::declared(),
+            Plan::recompute_all(),
+            Plan::save_all(),
+            Plan::budget(0.5),
+        ] {
+            let q = var(&[6, 4], 7, 1.0, dtype);
+            let k = var(&[8, 4], 8, 1.0, dtype);
+            let m = Masked {
+                mask: tensor(&[6, 8], 9, 1.0, dtype),
+            };
+            let y = plan
+                .scope(|| masked_by_copy(q.as_tensor(), k.as_tensor(), &m))
+                .unwrap();
+            let column = Tensor::full(-3.0, (6, 1), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            slice_set_column(&m.mask, &column, 2);
+            let e = backward(&y).unwrap_err();
+            assert!(
+                matches!(&e, RematError::FieldChanged { region, statement, field, .. }
+                    if region == "masked_by_copy" && statement == "mask" && field == "m.mask"),
                 "{dtype:?} {plan}: {e:?}"
             );
         }

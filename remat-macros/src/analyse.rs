@@ -2,12 +2,13 @@
 //!
 use std::collections::HashMap;
 
-use proc_macro2::Span;
+use proc_macro2::{Span, TokenStream};
 use syn::{Expr, Ident};
 
 use crate::errors::Errors;
 use crate::fields::{field_reads, FieldRead};
 use crate::host::{into_tensors, read_as_data, reads_to_host, HostValue, Place};
+use crate::hygiene::context;
 use crate::model::{AnnotationKind, Block, StmtKind};
 use crate::plain::copies;
 use crate::scopes::outer_view;
@@ -71,6 +72,12 @@ pub(crate) struct StatementAnalysis {
     /// Those of `changes` read again later: given back as outputs after its
     /// value.
     pub inouts: Vec<Ident>,
+    /// The closures of the block it calls, defined again in its code
+    /// (`let f = |t| t + &bias;`), in order: see `Binding::captures`.
+    pub closures: Vec<TokenStream>,
+    /// A closure only statements call: they define it (`closures`), so it
+    /// is not defined where written.
+    pub inlined: bool,
     /// Plain values (or their fields) it reads as data that a host read
     /// may have computed, each with the statements it was computed from:
     /// if one of those read values that need gradients and the statement
@@ -83,6 +90,8 @@ pub(crate) struct StatementAnalysis {
 pub(crate) struct Analysis {
     pub statements: Vec<StatementAnalysis>,
     pub tail_reads: Vec<Read>,
+    /// The closures the tail calls (as [`StatementAnalysis::closures`]).
+    pub tail_closures: Vec<TokenStream>,
     /// The tail is `Ok(x)` with `x` a binding of a statement: the block
     /// returns it as it is, with no statement of its own.
     pub tail_passthrough: Option<Ident>,
@@ -92,6 +101,11 @@ pub(crate) struct Analysis {
     /// The parameters' fields the statements read in place, each once,
     /// with the name of the first statement that reads it.
     pub fields: Vec<(FieldRead, String)>,
+}
+
+/// A closure that borrows what it mentions (not a `move` one).
+fn borrows(init: &Expr) -> bool {
+    matches!(init, Expr::Closure(c) if c.capture.is_none())
 }
 
 /// `Ok(x)` with `x` bound by a statement of the block.
@@ -118,8 +132,14 @@ struct Binding {
     ident: Ident,
     /// A reference: see [`Read::borrowed`].
     borrowed: Option<Borrowed>,
-    /// The binding a `let r = &h;` alias refers to: alive as long as `r`.
-    refers_to: Option<usize>,
+    /// The bindings that live as long as it: the one a `let r = &h;` alias
+    /// refers to, those a closure borrows.
+    refers_to: Vec<usize>,
+    /// A closure borrowing bindings, none `mut` (`let f = |t| t + &bias;`):
+    /// its statement and what it reads. A statement calling it defines it
+    /// again in its own code, over its own copies of those, so that the
+    /// replay computes with them and their gradients flow.
+    captures: Option<(usize, Vec<(usize, Span)>)>,
     mutable: bool,
     /// The statement that bound it; `None` for parameters.
     producer: Option<usize>,
@@ -143,13 +163,19 @@ struct Analyser<'a> {
     errors: &'a mut Errors,
     /// Every binding: the parameters, then each statement's, in order.
     bindings: Vec<Binding>,
-    /// The binding each name refers to at the current statement.
+    /// The binding each name refers to at the current statement, whatever
+    /// expansion wrote it.
     current: HashMap<String, usize>,
+    /// The same for each name and syntax context ([`crate::hygiene`]): a
+    /// `macro_rules!` template's `h` and its caller's `h` are two bindings.
+    in_context: HashMap<(String, u32), usize>,
     /// Each statement's annotation (the user's).
     kinds: Vec<Option<AnnotationKind>>,
     /// Whether each statement is plain code: what parsing found, and
     /// references the analysis finds.
     plain: Vec<bool>,
+    /// The closure statements the statement being resolved calls.
+    called: Vec<usize>,
 }
 
 /// Which bindings each statement reads (with the span of the first
@@ -179,6 +205,8 @@ struct Reads {
     /// place ([`field_reads`]).
     fields: Vec<Vec<FieldRead>>,
     tail: Vec<(usize, Span)>,
+    /// Per statement, then the tail: the closure statements it calls.
+    closures: Vec<Vec<usize>>,
 }
 
 impl<'a> Analyser<'a> {
@@ -190,7 +218,8 @@ impl<'a> Analyser<'a> {
             .map(|(i, p)| Binding {
                 ident: p.ident.clone(),
                 borrowed: p.borrowed().then_some(Borrowed::Param(i)),
-                refers_to: None,
+                refers_to: Vec::new(),
+                captures: None,
                 mutable: p.mutable,
                 producer: None,
                 last_reader: None,
@@ -201,6 +230,11 @@ impl<'a> Analyser<'a> {
             .iter()
             .enumerate()
             .map(|(i, b)| (b.ident.to_string(), i))
+            .collect();
+        let in_context = bindings
+            .iter()
+            .enumerate()
+            .filter_map(|(i, b)| Some(((b.ident.to_string(), context(b.ident.span())?), i)))
             .collect();
         let kinds = block
             .statements
@@ -213,8 +247,10 @@ impl<'a> Analyser<'a> {
             errors,
             bindings,
             current,
+            in_context,
             kinds,
             plain,
+            called: Vec::new(),
         }
     }
 
@@ -231,6 +267,7 @@ impl<'a> Analyser<'a> {
         let mut data = Vec::new();
         let mut to_host = Vec::new();
         let mut fields = Vec::new();
+        let mut closures = Vec::new();
         for (i, stmt) in block.statements.iter().enumerate() {
             let forward_only = self.kinds[i] == Some(AnnotationKind::ForwardOnly);
             let (expr, pat) = match &stmt.kind {
@@ -246,6 +283,7 @@ impl<'a> Analyser<'a> {
                     data.push(Vec::new());
                     to_host.push(false);
                     fields.push(Vec::new());
+                    closures.push(Vec::new());
                     continue;
                 }
             };
@@ -269,6 +307,15 @@ impl<'a> Analyser<'a> {
             let assigned = assigned(expr);
             self.check_assignments(expr, &assigned);
             let reads = self.resolve(expr, i, forward_only);
+            let called = std::mem::take(&mut self.called);
+            for &c in &called {
+                let (f, d, t) = (for_value[c].clone(), data[c].clone(), into[c].clone());
+                for_value[i].extend(f);
+                data[i].extend(d);
+                into[i].extend(t);
+                to_host[i] |= to_host[c];
+            }
+            closures.push(called);
             let mut given = Vec::new();
             if !forward_only {
                 let moved = self.moves(expr, i);
@@ -294,10 +341,24 @@ impl<'a> Analyser<'a> {
                 for (ident, mutable) in bound(pat) {
                     self.bind(ident, mutable, i);
                 }
+                // `alias` and `borrows` bind one name: the last binding.
+                let b = self.bindings.len().saturating_sub(1);
                 if let Some((borrowed, refers_to)) = alias {
-                    let b = self.bindings.len() - 1;
                     self.bindings[b].borrowed = Some(borrowed);
                     self.bindings[b].refers_to = refers_to;
+                } else if self.plain[i] && single(pat).is_some() && borrows(expr) {
+                    // A closure borrowing bindings: they live as long as it.
+                    let mut held = Vec::new();
+                    for &(r, _) in &reads {
+                        if self.bindings[r].borrowed.is_none() {
+                            held.push(r);
+                        }
+                        held.extend(self.bindings[r].refers_to.iter().copied());
+                    }
+                    self.bindings[b].refers_to = held;
+                    if reads.iter().all(|&(r, _)| !self.bindings[r].mutable) {
+                        self.bindings[b].captures = Some((i, reads.clone()));
+                    }
                 }
             }
             statements.push(reads);
@@ -314,7 +375,16 @@ impl<'a> Analyser<'a> {
                 into.push(into_tensors(t));
                 data.push(read_as_data(t));
                 fields.push(self.field_reads(t));
-                self.resolve(t, n, false)
+                let reads = self.resolve(t, n, false);
+                let called = std::mem::take(&mut self.called);
+                for &c in &called {
+                    let (f, d, t) = (for_value[c].clone(), data[c].clone(), into[c].clone());
+                    for_value[n].extend(f);
+                    data[n].extend(d);
+                    into[n].extend(t);
+                }
+                closures.push(called);
+                reads
             }
             None => Vec::new(),
         };
@@ -329,6 +399,7 @@ impl<'a> Analyser<'a> {
             to_host,
             fields,
             tail,
+            closures,
         }
     }
 
@@ -336,9 +407,8 @@ impl<'a> Analyser<'a> {
     /// block has not bound the name of again).
     fn field_reads(&self, expr: &Expr) -> Vec<FieldRead> {
         let is_param = |i: &Ident| {
-            self.current
-                .get(&i.to_string())
-                .is_some_and(|&b| self.bindings[b].producer.is_none())
+            self.lookup(&i.to_string(), i.span())
+                .is_some_and(|b| self.bindings[b].producer.is_none())
         };
         field_reads(expr, is_param, self.block.receiver.as_ref())
     }
@@ -346,28 +416,43 @@ impl<'a> Analyser<'a> {
     /// `let a = b;` with `b` a reference (a borrowed parameter, or an alias
     /// of one), or `let r = &h;` with `h` a binding: what the new binding
     /// refers to, and the binding that must outlive it.
-    fn alias(&self, init: &Expr) -> Option<(Borrowed, Option<usize>)> {
+    fn alias(&self, init: &Expr) -> Option<(Borrowed, Vec<usize>)> {
         let (reference, target) = match init {
             Expr::Reference(r) if r.mutability.is_none() => (true, &*r.expr),
             e => (false, e),
         };
         let Expr::Path(p) = target else { return None };
         let ident = p.path.get_ident().filter(|_| p.qself.is_none())?;
-        let &b = self.current.get(&ident.to_string())?;
+        let b = self.lookup(&ident.to_string(), ident.span())?;
         match (self.bindings[b].borrowed, reference) {
-            (Some(borrowed), _) => Some((borrowed, self.bindings[b].refers_to)),
-            (None, true) => Some((Borrowed::Binding, Some(b))),
+            (Some(borrowed), _) => Some((borrowed, self.bindings[b].refers_to.clone())),
+            (None, true) => Some((Borrowed::Binding, vec![b])),
             (None, false) => None,
         }
+    }
+
+    /// The binding `name`, mentioned at `span`, refers to: the one of its
+    /// syntax context, else the latest of any (a name a proc macro wrote at
+    /// its call site resolves as the caller's).
+    fn lookup(&self, name: &str, span: Span) -> Option<usize> {
+        context(span)
+            .and_then(|c| self.in_context.get(&(name.to_string(), c)))
+            .or_else(|| self.current.get(name))
+            .copied()
     }
 
     /// A new binding of `ident` by statement `producer`.
     fn bind(&mut self, ident: Ident, mutable: bool, producer: usize) {
         self.current.insert(ident.to_string(), self.bindings.len());
+        if let Some(c) = context(ident.span()) {
+            self.in_context
+                .insert((ident.to_string(), c), self.bindings.len());
+        }
         self.bindings.push(Binding {
             ident,
             borrowed: None,
-            refers_to: None,
+            refers_to: Vec::new(),
+            captures: None,
             mutable,
             producer: Some(producer),
             last_reader: None,
@@ -379,7 +464,7 @@ impl<'a> Analyser<'a> {
     fn moves(&mut self, expr: &Expr, i: usize) -> Vec<usize> {
         let mut out = Vec::new();
         for (name, span) in moved(expr) {
-            if let Some(&b) = self.current.get(&name) {
+            if let Some(b) = self.lookup(&name, span) {
                 let binding = &mut self.bindings[b];
                 if binding.borrowed.is_none() && binding.moved_by.is_none() {
                     binding.moved_by = Some((i, span));
@@ -395,7 +480,7 @@ impl<'a> Analyser<'a> {
     fn check_assignments(&mut self, expr: &Expr, assigned: &[(String, Span)]) {
         let local = locals(expr);
         for (name, span) in assigned {
-            let Some(&b) = self.current.get(name) else {
+            let Some(b) = self.lookup(name, *span) else {
                 continue;
             };
             if !self.bindings[b].mutable && !local.contains(name) {
@@ -416,7 +501,7 @@ impl<'a> Analyser<'a> {
     fn resolve(&mut self, expr: &Expr, reader: usize, forward_only: bool) -> Vec<(usize, Span)> {
         let mut out = Vec::new();
         for (name, span) in mentions(expr) {
-            let Some(&b) = self.current.get(&name) else {
+            let Some(b) = self.lookup(&name, span) else {
                 continue;
             };
             if let Some(p) = self.bindings[b].producer {
@@ -432,13 +517,33 @@ impl<'a> Analyser<'a> {
                     );
                 }
             }
-            self.bindings[b].last_reader = Some(reader);
-            if let Some(target) = self.bindings[b].refers_to {
-                self.bindings[target].last_reader = Some(reader);
-            }
-            out.push((b, span));
+            self.read(b, span, reader, &mut out);
         }
         out
+    }
+
+    /// Binding `b`, mentioned at `span`, read by statement `reader`: a
+    /// closure with `captures`, called by a statement, is read as what it
+    /// captures (the statement defines it again).
+    fn read(&mut self, b: usize, span: Span, reader: usize, out: &mut Vec<(usize, Span)>) {
+        let statement = reader >= self.plain.len() || !self.plain[reader];
+        if let (Some((c, captures)), true) = (self.bindings[b].captures.clone(), statement) {
+            if !self.called.contains(&c) {
+                self.called.push(c);
+                self.called.sort_unstable();
+            }
+            for (r, at) in captures {
+                self.read(r, at, reader, out);
+            }
+            return;
+        }
+        self.bindings[b].last_reader = Some(reader);
+        for target in self.bindings[b].refers_to.clone() {
+            self.bindings[target].last_reader = Some(reader);
+        }
+        if !out.iter().any(|&(r, _)| r == b) {
+            out.push((b, span));
+        }
     }
 
     /// Names: explicit ones (`name = "..."`, checked for duplicates), and
@@ -620,7 +725,14 @@ impl<'a> Analyser<'a> {
         let block = self.block;
         let n = block.statements.len();
         let mut releases: Vec<Vec<Ident>> = vec![Vec::new(); n];
-        for b in &self.bindings {
+        // What borrows others (a closure) is dropped before them, the latest
+        // first; then the rest in order.
+        let mut order: Vec<usize> = (0..self.bindings.len()).collect();
+        order.sort_by_key(|&b| match self.bindings[b].refers_to.is_empty() {
+            true => (1, b),
+            false => (0, usize::MAX - b),
+        });
+        for b in order.into_iter().map(|b| &self.bindings[b]) {
             if b.borrowed.is_some() {
                 continue;
             }
@@ -632,6 +744,15 @@ impl<'a> Analyser<'a> {
                 releases[r].push(ident);
             }
         }
+        let defined = |called: &[usize]| -> Vec<TokenStream> {
+            called
+                .iter()
+                .filter_map(|&c| match &block.statements[c].kind {
+                    StmtKind::Let { pat, init } => Some(quote::quote! { let #pat = #init; }),
+                    _ => None,
+                })
+                .collect()
+        };
         let to_reads = |ids: &[(usize, Span)], i: usize| -> Vec<Read> {
             let for_value = reads.for_value.get(i);
             let in_part = reads.in_part.get(i);
@@ -682,6 +803,13 @@ impl<'a> Analyser<'a> {
                 reads: to_reads(&reads.statements[i], i),
                 releases: std::mem::take(&mut releases[i]),
                 host_data: std::mem::take(&mut made[i]),
+                closures: defined(&reads.closures[i]),
+                inlined: self.bindings.iter().any(|b| {
+                    b.producer == Some(i)
+                        && b.captures.is_some()
+                        && b.last_reader.is_none()
+                        && b.moved_by.is_none()
+                }),
             })
             .collect();
         // Statements that run in the replay, plain code (a copy of a field,
@@ -711,6 +839,11 @@ impl<'a> Analyser<'a> {
         Analysis {
             statements,
             tail_reads: to_reads(&reads.tail, n),
+            tail_closures: reads
+                .closures
+                .get(n)
+                .map(|c| defined(c))
+                .unwrap_or_default(),
             tail_passthrough,
             tail_host_data,
             fields,

@@ -259,10 +259,11 @@ fn statement_call(
     } else {
         quote!(#[allow(unused_mut)] #pats)
     };
-    let code = if views.is_empty() {
+    let closures = &sa.closures;
+    let code = if views.is_empty() && closures.is_empty() {
         code
     } else {
-        quote!({ #views #code })
+        quote!({ #views #(#closures)* #code })
     };
     let call = quote_spanned! {span=>
         rt::StatementValue::run(#ctx, #name, #names, #declared, #args, |#pats| #code)
@@ -309,12 +310,17 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
     let name = sig.ident.to_string();
     let ctx = own("ctx");
     // A method's region is named after its type too (`DecoderLayer::forward`).
-    let (region, receiver) = match &block.receiver {
-        Some(this) => (
-            quote! { rt::method_region::<Self>(#name) },
-            quote! { let #this = self; },
-        ),
-        None => (quote! { #name }, quote! {}),
+    // `self` as the signature wrote it: inside a `macro_rules!` template,
+    // a `self` of another expansion is not this method's (rustc's E0424).
+    let (region, receiver) = match (&block.receiver, sig.receiver()) {
+        (Some(this), Some(r)) => {
+            let receiver = syn::Token![self](r.self_token.span);
+            (
+                quote! { rt::method_region::<Self>(#name) },
+                quote! { let #this = #receiver; },
+            )
+        }
+        _ => (quote! { #name }, quote! {}),
     };
     let Parameters {
         checks,
@@ -439,6 +445,7 @@ fn statement(stmt: &Statement, sa: &StatementAnalysis, params: &[Param]) -> Toke
     let release = releases(&sa.releases);
     match (&stmt.kind, sa.kind) {
         (StmtKind::Item(item), _) => quote! { #item },
+        (StmtKind::Let { .. }, _) if sa.inlined => release,
         (StmtKind::Let { pat, init }, _) if sa.plain => {
             // `let mut h = x.clone();`: changed by later statements,
             // each on its own copy.
@@ -580,10 +587,11 @@ fn tail(block: &Block, analysis: &Analysis) -> TokenStream {
         checks,
         names,
     } = reads(&analysis.tail_reads, &[], &block.params);
-    let code = if views.is_empty() {
+    let closures = &analysis.tail_closures;
+    let code = if views.is_empty() && closures.is_empty() {
         quote!(#tail)
     } else {
-        quote!({ #views #tail })
+        quote!({ #views #(#closures)* #tail })
     };
     let host = host_data(name, &analysis.tail_host_data);
     let call = quote_spanned! {tail.span()=>

@@ -14,7 +14,7 @@
 //!   as plain code; `usage`: what a statement's syntax does with the names
 //!   it mentions; `scopes`: which of them are the block's, after the names
 //!   the statement binds itself; `fields`: the parameters' fields it reads
-//!   in place);
+//!   in place; `hygiene`: which expansion wrote a name);
 //! * `generate`: the code, a forward-and-replay body for
 //!   `remat_runtime::Region`.
 //!
@@ -29,6 +29,7 @@ mod errors;
 mod fields;
 mod generate;
 mod host;
+mod hygiene;
 mod model;
 mod parse;
 mod plain;

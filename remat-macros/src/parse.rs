@@ -6,6 +6,8 @@ use syn::parse::{Parse, ParseStream};
 use syn::spanned::Spanned;
 use syn::{Expr, FnArg, ItemFn, Pat, Stmt, Type};
 
+use syn::visit_mut::VisitMut;
+
 use crate::attributes::{annotations, expr_attrs, strip_attrs};
 use crate::errors::Errors;
 use crate::model::{Block, Param, Passing, Statement, StmtKind};
@@ -43,6 +45,7 @@ pub(crate) fn parse(input: TokenStream) -> syn::Result<Vec<(Block, Errors)>> {
 }
 
 fn parse_fn(mut func: ItemFn, errors: &mut Errors) -> Block {
+    Ungroup.visit_item_fn_mut(&mut func);
     let mut receiver = None;
     if func.sig.receiver().is_some() {
         crate::receiver::rename_self(&mut func.block);
@@ -206,5 +209,52 @@ pub(crate) fn option_ref(ty: &Type) -> Option<Type> {
             Some((*r.elem).clone())
         }
         _ => None,
+    }
+}
+
+/// Removes the invisible groups a `macro_rules!` template leaves around
+/// what it was handed (`$ret:ty`, `$x:expr`), so that the block reads as
+/// written: `-> $ret` with `$ret` = `Result<Tensor>` is a `Result`, and
+/// `Ok($h)` returns a binding. An expression that is not a single operand
+/// is put in parentheses instead: `$e * 2` with `$e` = `a + b` stays
+/// `(a + b) * 2`.
+struct Ungroup;
+
+impl VisitMut for Ungroup {
+    fn visit_type_mut(&mut self, ty: &mut Type) {
+        while let Type::Group(g) = ty {
+            *ty = (*g.elem).clone();
+        }
+        syn::visit_mut::visit_type_mut(self, ty);
+    }
+
+    fn visit_expr_mut(&mut self, e: &mut Expr) {
+        while let Expr::Group(g) = e {
+            let operand = matches!(
+                &*g.expr,
+                Expr::Path(_)
+                    | Expr::Lit(_)
+                    | Expr::Paren(_)
+                    | Expr::Call(_)
+                    | Expr::MethodCall(_)
+                    | Expr::Field(_)
+                    | Expr::Index(_)
+                    | Expr::Try(_)
+                    | Expr::Macro(_)
+                    | Expr::Tuple(_)
+                    | Expr::Array(_)
+            );
+            *e = match operand {
+                true => (*g.expr).clone(),
+                // rustc reads the group's tokens in the expansion as if
+                // they had none: parentheses keep the order.
+                false => Expr::Paren(syn::ExprParen {
+                    attrs: g.attrs.clone(),
+                    paren_token: syn::token::Paren(g.group_token.span),
+                    expr: g.expr.clone(),
+                }),
+            };
+        }
+        syn::visit_mut::visit_expr_mut(self, e);
     }
 }

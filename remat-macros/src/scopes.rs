@@ -10,9 +10,7 @@
 //! block binding's name is that binding. The generated code keeps the
 //! user's expression as written.
 
-use std::collections::HashMap;
-
-use proc_macro2::{Group, Literal, TokenStream, TokenTree};
+use proc_macro2::{Group, Literal, Span, TokenStream, TokenTree};
 use quote::ToTokens;
 use syn::visit_mut::VisitMut;
 use syn::{Expr, Pat};
@@ -31,14 +29,22 @@ pub(crate) fn outer_view(expr: &Expr) -> Expr {
 }
 
 struct Renamer {
-    /// Innermost last: original name -> its name in the copy.
-    scopes: Vec<HashMap<String, String>>,
+    /// Innermost last, latest binding last: the original name, where it is
+    /// bound (its syntax context: [`crate::hygiene`]), its name in the copy.
+    scopes: Vec<Vec<(String, Span, String)>>,
     fresh: usize,
 }
 
 impl Renamer {
-    fn lookup(&self, name: &str) -> Option<&String> {
-        self.scopes.iter().rev().find_map(|s| s.get(name))
+    /// The name in the copy of a mention of `name` at `span`, if the
+    /// statement binds it itself.
+    fn lookup(&self, name: &str, span: Span) -> Option<&String> {
+        self.scopes.iter().rev().find_map(|s| {
+            s.iter()
+                .rev()
+                .find(|(n, at, _)| n == name && crate::hygiene::same(*at, span))
+                .map(|(_, _, fresh)| fresh)
+        })
     }
 
     /// Binds the names of `pat` in the innermost scope, renaming them.
@@ -55,7 +61,7 @@ impl Renamer {
                 self.0.fresh += 1;
                 let fresh = format!("{name}__inner{}", self.0.fresh);
                 if let Some(scope) = self.0.scopes.last_mut() {
-                    scope.insert(name, fresh.clone());
+                    scope.push((name, p.ident.span(), fresh.clone()));
                 }
                 p.ident = crate::ident(&fresh, p.ident.span());
                 if let Some((_, sub)) = &mut p.subpat {
@@ -67,7 +73,7 @@ impl Renamer {
     }
 
     fn scoped(&mut self, f: impl FnOnce(&mut Self)) {
-        self.scopes.push(HashMap::new());
+        self.scopes.push(Vec::new());
         f(self);
         self.scopes.pop();
     }
@@ -80,7 +86,7 @@ impl Renamer {
         let mut value = lit.value();
         let mut renamed = false;
         for name in format_args(&value) {
-            if let Some(fresh) = self.lookup(&name) {
+            if let Some(fresh) = self.lookup(&name, l.span()) {
                 for end in ["}", ":"] {
                     value = value.replace(&format!("{{{name}{end}"), &format!("{{{fresh}{end}"));
                 }
@@ -100,7 +106,7 @@ impl Renamer {
     fn rename_tokens(&self, ts: TokenStream) -> TokenStream {
         ts.into_iter()
             .map(|tt| match tt {
-                TokenTree::Ident(i) => match self.lookup(&i.to_string()) {
+                TokenTree::Ident(i) => match self.lookup(&i.to_string(), i.span()) {
                     Some(fresh) => TokenTree::Ident(crate::ident(fresh, i.span())),
                     None => TokenTree::Ident(i),
                 },
@@ -120,7 +126,7 @@ impl VisitMut for Renamer {
     fn visit_expr_path_mut(&mut self, p: &mut syn::ExprPath) {
         if p.qself.is_none() && p.path.segments.len() == 1 {
             let seg = &mut p.path.segments[0];
-            if let Some(fresh) = self.lookup(&seg.ident.to_string()) {
+            if let Some(fresh) = self.lookup(&seg.ident.to_string(), seg.ident.span()) {
                 seg.ident = crate::ident(fresh, seg.ident.span());
             }
         }

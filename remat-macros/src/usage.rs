@@ -22,7 +22,11 @@ pub(crate) fn mentions(expr: &Expr) -> Vec<(String, Span)> {
     struct Collect(Vec<(String, Span)>);
     impl Collect {
         fn add(&mut self, name: String, span: Span) {
-            if !self.0.iter().any(|(n, _)| *n == name) {
+            if !self
+                .0
+                .iter()
+                .any(|(n, s)| *n == name && crate::hygiene::same(*s, span))
+            {
                 self.0.push((name, span));
             }
         }
@@ -138,7 +142,11 @@ impl<'ast> Visit<'ast> for Moves {
             Expr::Path(p) if p.qself.is_none() && p.path.segments.len() == 1 => {
                 let ident = &p.path.segments[0].ident;
                 let name = ident.to_string();
-                if v && !self.out.iter().any(|(n, _)| *n == name) {
+                if v && !self
+                    .out
+                    .iter()
+                    .any(|(n, s)| *n == name && crate::hygiene::same(*s, ident.span()))
+                {
                     self.out.push((name, ident.span()));
                 }
             }

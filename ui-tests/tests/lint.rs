@@ -52,7 +52,8 @@ fn lint_blocks_run() -> Result<()> {
 }
 
 /// Blocks that must compile, warning-free, and run: the forms a statement
-/// may take, guards and closures, candle idioms, a reference alias. They
+/// may take, guards and closures, candle idioms, blocks written by
+/// `macro_rules!` templates, a reference alias. They
 /// are written as users write blocks, so clippy's style lints are theirs
 /// to choose (rustc's warnings are denied).
 #[allow(clippy::all)]
@@ -63,6 +64,8 @@ mod compiles {
     mod guards_and_closures;
     #[path = "../compiles/idioms.rs"]
     mod idioms;
+    #[path = "../compiles/macro_rules.rs"]
+    mod macro_rules;
     #[path = "../compiles/reference_alias.rs"]
     mod reference_alias;
 
@@ -79,6 +82,11 @@ mod compiles {
     #[test]
     fn idioms_run() -> candle_core::Result<()> {
         idioms::main()
+    }
+
+    #[test]
+    fn macro_rules_run() -> candle_core::Result<()> {
+        macro_rules::main()
     }
 
     #[test]

@@ -356,7 +356,12 @@ impl<'a> Analyser<'a> {
                         held.extend(self.bindings[r].refers_to.iter().copied());
                     }
                     self.bindings[b].refers_to = held;
-                    if reads.iter().all(|&(r, _)| !self.bindings[r].mutable) {
+                    // Not a closure that moves what it reads (`|t| t * scale`).
+                    let owns = |r: usize| self.bindings[r].moved_by.is_some_and(|(m, _)| m == i);
+                    if reads
+                        .iter()
+                        .all(|&(r, _)| !self.bindings[r].mutable && !owns(r))
+                    {
                         self.bindings[b].captures = Some((i, reads.clone()));
                     }
                 }
@@ -527,7 +532,13 @@ impl<'a> Analyser<'a> {
     /// captures (the statement defines it again).
     fn read(&mut self, b: usize, span: Span, reader: usize, out: &mut Vec<(usize, Span)>) {
         let statement = reader >= self.plain.len() || !self.plain[reader];
-        if let (Some((c, captures)), true) = (self.bindings[b].captures.clone(), statement) {
+        let captures = self.bindings[b].captures.clone().filter(|(_, captures)| {
+            // What it borrows is still visible under its names here.
+            captures
+                .iter()
+                .all(|&(r, at)| self.lookup(&self.bindings[r].ident.to_string(), at) == Some(r))
+        });
+        if let (Some((c, captures)), true) = (captures, statement) {
             if !self.called.contains(&c) {
                 self.called.push(c);
                 self.called.sort_unstable();

@@ -277,7 +277,8 @@ fn a_macro_rules_templates_names_are_not_its_callers() {
 remat! {
     /// A closure of the block borrowing statements' outputs (`bias`, and
     /// `scale` through an alias), called by later statements, and by a
-    /// closure whose parameter's type is inferred from its call.
+    /// closure whose parameter's type is inferred from its call; and a
+    /// closure over a plain value whose name a later binding takes.
     fn closure_captures(x: &Tensor, w: &Tensor) -> Result<Tensor> {
         let h = x.matmul(w)?;
         #[save] let bias = (h.sum_keepdim(0)? * 0.1)?;
@@ -285,9 +286,12 @@ remat! {
         let s = &scale;
         let add_bias = |t: &Tensor| (t.broadcast_add(&bias)? * s)?.exp();
         let twice = |t| add_bias(&add_bias(t)?);
+        let k = 0.5;
+        let half = |t: &Tensor| t * k;
+        let k = h.cos()?;
         let g = h.sin()?;
         let z = add_bias(&g)?;
-        let u = twice(&z)?;
+        let u = (twice(&z)? + half(&k)?)?;
         Ok((u + &h)?)
     }
 }
@@ -298,8 +302,9 @@ fn closure_captures_plain(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let scale = h.tanh()?;
     let add_bias = |t: &Tensor| (t.broadcast_add(&bias)? * &scale)?.exp();
     let twice = |t| add_bias(&add_bias(t)?);
+    let half = |t: &Tensor| t * 0.5;
     let z = add_bias(&h.sin()?)?;
-    let u = twice(&z)?;
+    let u = (twice(&z)? + half(&h.cos()?)?)?;
     u + &h
 }
 

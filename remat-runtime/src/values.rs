@@ -7,6 +7,11 @@
 //! parameter), split into its tensors (the statement's inputs) and rebuilt
 //! from what the runtime hands back.
 
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{BuildHasher, Hash};
+use std::rc::Rc;
+use std::sync::Arc;
+
 use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::{RematError, Result};
@@ -58,7 +63,8 @@ impl Inputs for &[Tensor] {
 }
 
 /// A value made of tensors and plain data that a statement or a region can
-/// return: a [`Tensor`], `Vec`s, `Option`s and tuples of such values, and plain
+/// return: a [`Tensor`]; `Vec`s, arrays, `Option`s, tuples, `Box`es,
+/// `Arc`s, `Rc`s, `HashMap`s and `BTreeMap`s of such values; and plain
 /// values (`usize`, `f64`, [`Shape`], ...) that carry no tensor.
 ///
 /// The runtime splits a value into its tensors and a *skeleton* (the plain
@@ -128,6 +134,94 @@ impl<T: Outputs> Outputs for Option<T> {
     }
     fn join(tensors: &mut dyn Iterator<Item = Tensor>, s: &Self::Skeleton) -> Result<Self> {
         s.as_ref().map(|s| T::join(tensors, s)).transpose()
+    }
+}
+
+impl<T: Outputs> Outputs for Box<T> {
+    type Skeleton = T::Skeleton;
+    fn split_into(self, tensors: &mut Vec<Tensor>) -> Self::Skeleton {
+        (*self).split_into(tensors)
+    }
+    fn join(tensors: &mut dyn Iterator<Item = Tensor>, s: &Self::Skeleton) -> Result<Self> {
+        T::join(tensors, s).map(Box::new)
+    }
+}
+
+/// A shared value (`Arc<Tensor>`, an `Arc` of a table): split from a clone
+/// of what it points to where others share it (a tensor's clone shares its
+/// storage), rebuilt as a new `Arc`.
+impl<T: Outputs + Clone> Outputs for Arc<T> {
+    type Skeleton = T::Skeleton;
+    fn split_into(self, tensors: &mut Vec<Tensor>) -> Self::Skeleton {
+        Arc::unwrap_or_clone(self).split_into(tensors)
+    }
+    fn join(tensors: &mut dyn Iterator<Item = Tensor>, s: &Self::Skeleton) -> Result<Self> {
+        T::join(tensors, s).map(Arc::new)
+    }
+}
+
+/// As `Arc<T>`.
+impl<T: Outputs + Clone> Outputs for Rc<T> {
+    type Skeleton = T::Skeleton;
+    fn split_into(self, tensors: &mut Vec<Tensor>) -> Self::Skeleton {
+        Rc::unwrap_or_clone(self).split_into(tensors)
+    }
+    fn join(tensors: &mut dyn Iterator<Item = Tensor>, s: &Self::Skeleton) -> Result<Self> {
+        T::join(tensors, s).map(Rc::new)
+    }
+}
+
+impl<T: Outputs, const N: usize> Outputs for [T; N] {
+    type Skeleton = Vec<T::Skeleton>;
+    fn split_into(self, tensors: &mut Vec<Tensor>) -> Self::Skeleton {
+        self.into_iter().map(|v| v.split_into(tensors)).collect()
+    }
+    fn join(tensors: &mut dyn Iterator<Item = Tensor>, s: &Self::Skeleton) -> Result<Self> {
+        let values = s
+            .iter()
+            .map(|s| T::join(tensors, s))
+            .collect::<Result<Vec<T>>>()?;
+        values.try_into().map_err(|_| missing())
+    }
+}
+
+/// A map of values (`HashMap<String, Tensor>`): its tensors in the map's
+/// order, its keys in the skeleton.
+impl<K, V, S> Outputs for HashMap<K, V, S>
+where
+    K: Eq + Hash + Clone + Send + Sync + 'static,
+    V: Outputs,
+    S: BuildHasher + Default,
+{
+    type Skeleton = Vec<(K, V::Skeleton)>;
+    fn split_into(self, tensors: &mut Vec<Tensor>) -> Self::Skeleton {
+        self.into_iter()
+            .map(|(k, v)| (k, v.split_into(tensors)))
+            .collect()
+    }
+    fn join(tensors: &mut dyn Iterator<Item = Tensor>, s: &Self::Skeleton) -> Result<Self> {
+        s.iter()
+            .map(|(k, s)| Ok((k.clone(), V::join(tensors, s)?)))
+            .collect()
+    }
+}
+
+/// As `HashMap<K, V>`, in the keys' order.
+impl<K, V> Outputs for BTreeMap<K, V>
+where
+    K: Ord + Clone + Send + Sync + 'static,
+    V: Outputs,
+{
+    type Skeleton = Vec<(K, V::Skeleton)>;
+    fn split_into(self, tensors: &mut Vec<Tensor>) -> Self::Skeleton {
+        self.into_iter()
+            .map(|(k, v)| (k, v.split_into(tensors)))
+            .collect()
+    }
+    fn join(tensors: &mut dyn Iterator<Item = Tensor>, s: &Self::Skeleton) -> Result<Self> {
+        s.iter()
+            .map(|(k, s)| Ok((k.clone(), V::join(tensors, s)?)))
+            .collect()
     }
 }
 

@@ -21,8 +21,8 @@ pub struct Checked;
 impl HoldsTensors for Checked {}
 
 /// A value with no tensor anywhere in it: the plain types of
-/// [`crate::Outputs`] (`usize`, `f64`, `Shape`, ...) and `Vec`s, `Option`s
-/// and tuples of them (`Vec<Vec<f32>>` from `to_vec2`).
+/// [`crate::Outputs`] (`usize`, `f64`, `Shape`, ...) and the containers
+/// `Outputs` takes of them (`Vec<Vec<f32>>` from `to_vec2`).
 pub trait Plain {}
 macro_rules! plain_leaves {
     ($($t:ty),*) => {$(
@@ -32,6 +32,12 @@ macro_rules! plain_leaves {
 crate::values::for_plain_values!(plain_leaves);
 impl<T: Plain> Plain for Vec<T> {}
 impl<T: Plain> Plain for Option<T> {}
+impl<T: Plain> Plain for Box<T> {}
+impl<T: Plain> Plain for std::sync::Arc<T> {}
+impl<T: Plain> Plain for std::rc::Rc<T> {}
+impl<T: Plain, const N: usize> Plain for [T; N] {}
+impl<K, V: Plain, S> Plain for std::collections::HashMap<K, V, S> {}
+impl<K, V: Plain> Plain for std::collections::BTreeMap<K, V> {}
 macro_rules! plain_tuples {
     ($($name:ident),+) => {
         impl<$($name: Plain),+> Plain for ($($name,)+) {}

@@ -6,6 +6,7 @@
 //! (plain candle) where it must pass.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, Var, D};
@@ -475,15 +476,25 @@ struct Constants {
     scales: Vec<Tensor>,
     mask: Option<Tensor>,
     frozen: Tensor,
+    shared: Arc<Tensor>,
+    tables: HashMap<String, Tensor>,
+    boxed: Box<Tensor>,
+    levels: BTreeMap<usize, Tensor>,
+    pair: [Tensor; 2],
 }
 
-const FIELDS: [&str; 6] = [
+const FIELDS: [&str; 11] = [
     "self.bias",
     "self.rotary.cos",
     "self.rotary.sin",
     "self.scales",
     "self.mask",
     "self.frozen",
+    "self.shared",
+    "self.tables",
+    "self.boxed",
+    "self.levels",
+    "self.pair",
 ];
 
 impl Constants {
@@ -500,6 +511,14 @@ impl Constants {
             scales: vec![tensor(&[t], 35, 1.0, dtype), tensor(&[t], 36, 1.0, dtype)],
             mask: Some(tensor(&[t, t], 37, 1.0, dtype)),
             frozen: source.as_tensor().detach(),
+            shared: Arc::new(tensor(&[d], 40, 1.0, dtype)),
+            tables: [("gate", 41), ("up", 42)]
+                .into_iter()
+                .map(|(k, seed)| (k.to_string(), tensor(&[d], seed, 1.0, dtype)))
+                .collect(),
+            boxed: Box::new(tensor(&[d], 43, 1.0, dtype)),
+            levels: (1..4).map(|l| (l, tensor(&[d], 43 + l as u64, 1.0, dtype))).collect(),
+            pair: [tensor(&[d], 47, 1.0, dtype), tensor(&[d], 48, 1.0, dtype)],
         }
     }
 
@@ -514,7 +533,13 @@ impl Constants {
         };
         let z = m.broadcast_mul(&self.scales[1])?.matmul(&h)?;
         let f = z.matmul(&self.frozen)?;
-        f.tanh()?.sqr()?.sum_all()
+        let e = f
+            .broadcast_mul(&self.shared)?
+            .broadcast_add(&self.tables["gate"])?
+            .broadcast_mul(&self.boxed)?
+            .broadcast_add(&self.levels[&2])?
+            .broadcast_mul(&self.pair[1])?;
+        e.tanh()?.sqr()?.sum_all()
     }
 
     remat! {
@@ -528,7 +553,13 @@ impl Constants {
             };
             let z = m.broadcast_mul(&self.scales[1])?.matmul(&h)?;
             let f = z.matmul(&self.frozen)?;
-            Ok(f.tanh()?.sqr()?.sum_all()?)
+            let e = f
+                .broadcast_mul(&self.shared)?
+                .broadcast_add(&self.tables["gate"])?
+                .broadcast_mul(&self.boxed)?
+                .broadcast_add(&self.levels[&2])?
+                .broadcast_mul(&self.pair[1])?;
+            Ok(e.tanh()?.sqr()?.sum_all()?)
         }
     }
 }
@@ -537,7 +568,8 @@ impl Constants {
 /// and the backward (`slice_set`, or `Var::set` on the variable whose
 /// storage it shares) is an error naming the region, the field and the
 /// first statement reading it (an indexed field, `self.scales[1]`, is
-/// checked whole), under every plan, saved statements
+/// checked whole; fields behind an `Arc` or a `Box`, in a map or an array
+/// too), under every plan, saved statements
 /// included (their backward would read the new values: plain candle's
 /// gradients would be silently wrong); unchanged, or given a new tensor
 /// instead, every gradient is plain candle's.
@@ -552,7 +584,7 @@ fn constants_held_in_fields_changed_in_place_are_caught_under_every_plan() {
             Plan::budget(0.5),
         ]
     };
-    let statements = ["s", "r", "r", "z", "m", "f"];
+    let statements = ["s", "r", "r", "z", "m", "f", "e", "e", "e", "e", "e"];
     for dtype in DTYPES {
         let x = var(&[5, 4], 30, 1.0, dtype);
         for plan in plans() {
@@ -585,7 +617,12 @@ fn constants_held_in_fields_changed_in_place_are_caught_under_every_plan() {
                     2 => &c.rotary.sin,
                     3 => &c.scales[1],
                     4 => c.mask.as_ref().unwrap(),
-                    _ => &c.frozen,
+                    5 => &c.frozen,
+                    6 => &c.shared,
+                    7 => &c.tables["gate"],
+                    8 => &c.boxed,
+                    9 => &c.levels[&2],
+                    _ => &c.pair[1],
                 };
                 // One element up by a quarter, in place.
                 let bumped = {

@@ -13,7 +13,8 @@ use crate::model::{AnnotationKind, Block, StmtKind};
 use crate::plain::copies;
 use crate::scopes::outer_view;
 use crate::usage::{
-    assigned, bound, locals, mentions, moved, read_for_value, read_in_part, read_on_branch, single,
+    assigned, bound, locals, mentions, moved, read_for_value, read_in_part, read_on_branch,
+    read_through_fields, single,
 };
 
 /// A binding a statement reads.
@@ -190,6 +191,9 @@ struct Reads {
     /// Per statement, then the tail: those of them it reads only in part
     /// ([`read_in_part`]).
     in_part: Vec<Vec<String>>,
+    /// Per statement, then the tail: those it reads only through fields and
+    /// parts ([`read_through_fields`]).
+    in_fields: Vec<Vec<String>>,
     /// Per statement, then the tail: those it reads only on some branches
     /// ([`read_on_branch`]).
     on_branch: Vec<Vec<String>>,
@@ -262,6 +266,7 @@ impl<'a> Analyser<'a> {
         let mut inouts = Vec::new();
         let mut for_value = Vec::new();
         let mut in_part = Vec::new();
+        let mut in_fields = Vec::new();
         let mut on_branch = Vec::new();
         let mut into = Vec::new();
         let mut data = Vec::new();
@@ -278,6 +283,7 @@ impl<'a> Analyser<'a> {
                     inouts.push(Vec::new());
                     for_value.push(Vec::new());
                     in_part.push(Vec::new());
+                    in_fields.push(Vec::new());
                     on_branch.push(Vec::new());
                     into.push(Vec::new());
                     data.push(Vec::new());
@@ -291,6 +297,7 @@ impl<'a> Analyser<'a> {
             let expr = &outer_view(expr);
             for_value.push(read_for_value(expr));
             in_part.push(read_in_part(expr));
+            in_fields.push(read_through_fields(expr));
             on_branch.push(read_on_branch(expr));
             into.push(into_tensors(expr));
             data.push(read_as_data(expr));
@@ -376,6 +383,7 @@ impl<'a> Analyser<'a> {
                 self.check_assignments(t, &assigned(t));
                 for_value.push(read_for_value(t));
                 in_part.push(read_in_part(t));
+                in_fields.push(read_through_fields(t));
                 on_branch.push(read_on_branch(t));
                 into.push(into_tensors(t));
                 data.push(read_as_data(t));
@@ -398,6 +406,7 @@ impl<'a> Analyser<'a> {
             inouts,
             for_value,
             in_part,
+            in_fields,
             on_branch,
             into_tensors: into,
             data,
@@ -767,6 +776,7 @@ impl<'a> Analyser<'a> {
         let to_reads = |ids: &[(usize, Span)], i: usize| -> Vec<Read> {
             let for_value = reads.for_value.get(i);
             let in_part = reads.in_part.get(i);
+            let in_fields = reads.in_fields.get(i);
             let on_branch = reads.on_branch.get(i);
             ids.iter()
                 .map(|&(b, span)| {
@@ -777,7 +787,11 @@ impl<'a> Analyser<'a> {
                         borrowed: binding.borrowed,
                         mutable: binding.mutable,
                         for_value: for_value.is_none_or(|v| v.contains(&name)),
-                        in_part: in_part.is_some_and(|v| v.contains(&name)),
+                        // A statement's value read through its fields (a
+                        // struct of the user's own) is read in part.
+                        in_part: in_part.is_some_and(|v| v.contains(&name))
+                            || (binding.producer.is_some()
+                                && in_fields.is_some_and(|v| v.contains(&name))),
                         on_branch: on_branch.is_some_and(|v| v.contains(&name)),
                         plain_code: binding.borrowed.is_none()
                             && binding.producer.is_some_and(|p| {

@@ -25,6 +25,7 @@
 mod analyse;
 mod attributes;
 mod checks;
+mod derive;
 mod errors;
 mod fields;
 mod generate;
@@ -52,6 +53,12 @@ pub(crate) fn ident(name: &str, span: Span) -> Ident {
 #[proc_macro]
 pub fn remat(input: proc_macro::TokenStream) -> proc_macro::TokenStream {
     expand(input.into()).into()
+}
+
+/// See `remat_runtime::Outputs`.
+#[proc_macro_derive(Outputs, attributes(outputs))]
+pub fn derive_outputs(input: proc_macro::TokenStream) -> proc_macro::TokenStream {
+    derive::outputs(input.into()).into()
 }
 
 /// The whole pipeline over `proc_macro2` tokens, for tests and fuzzing.

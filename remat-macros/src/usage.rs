@@ -393,13 +393,26 @@ pub(crate) fn read_in_part(expr: &Expr) -> Vec<String> {
 }
 
 /// Of the identifiers `expr` mentions for their values
+/// ([`read_for_value`]), those it reads only through named fields
+/// (`routed.states`) and parts: a statement's value of a struct of the
+/// user's own (`#[derive(Outputs)]`) read so may leave some of its tensors
+/// unread. (A parameter's fields are its own: `p.w1` reads `p` whole.)
+pub(crate) fn read_through_fields(expr: &Expr) -> Vec<String> {
+    let (whole, parts) = reads_of(expr, false, true);
+    let mut out: Vec<String> = parts.into_iter().filter(|p| !whole.contains(p)).collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// Of the identifiers `expr` mentions for their values
 /// ([`read_for_value`]), those it reads only on some of its branches: in
 /// one arm of an `if` or `match` and not in another (`if skip { (h + x)? }
 /// else { h }` reads `x` so). The statement's graph need not reach them:
 /// on the branch it took, it may not have read them.
 pub(crate) fn read_on_branch(expr: &Expr) -> Vec<String> {
     let (whole, parts) = value_reads(expr);
-    let (every, every_part) = reads_of(expr, true);
+    let (every, every_part) = reads_of(expr, true, false);
     let mut out: Vec<String> = whole
         .into_iter()
         .chain(parts)
@@ -426,20 +439,21 @@ fn name_of(e: &Expr) -> Option<String> {
 /// The identifiers `expr` reads for their values: those mentioned whole,
 /// and those mentioned only as the base of a part (see [`read_in_part`]).
 fn value_reads(expr: &Expr) -> (Vec<String>, Vec<String>) {
-    reads_of(expr, false)
+    reads_of(expr, false, false)
 }
 
 /// [`value_reads`], or with `every_branch` only the reads on every branch:
 /// of an `if` or `match`, those of all its arms (an `if` without `else`
-/// has an empty one).
-fn reads_of(expr: &Expr, every_branch: bool) -> (Vec<String>, Vec<String>) {
-    struct Collect(Vec<String>, Vec<String>, bool);
+/// has an empty one). `named_fields`: a name's named field (`r.states`)
+/// is a part of it too.
+fn reads_of(expr: &Expr, every_branch: bool, named_fields: bool) -> (Vec<String>, Vec<String>) {
+    struct Collect(Vec<String>, Vec<String>, bool, bool);
     impl Collect {
         /// The reads every arm makes (whole or in part: as read whole).
         fn arms<'a>(&mut self, arms: impl Iterator<Item = Option<&'a Expr>>) {
             let mut common: Option<Vec<String>> = None;
             for arm in arms {
-                let mut c = Collect(Vec::new(), Vec::new(), true);
+                let mut c = Collect(Vec::new(), Vec::new(), true, self.3);
                 if let Some(e) = arm {
                     c.visit_expr(e);
                 }
@@ -516,6 +530,7 @@ fn reads_of(expr: &Expr, every_branch: bool) -> (Vec<String>, Vec<String>) {
             // tensors of its own, `self.proj`) is read whole.
             match (name_of(&f.base), &f.member) {
                 (Some(name), syn::Member::Unnamed(_)) => self.1.push(name),
+                (Some(name), syn::Member::Named(_)) if self.3 => self.1.push(name),
                 _ => syn::visit::visit_expr_field(self, f),
             }
         }
@@ -547,7 +562,7 @@ fn reads_of(expr: &Expr, every_branch: bool) -> (Vec<String>, Vec<String>) {
     if detached_whole(expr) {
         return (Vec::new(), Vec::new());
     }
-    let mut c = Collect(Vec::new(), Vec::new(), every_branch);
+    let mut c = Collect(Vec::new(), Vec::new(), every_branch, named_fields);
     c.visit_expr(expr);
     (c.0, c.1)
 }
@@ -634,6 +649,14 @@ mod tests {
         assert!(for_value(src).is_empty());
         assert_eq!(for_value("(a.exp()?.detach() * b)?"), ["b"]);
         assert_eq!(for_value("(a.exp()?.detach() * a)?"), ["a"]);
+    }
+
+    #[test]
+    fn named_fields_are_parts_only_where_asked() {
+        let fields = |src: &str| read_through_fields(&syn::parse_str(src).unwrap());
+        assert_eq!(fields("r.states.matmul(&w)?.add(&p.0)?"), ["p", "r"]);
+        assert!(fields("(r.states + r.clone())?").is_empty());
+        assert!(read_in_part(&syn::parse_str("r.states.exp()").unwrap()).is_empty());
     }
 
     #[test]

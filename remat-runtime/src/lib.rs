@@ -103,6 +103,40 @@ pub use values::{Inputs, Outputs};
 #[doc = include_str!("remat.md")]
 pub use remat_macros::remat;
 
+/// Derives [`Outputs`](trait@Outputs) for a struct of your own, so that
+/// statements and blocks can return it and a block reading it from a field
+/// checks its tensors ([`RematError::FieldChanged`]). Every field must be
+/// `Outputs` itself (tensors, containers of them, plain values), or be
+/// marked `#[outputs(plain)]`: kept whole as plain data (`Clone + Send +
+/// Sync`), its tensors neither tracked through statements nor checked.
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use remat_runtime::{remat, Outputs};
+///
+/// #[derive(Clone, Outputs)]
+/// struct Hidden {
+///     states: Tensor,
+///     aux_loss: Tensor,
+///     #[outputs(plain)]
+///     note: &'static str,
+/// }
+///
+/// remat! {
+///     fn block(x: &Tensor) -> candle_core::Result<Hidden> {
+///         let states = x.tanh()?;
+///         let aux_loss = states.sqr()?.mean_all()?;
+///         Ok(Hidden { states, aux_loss, note: "tanh" })
+///     }
+/// }
+///
+/// let x = Tensor::ones((2, 3), DType::F32, &Device::Cpu)?;
+/// let h = block(&x)?;
+/// assert_eq!((h.states.dims(), h.note), (&[2, 3][..], "tanh"));
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub use remat_macros::Outputs;
+
 /// Support for the code `remat!` generates; not a public API.
 #[doc(hidden)]
 pub mod __private {

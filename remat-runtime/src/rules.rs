@@ -53,8 +53,8 @@ pub trait HoldsTensors {}
 #[diagnostic::on_unimplemented(
     message = "this statement's value is a `{Self}`, which a remat! statement cannot give",
     label = "this statement's value",
-    note = "a statement gives what its expression gives after `?`: tensors, `Vec`s, `Option`s and tuples of them, or plain values such as `usize` and `Shape`",
-    note = "a `Result`: add `?`; a reference: clone it (`x.clone()`); a value of another type (a struct of your own): make it outside the block and pass it in"
+    note = "a statement gives what its expression gives after `?`: tensors, `Vec`s, `Option`s, tuples and maps of them, or plain values such as `usize` and `Shape`",
+    note = "a `Result`: add `?`; a reference: clone it (`x.clone()`); a struct of your own: add `#[derive(remat_runtime::Outputs)]` to it"
 )]
 pub trait StatementValue: Sized {
     /// Runs the statement `name` of a block: `f` on what it reads (`args`;

@@ -86,7 +86,7 @@ impl Inputs for &[Tensor] {
 #[diagnostic::on_unimplemented(
     message = "`{Self}` cannot be the value of a remat statement or region",
     label = "this value is a statement's output",
-    note = "statements return tensors, `Vec<Tensor>`, tuples of them, or plain values such as `usize` and `Shape`; clone a borrowed tensor (`x.clone()`) instead of returning a reference"
+    note = "statements return tensors, `Vec<Tensor>`, tuples of them, or plain values such as `usize` and `Shape`; clone a borrowed tensor (`x.clone()`) instead of returning a reference; a struct of your own: add `#[derive(remat_runtime::Outputs)]` to it (a field of it that is not `Outputs`, such as a module: `#[outputs(plain)]`)"
 )]
 pub trait Outputs: Sized {
     /// The plain data and structure of the value.

@@ -13,6 +13,37 @@ pub struct Params {
     pub n: usize,
 }
 
+/// `#[derive(Outputs)]` on a generic struct with a plain field, a tuple
+/// struct, a unit struct and a struct of plain fields only.
+#[derive(Clone, remat_runtime::Outputs)]
+pub struct Hidden<T> {
+    pub states: T,
+    pub aux: Tensor,
+    #[outputs(plain)]
+    pub note: String,
+}
+
+#[derive(Clone, remat_runtime::Outputs)]
+pub struct Wrapped(pub Tensor, pub usize);
+
+#[derive(Clone, remat_runtime::Outputs)]
+pub struct Marker;
+
+#[derive(Clone, remat_runtime::Outputs)]
+pub struct Config {
+    #[outputs(plain)]
+    pub name: String,
+}
+
+remat! {
+    pub fn lint_derived(x: &Tensor) -> Result<Hidden<Wrapped>> {
+        let h = x.exp()?;
+        let aux = h.sum_all()?;
+        let _marker = Marker;
+        Ok(Hidden { states: Wrapped(h, 2), aux, note: Config { name: "exp".into() }.name })
+    }
+}
+
 remat! {
     /// Every kind of statement: saved (kept and not), recomputed, plain
     /// values, tuples, forward-only, a pass-through tail.
@@ -46,6 +77,9 @@ fn lint_blocks_run() -> Result<()> {
     let y = lint_block(x.as_tensor(), &p, &mask)?;
     let g = y.sum_all()?.backward()?;
     assert!(g.get(&p.w1).is_some() && g.get(&x).is_some());
+    let d = lint_derived(x.as_tensor())?;
+    assert_eq!((d.states.1, d.note.as_str()), (2, "exp"));
+    assert!(d.aux.backward()?.get(&x).is_some());
     let z = lint_tail(x.as_tensor().clone())?;
     assert_eq!(z.dims(), &[2, 4]);
     Ok(())

@@ -9,6 +9,7 @@ mod as_is;
 mod attention_masks;
 mod cancelling_replays;
 mod corpus;
+mod derived;
 mod dispatch;
 mod dropin;
 mod empty_batches;

@@ -5,8 +5,8 @@
 //! Every case runs in f32 and f64 against an independent computation
 //! (plain candle) where it must pass.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, Var, D};
@@ -517,7 +517,9 @@ impl Constants {
                 .map(|(k, seed)| (k.to_string(), tensor(&[d], seed, 1.0, dtype)))
                 .collect(),
             boxed: Box::new(tensor(&[d], 43, 1.0, dtype)),
-            levels: (1..4).map(|l| (l, tensor(&[d], 43 + l as u64, 1.0, dtype))).collect(),
+            levels: (1..4)
+                .map(|l| (l, tensor(&[d], 43 + l as u64, 1.0, dtype)))
+                .collect(),
             pair: [tensor(&[d], 47, 1.0, dtype), tensor(&[d], 48, 1.0, dtype)],
         }
     }

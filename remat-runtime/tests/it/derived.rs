@@ -1,0 +1,180 @@
+//! Structs of the user's own with `#[derive(Outputs)]`: returned by blocks
+//! and statements (rebuilt from placeholders in the replay), generic and
+//! tuple structs, plain fields; and held in a field that a statement reads
+//! through a method, checked for a change in place. Gradients against
+//! plain candle in f32 and f64.
+
+use candle_core::{DType, Device, Tensor, Var, D};
+use remat_runtime::{backward, remat, Outputs, Plan, RematError};
+
+use crate::common::{rel_diff, tensor, var};
+
+const DTYPES: [DType; 2] = [DType::F32, DType::F64];
+
+fn plans() -> [Plan; 5] {
+    [
+        Plan::declared(),
+        Plan::recompute_all(),
+        Plan::save_all(),
+        Plan::save_only(["gated"]),
+        Plan::budget(0.5),
+    ]
+}
+
+/// What an MoE-style layer gives: its states, an auxiliary loss and the
+/// plain routing decision.
+#[derive(Clone, Outputs)]
+struct Routed {
+    states: Tensor,
+    aux_loss: Tensor,
+    #[outputs(plain)]
+    top: Vec<usize>,
+}
+
+/// A generic pair and a tuple struct.
+#[derive(Clone, Outputs)]
+struct Pair<T> {
+    left: T,
+    right: T,
+}
+
+#[derive(Clone, Outputs)]
+struct Scaled(Tensor, f64);
+
+/// Rotary tables in a struct of their own, applied through a method, as
+/// candle-transformers' models do.
+#[derive(Clone, Outputs)]
+struct Rotary {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Rotary {
+    fn apply(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let half = x.dim(D::Minus1)? / 2;
+        let (a, b) = (
+            x.narrow(D::Minus1, 0, half)?,
+            x.narrow(D::Minus1, half, half)?,
+        );
+        let rotated = Tensor::cat(&[&b.neg()?, &a], D::Minus1)?;
+        x.broadcast_mul(&self.cos)? + rotated.broadcast_mul(&self.sin)?
+    }
+}
+
+#[derive(Clone)]
+struct Layer {
+    w: Var,
+    gate: Var,
+    rotary: Rotary,
+}
+
+impl Layer {
+    fn new(dtype: DType) -> Self {
+        let (t, d) = (5, 4);
+        Layer {
+            w: var(&[d, d], 61, 0.5, dtype),
+            gate: var(&[d, d], 62, 0.5, dtype),
+            rotary: Rotary {
+                cos: tensor(&[t, d], 63, 1.0, dtype),
+                sin: tensor(&[t, d], 64, 1.0, dtype),
+            },
+        }
+    }
+
+    fn route(h: &Tensor) -> candle_core::Result<Routed> {
+        let top = vec![h.dim(0)?];
+        let aux_loss = h.sqr()?.mean_all()?;
+        Ok(Routed {
+            states: h.tanh()?,
+            aux_loss,
+            top,
+        })
+    }
+
+    /// The same ops as `forward`, without a region.
+    fn plain(&self, x: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+        let h = self.rotary.apply(&x.matmul(self.w.as_tensor())?)?;
+        let routed = Self::route(&h)?;
+        let pair = Pair {
+            left: routed.states.matmul(self.gate.as_tensor())?,
+            right: routed.states.exp()?,
+        };
+        let gated = Scaled((&pair.left * &pair.right)?, 0.5);
+        let y = (gated.0 * gated.1)?;
+        let n = routed.top[0] as f64;
+        Ok((y, (routed.aux_loss * n)?))
+    }
+
+    remat! {
+        fn forward(&self, x: &Tensor) -> candle_core::Result<Routed> {
+            let h = self.rotary.apply(&x.matmul(self.w.as_tensor())?)?;
+            let routed = Self::route(&h)?;
+            let pair = Pair {
+                left: routed.states.matmul(self.gate.as_tensor())?,
+                right: routed.states.exp()?,
+            };
+            #[save]
+            let gated = Scaled((&pair.left * &pair.right)?, 0.5);
+            let y = (gated.0 * gated.1)?;
+            let n = routed.top[0] as f64;
+            Ok(Routed { states: y, aux_loss: (routed.aux_loss * n)?, top: routed.top })
+        }
+    }
+}
+
+fn loss(states: &Tensor, aux: &Tensor) -> candle_core::Result<Tensor> {
+    let w = Tensor::arange(0u32, states.elem_count() as u32, &Device::Cpu)?
+        .to_dtype(states.dtype())?
+        .reshape(states.shape())?;
+    (states * w)?.sum_all()? + aux
+}
+
+/// Statements give and read derived structs (a generic one, a tuple one,
+/// one with a plain field), the block returns one: every gradient is plain
+/// candle's under every plan.
+#[test]
+fn derived_structs_flow_through_statements_with_plain_gradients() {
+    for dtype in DTYPES {
+        let tol = if dtype == DType::F32 { 1e-5 } else { 1e-12 };
+        let layer = Layer::new(dtype);
+        let x = var(&[5, 4], 60, 1.0, dtype);
+        let (y_ref, aux_ref) = layer.plain(x.as_tensor()).unwrap();
+        let g_ref = loss(&y_ref, &aux_ref).unwrap().backward().unwrap();
+        for plan in plans() {
+            let out = plan.scope(|| layer.forward(x.as_tensor())).unwrap();
+            assert_eq!(out.top, vec![5], "{dtype:?} {plan}");
+            assert!(rel_diff(&out.states, &y_ref) <= tol, "{dtype:?} {plan}");
+            let g = backward(&loss(&out.states, &out.aux_loss).unwrap()).unwrap();
+            for v in [&x, &layer.w, &layer.gate] {
+                let d = rel_diff(g.get(v).unwrap(), g_ref.get(v).unwrap());
+                assert!(d <= tol, "{dtype:?} {plan}: {d}");
+            }
+        }
+    }
+}
+
+/// A field of a derived type read through a method (`self.rotary.apply`)
+/// and written in place between the forward and the backward is
+/// `FieldChanged` naming it, under every plan, saving ones included.
+#[test]
+fn a_derived_field_read_through_a_method_and_changed_in_place_is_caught() {
+    for dtype in DTYPES {
+        for plan in plans() {
+            for table in 0..2 {
+                let layer = Layer::new(dtype);
+                let x = var(&[5, 4], 60, 1.0, dtype);
+                let out = plan.scope(|| layer.forward(x.as_tensor())).unwrap();
+                let t = [&layer.rotary.cos, &layer.rotary.sin][table];
+                let bumped = (t.narrow(0, 0, 1).unwrap() + 0.25).unwrap();
+                t.slice_set(&bumped, 0, 0).unwrap();
+                let e = backward(&loss(&out.states, &out.aux_loss).unwrap()).unwrap_err();
+                assert!(
+                    matches!(&e, RematError::FieldChanged { region, statement, field, shape }
+                        if region == "Layer::forward" && statement == "h"
+                            && field == "self.rotary" && shape == &[5, 4]),
+                    "{dtype:?} {plan} table {table}: {e:?}"
+                );
+            }
+        }
+    }
+}

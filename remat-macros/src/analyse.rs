@@ -752,6 +752,18 @@ impl<'a> Analyser<'a> {
             true => (1, b),
             false => (0, usize::MAX - b),
         });
+        // Whether a binding of the same name is made after `b` and before
+        // statement `r`: `b` can no longer be named there (`let r = &h; let
+        // h = h.exp()?; let y = (r + &h)?;` keeps the first `h` alive until
+        // `y`), and is dropped with the block.
+        let shadowed = |b: &Binding, r: usize| {
+            let after = b.producer.map_or(0, |p| p + 1);
+            self.bindings.iter().any(|o| {
+                o.producer.is_some_and(|q| q >= after && q < r)
+                    && o.ident == b.ident
+                    && crate::hygiene::same(o.ident.span(), b.ident.span())
+            })
+        };
         for b in order.into_iter().map(|b| &self.bindings[b]) {
             if b.borrowed.is_some() {
                 continue;
@@ -760,7 +772,7 @@ impl<'a> Analyser<'a> {
                 (Some((m, span)), _) => Some((m, crate::ident(&b.ident.to_string(), span))),
                 (None, r) => r.map(|r| (r, b.ident.clone())),
             };
-            if let Some((r, ident)) = release.filter(|&(r, _)| r < n) {
+            if let Some((r, ident)) = release.filter(|&(r, _)| r < n && !shadowed(b, r)) {
                 releases[r].push(ident);
             }
         }

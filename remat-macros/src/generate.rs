@@ -91,7 +91,12 @@ fn handover(ident: &Ident, passing: Option<&Passing>, taker: Taker) -> Handover 
     let mutability = mutable.then(|| quote!(mut));
     let (read, pat, view) = match passing {
         Some(Passing::Ref(ty)) if region && unsized_type(ty) => (
-            quote_spanned!(span=> rt::read(&<#ty as ::std::borrow::ToOwned>::to_owned(#ident))),
+            quote_spanned!(span=> rt::param(&<#ty as ::std::borrow::ToOwned>::to_owned(#ident))),
+            quote!(ref #ident),
+            quote!(),
+        ),
+        Some(Passing::Ref(_)) if region => (
+            quote_spanned!(span=> rt::param(#ident)),
             quote!(ref #ident),
             quote!(),
         ),
@@ -102,12 +107,19 @@ fn handover(ident: &Ident, passing: Option<&Passing>, taker: Taker) -> Handover 
         ),
         Some(Passing::OptionRef(ty)) => (
             if region && unsized_type(ty) {
-                quote_spanned!(span=> rt::read(&#ident.map(<#ty as ::std::borrow::ToOwned>::to_owned)))
+                quote_spanned!(span=> rt::param(&#ident.map(<#ty as ::std::borrow::ToOwned>::to_owned)))
+            } else if region {
+                quote_spanned!(span=> rt::param(&#ident.cloned()))
             } else {
                 quote_spanned!(span=> rt::read(&#ident.cloned()))
             },
             quote!(#ident),
             quote! { let #ident = #ident.as_ref(); },
+        ),
+        Some(Passing::Value) | None if region => (
+            quote_spanned!(span=> rt::param(&#ident)),
+            quote!(#mutability #ident),
+            quote!(),
         ),
         Some(Passing::Value) | None => (
             quote_spanned!(span=> rt::read(&#ident)),
@@ -396,10 +408,10 @@ fn parameters(params: &[Param]) -> Parameters {
         let ident = &param.ident;
         match &param.passing {
             Passing::Ref(ty) if !unsized_type(ty) && !tensor_type(ty) => {
-                checks.extend(quote_spanned! {ty.span()=> let _: &dyn rt::Readable = #ident; })
+                checks.extend(quote_spanned! {ty.span()=> let _: &dyn rt::Parameter = #ident; })
             }
             Passing::Value => checks.extend(quote_spanned! {ident.span()=>
-                let _: &dyn rt::Readable = &#ident;
+                let _: &dyn rt::Parameter = &#ident;
             }),
             _ => {}
         }
@@ -610,8 +622,11 @@ fn imports(block: &Block, analysis: &Analysis) -> TokenStream {
             .flat_map(|s| &s.reads)
             .chain(&analysis.tail_reads)
     };
-    let reads_anything = !block.params.is_empty() || reads().next().is_some();
-    let dispatch = reads_anything
+    let params = (!block.params.is_empty())
+        .then(|| quote!(ParamClone as _, ParamFailed as _, ParamTensors as _,));
+    let dispatch = reads()
+        .next()
+        .is_some()
         .then(|| quote!(ByClone as _, ByTensors as _, FromResult as _, NotClone as _,));
     let arg_methods = reads()
         .any(|r| !r.for_value || r.in_part || r.on_branch)
@@ -621,7 +636,7 @@ fn imports(block: &Block, analysis: &Analysis) -> TokenStream {
         .iter()
         .any(|s| matches!(s.kind, Some(AnnotationKind::Save | AnnotationKind::Offload)));
     let save_checks = saves.then(|| quote!(CheckPlain as _, CheckTensors as _,));
-    quote! { #dispatch #arg_methods #save_checks }
+    quote! { #params #dispatch #arg_methods #save_checks }
 }
 
 /// `{ inner }` with the span of the user's braces: the function is then the

@@ -4,6 +4,8 @@
 //!
 //! - [`Readable`]: a value a statement reads is `Clone` (each statement runs
 //!   again in the backward with its own copy of what it reads);
+//! - [`Parameter`]: a block's parameter is `Clone + Send + Sync + 'static`
+//!   (the region keeps it until the backward, maybe on another thread);
 //! - [`StatementValue`]: a statement's value is made of tensors and plain
 //!   values ([`Outputs`]), not a `Result` (a missing `?`);
 //! - [`HoldsTensors`]: a `#[save]` or `#[offload]` statement's value holds a
@@ -27,6 +29,25 @@ use crate::{Outputs, RematError, Result};
 pub trait Readable {}
 
 impl<T: Clone> Readable for T {}
+
+/// A parameter of a `remat!` block: the region keeps its own copy until
+/// the backward, which may run on another thread, so it is `Clone`,
+/// `Send`, `Sync` and `'static` (an `Arc` rather than an `Rc`, an atomic
+/// or a `Mutex` rather than a `Cell`).
+///
+/// ```
+/// fn parameter<T: remat_runtime::rules::Parameter>() {}
+/// parameter::<candle_core::Tensor>();
+/// parameter::<std::sync::Arc<Vec<f32>>>();
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is a parameter of a remat! block, so it must be `Clone`, `Send`, `Sync` and `'static`",
+    label = "this parameter",
+    note = "the region keeps its own copy of each parameter until the backward, which may run on another thread: hold shared values in an `Arc` (not an `Rc`), changing ones in an atomic or a `Mutex` (not a `Cell`), own what it borrows, and derive or implement `Clone`"
+)]
+pub trait Parameter {}
+
+impl<T: Clone + Send + Sync + 'static> Parameter for T {}
 
 /// A value `#[save]` or `#[offload]` can keep: one that holds a tensor.
 /// The macro checks the plain types of [`Outputs`] (`usize`, `f64`,

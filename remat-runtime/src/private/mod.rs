@@ -27,15 +27,16 @@ mod saved;
 pub use crate::__remat_statement_names as names;
 pub use crate::graph::Reach;
 pub use crate::plan::compiled::StatementNames;
-pub use crate::rules::{HoldsTensors, Readable, StatementValue};
+pub use crate::rules::{HoldsTensors, Parameter, Readable, StatementValue};
 pub use args::{Arg, Args, OnBranch, Partly, Split, WithoutGrad};
 pub use block::{
     method_region, region, Block, BlockRegion, Declared, Declared::*, ErrorOf, ResultError,
 };
 pub use inventory;
 pub use read::{
-    read, AsClone, AsNothing, AsTensors, ByClone, ByTensors, Cloned, Failed, Field, FromResult,
-    Given, NotClone, Read, Tensors,
+    param, read, AsClone, AsNothing, AsTensors, ByClone, ByTensors, Cloned, Failed, Field,
+    FromResult, Given, NotClone, Param, ParamClone, ParamFailed, ParamLevel2, ParamLevel3,
+    ParamTensors, Read, Tensors,
 };
 pub use saved::{CheckPlain, CheckTensors, Checked, Probe};
 pub use std::result::Result::Ok;

@@ -55,6 +55,71 @@ impl<'a, T: ?Sized> Deref for Level3<'a, T> {
     }
 }
 
+/// A parameter of a block, before its level is picked: the region keeps
+/// its own copy until the backward, which may run on another thread, so
+/// only `Send + Sync + 'static` values are taken, through their tensors
+/// ([`ParamTensors`]) or cloned ([`ParamClone`]); any other (an `Rc`, a
+/// `Cell`) is reported by the macro's [`crate::rules::Parameter`] check
+/// where it is declared, and gets a stand-in here ([`ParamFailed`]), so
+/// that the mistake is one error.
+pub struct Param<'a, T: ?Sized>(ParamLevel2<'a, T>);
+/// Level 2 of [`Param`].
+pub struct ParamLevel2<'a, T: ?Sized>(ParamLevel3<'a, T>);
+/// Level 3 of [`Param`].
+pub struct ParamLevel3<'a, T: ?Sized>(&'a T);
+
+/// The parameter `x` the region keeps.
+pub fn param<T: ?Sized>(x: &T) -> Param<'_, T> {
+    Param(ParamLevel2(ParamLevel3(x)))
+}
+
+impl<'a, T: ?Sized> Deref for Param<'a, T> {
+    type Target = ParamLevel2<'a, T>;
+    fn deref(&self) -> &ParamLevel2<'a, T> {
+        &self.0
+    }
+}
+impl<'a, T: ?Sized> Deref for ParamLevel2<'a, T> {
+    type Target = ParamLevel3<'a, T>;
+    fn deref(&self) -> &ParamLevel3<'a, T> {
+        &self.0
+    }
+}
+
+/// Level 1 of [`Param`]: values made of tensors.
+pub trait ParamTensors<T> {
+    /// The value, kept through its tensors.
+    fn arg(&self) -> Tensors<T>;
+}
+impl<T: Outputs + Clone + Send + Sync + 'static> ParamTensors<T> for Param<'_, T> {
+    fn arg(&self) -> Tensors<T> {
+        Tensors(self.0 .0 .0.clone())
+    }
+}
+
+/// Level 2 of [`Param`]: other values, cloned.
+pub trait ParamClone<T> {
+    /// A clone of the value.
+    fn arg(&self) -> Cloned<T>;
+}
+impl<T: Clone + Send + Sync + 'static> ParamClone<T> for ParamLevel2<'_, T> {
+    fn arg(&self) -> Cloned<T> {
+        Cloned(self.0 .0.clone())
+    }
+}
+
+/// Level 3 of [`Param`]: a value the region cannot keep, reported where
+/// it is declared; never run.
+pub trait ParamFailed<T> {
+    /// Stands for the value.
+    fn arg(&self) -> Failed<T>;
+}
+impl<T> ParamFailed<T> for ParamLevel3<'_, T> {
+    fn arg(&self) -> Failed<T> {
+        Failed::new()
+    }
+}
+
 /// A value made of tensors, read through its tensors.
 pub struct Tensors<T>(pub T);
 /// A plain value, cloned.

@@ -346,3 +346,61 @@ fn closures_borrowing_statements_outputs_keep_them_and_their_gradients() {
         }
     }
 }
+
+remat! {
+    /// A reference taken to a binding and a parameter, both then shadowed:
+    /// the references still read the first values.
+    fn alias_then_shadow(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        let xr = &x;
+        let h = x.matmul(w)?;
+        let r = &h;
+        #[save]
+        let h = h.exp()?;
+        let x = (x * 0.5)?;
+        let g = (r * 2.0)?;
+        let h = (&h + &g)?;
+        let y = ((r + &h)?.tanh()? + (xr.sum_keepdim(1)? + x.sum_keepdim(1)?)?.broadcast_as(h.shape())?)?;
+        Ok(y)
+    }
+}
+
+fn alias_then_shadow_plain(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let h1 = x.matmul(w)?;
+    let h2 = h1.exp()?;
+    let g = (&h1 * 2.0)?;
+    let h3 = (&h2 + &g)?;
+    let xs = (x.sum_keepdim(1)? + (x * 0.5)?.sum_keepdim(1)?)?;
+    (&h1 + &h3)?.tanh()? + xs.broadcast_as(h3.shape())?
+}
+
+/// `let r = &h; let h = ...; ... r ...` failed to compile (E0382: the first
+/// `h` was released by name after its last reader through `r`, where `h`
+/// named the second). Every gradient is plain candle's.
+#[test]
+fn a_reference_to_a_binding_shadowed_later_reads_the_first_value() {
+    for dtype in [DType::F32, DType::F64] {
+        let tol = if dtype == DType::F32 { 1e-5 } else { 1e-12 };
+        let x = var(&[3, 4], 51, 0.5, dtype);
+        let w = var(&[4, 4], 52, 0.5, dtype);
+        let reference = alias_then_shadow_plain(x.as_tensor(), w.as_tensor())
+            .and_then(|y| y.sqr()?.sum_all())
+            .unwrap()
+            .backward()
+            .unwrap();
+        let mut all = plans();
+        all.push(Plan::save_only(["g"]));
+        for plan in all {
+            let y = plan
+                .scope(|| alias_then_shadow(x.as_tensor(), w.as_tensor())?.sqr()?.sum_all())
+                .unwrap();
+            let g = backward(&y).unwrap();
+            for v in [&x, &w] {
+                let d = match g.get(v) {
+                    Some(got) => rel_diff(got, reference.get(v).unwrap()),
+                    None => f64::INFINITY,
+                };
+                assert!(d < tol, "{dtype:?} {plan}: {d}");
+            }
+        }
+    }
+}

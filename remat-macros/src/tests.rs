@@ -207,17 +207,3 @@ fn host_data_made_a_tensor() {
         }
     }));
 }
-
-#[test]
-#[ignore]
-fn scratch_print() {
-    println!("{}", pretty(quote! {
-        fn block(xs: &Tensor, w: &Var) -> Result<Tensor> {
-            let h = xs.matmul(w)?;
-            let r = &h;
-            let h = h.exp()?;
-            let y = (r + &h)?;
-            Ok(y)
-        }
-    }));
-}

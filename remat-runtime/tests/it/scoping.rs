@@ -391,7 +391,11 @@ fn a_reference_to_a_binding_shadowed_later_reads_the_first_value() {
         all.push(Plan::save_only(["g"]));
         for plan in all {
             let y = plan
-                .scope(|| alias_then_shadow(x.as_tensor(), w.as_tensor())?.sqr()?.sum_all())
+                .scope(|| {
+                    alias_then_shadow(x.as_tensor(), w.as_tensor())?
+                        .sqr()?
+                        .sum_all()
+                })
                 .unwrap();
             let g = backward(&y).unwrap();
             for v in [&x, &w] {

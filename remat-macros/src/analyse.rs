@@ -26,6 +26,9 @@ pub(crate) struct Read {
     /// of one or of a binding (`let residual = xs;`, `let r = &h;`). The
     /// statement reads what it refers to and sees a reference again.
     pub borrowed: Option<Borrowed>,
+    /// References taken of such a reference (`let xr = &x;` with `x: &T`:
+    /// 1): the statement reads through them and sees them again.
+    pub refs: usize,
     /// Declared `mut`: the statement may change it, and gives it back.
     pub mutable: bool,
     /// The statement reads it for its value, where a gradient can flow (not
@@ -133,6 +136,8 @@ struct Binding {
     ident: Ident,
     /// A reference: see [`Read::borrowed`].
     borrowed: Option<Borrowed>,
+    /// See [`Read::refs`].
+    refs: usize,
     /// The bindings that live as long as it: the one a `let r = &h;` alias
     /// refers to, those a closure borrows.
     refers_to: Vec<usize>,
@@ -222,6 +227,7 @@ impl<'a> Analyser<'a> {
             .map(|(i, p)| Binding {
                 ident: p.ident.clone(),
                 borrowed: p.borrowed().then_some(Borrowed::Param(i)),
+                refs: 0,
                 refers_to: Vec::new(),
                 captures: None,
                 mutable: p.mutable,
@@ -350,8 +356,9 @@ impl<'a> Analyser<'a> {
                 }
                 // `alias` and `borrows` bind one name: the last binding.
                 let b = self.bindings.len().saturating_sub(1);
-                if let Some((borrowed, refers_to)) = alias {
+                if let Some((borrowed, refs, refers_to)) = alias {
                     self.bindings[b].borrowed = Some(borrowed);
+                    self.bindings[b].refs = refs;
                     self.bindings[b].refers_to = refers_to;
                 } else if self.plain[i] && single(pat).is_some() && borrows(expr) {
                     // A closure borrowing bindings: they live as long as it.
@@ -363,12 +370,19 @@ impl<'a> Analyser<'a> {
                         held.extend(self.bindings[r].refers_to.iter().copied());
                     }
                     self.bindings[b].refers_to = held;
-                    // Not a closure that moves what it reads (`|t| t * scale`).
-                    let owns = |r: usize| self.bindings[r].moved_by.is_some_and(|(m, _)| m == i);
-                    if reads
-                        .iter()
-                        .all(|&(r, _)| !self.bindings[r].mutable && !owns(r))
-                    {
+                    if reads.iter().all(|&(r, _)| !self.bindings[r].mutable) {
+                        // What it moves (`|t| (t * g.exp()?)? * k` moves
+                        // the `f64` `k`) each calling statement moves from
+                        // its own copy: not moved where the closure is
+                        // written. (A closure left to plain code there
+                        // moves it: a later statement reading a value that
+                        // is not `Copy` is then rustc's E0382, not a
+                        // gradient lost through the forward's value.)
+                        for &(r, _) in &reads {
+                            if self.bindings[r].moved_by.is_some_and(|(m, _)| m == i) {
+                                self.bindings[r].moved_by = None;
+                            }
+                        }
                         self.bindings[b].captures = Some((i, reads.clone()));
                     }
                 }
@@ -429,8 +443,9 @@ impl<'a> Analyser<'a> {
 
     /// `let a = b;` with `b` a reference (a borrowed parameter, or an alias
     /// of one), or `let r = &h;` with `h` a binding: what the new binding
-    /// refers to, and the binding that must outlive it.
-    fn alias(&self, init: &Expr) -> Option<(Borrowed, Vec<usize>)> {
+    /// refers to, the references taken of a reference on the way (`let xr =
+    /// &x;` with `x: &T`), and the bindings that must outlive it.
+    fn alias(&self, init: &Expr) -> Option<(Borrowed, usize, Vec<usize>)> {
         let (reference, target) = match init {
             Expr::Reference(r) if r.mutability.is_none() => (true, &*r.expr),
             e => (false, e),
@@ -439,8 +454,12 @@ impl<'a> Analyser<'a> {
         let ident = p.path.get_ident().filter(|_| p.qself.is_none())?;
         let b = self.lookup(&ident.to_string(), ident.span())?;
         match (self.bindings[b].borrowed, reference) {
-            (Some(borrowed), _) => Some((borrowed, self.bindings[b].refers_to.clone())),
-            (None, true) => Some((Borrowed::Binding, vec![b])),
+            (Some(borrowed), _) => Some((
+                borrowed,
+                self.bindings[b].refs + usize::from(reference),
+                self.bindings[b].refers_to.clone(),
+            )),
+            (None, true) => Some((Borrowed::Binding, 0, vec![b])),
             (None, false) => None,
         }
     }
@@ -465,6 +484,7 @@ impl<'a> Analyser<'a> {
         self.bindings.push(Binding {
             ident,
             borrowed: None,
+            refs: 0,
             refers_to: Vec::new(),
             captures: None,
             mutable,
@@ -797,13 +817,14 @@ impl<'a> Analyser<'a> {
                     Read {
                         ident: crate::ident(&name, span),
                         borrowed: binding.borrowed,
+                        refs: binding.refs,
                         mutable: binding.mutable,
                         for_value: for_value.is_none_or(|v| v.contains(&name)),
-                        // A statement's value read through its fields (a
-                        // struct of the user's own) is read in part.
+                        // A value read through its fields (a struct of the
+                        // user's own that derives `Outputs`) is read in
+                        // part.
                         in_part: in_part.is_some_and(|v| v.contains(&name))
-                            || (binding.producer.is_some()
-                                && in_fields.is_some_and(|v| v.contains(&name))),
+                            || in_fields.is_some_and(|v| v.contains(&name)),
                         on_branch: on_branch.is_some_and(|v| v.contains(&name)),
                         plain_code: binding.borrowed.is_none()
                             && binding.producer.is_some_and(|p| {

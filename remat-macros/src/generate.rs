@@ -77,8 +77,18 @@ enum Taker {
     },
 }
 
-fn handover(ident: &Ident, passing: Option<&Passing>, taker: Taker) -> Handover {
+/// `refs`: references taken of a reference (`let xr = &x;` with `x: &T`):
+/// read through, and taken again in the statement's view.
+fn handover(ident: &Ident, passing: Option<&Passing>, taker: Taker, refs: usize) -> Handover {
     let span = ident.span();
+    let derefs = std::iter::repeat_n(quote!(*), refs);
+    let target = quote!(#(#derefs)* #ident);
+    // A method's receiver: `(*m).cloned()`.
+    let receiver = if refs == 0 {
+        quote!(#ident)
+    } else {
+        quote!((#target))
+    };
     let (region, mutable, for_value, in_part, on_branch) = match taker {
         Taker::Region => (true, false, true, false, false),
         Taker::Statement {
@@ -101,7 +111,7 @@ fn handover(ident: &Ident, passing: Option<&Passing>, taker: Taker) -> Handover 
             quote!(),
         ),
         Some(Passing::Ref(_)) => (
-            quote_spanned!(span=> rt::read(#ident)),
+            quote_spanned!(span=> rt::read(#target)),
             quote!(ref #ident),
             quote!(),
         ),
@@ -111,7 +121,7 @@ fn handover(ident: &Ident, passing: Option<&Passing>, taker: Taker) -> Handover 
             } else if region {
                 quote_spanned!(span=> rt::param(&#ident.cloned()))
             } else {
-                quote_spanned!(span=> rt::read(&#ident.cloned()))
+                quote_spanned!(span=> rt::read(&#receiver.cloned()))
             },
             quote!(#ident),
             quote! { let #ident = #ident.as_ref(); },
@@ -126,6 +136,12 @@ fn handover(ident: &Ident, passing: Option<&Passing>, taker: Taker) -> Handover 
             quote!(#mutability #ident),
             quote!(),
         ),
+    };
+    let refs = std::iter::repeat_n(quote!(&), refs);
+    let view = if passing.is_some() && refs.len() > 0 {
+        quote! { #view let #ident = #(#refs)* #ident; }
+    } else {
+        view
     };
     let arg = match (for_value, in_part, on_branch) {
         (true, _, true) => quote!(#read.arg().on_branch()),
@@ -194,7 +210,7 @@ fn reads(reads: &[Read], changes: &[Ident], params: &[Param]) -> Reads {
             in_part: r.in_part,
             on_branch: r.on_branch,
         };
-        let h = handover(&r.ident, passing, taker);
+        let h = handover(&r.ident, passing, taker, r.refs);
         args.push(h.arg);
         pats.push(h.pat);
         views.extend(h.view);
@@ -349,6 +365,8 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
     let imports = imports(block, analysis);
     let names = registered_names(analysis);
     let ret = &block.ret;
+    // The block's error type is checked here, at its result.
+    let errors = quote_spanned!(ret.span()=> rt::BlockError::errors());
     let body = braces(
         block,
         quote! {
@@ -358,7 +376,7 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
             #names
             #receiver
             #checks
-            rt::Ok(rt::region::<#ret>(#region)#fields.run(
+            rt::Ok(rt::region::<#ret>(#region, #errors)#fields.run(
                 #args,
                 move |#ctx, #pats| {
                     #views
@@ -415,7 +433,7 @@ fn parameters(params: &[Param]) -> Parameters {
             }),
             _ => {}
         }
-        let h = handover(ident, Some(&param.passing), Taker::Region);
+        let h = handover(ident, Some(&param.passing), Taker::Region, 0);
         args.push(h.arg);
         pats.push(h.pat);
         views.extend(h.view);

@@ -396,7 +396,7 @@ pub(crate) fn read_in_part(expr: &Expr) -> Vec<String> {
 /// ([`read_for_value`]), those it reads only through named fields
 /// (`routed.states`) and parts: a statement's value of a struct of the
 /// user's own (`#[derive(Outputs)]`) read so may leave some of its tensors
-/// unread. (A parameter's fields are its own: `p.w1` reads `p` whole.)
+/// unread, and so may a parameter's (`p.a`, `p.b` read by two statements).
 pub(crate) fn read_through_fields(expr: &Expr) -> Vec<String> {
     let (whole, parts) = reads_of(expr, false, true);
     let mut out: Vec<String> = parts.into_iter().filter(|p| !whole.contains(p)).collect();

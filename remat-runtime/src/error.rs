@@ -469,6 +469,68 @@ pub enum RematError {
     /// An error from candle outside of any statement.
     #[error("candle: {0}")]
     Candle(Arc<candle_core::Error>),
+    /// An error of a `remat!` block's own error type (neither candle's nor
+    /// this one: `return Err(MyError::EmptyBatch)` in a statement), carried
+    /// through the runtime. The block gives it back as it was
+    /// ([`crate::rules::BlockError`]); raised in a replay, the backward
+    /// returns it here, its message its `Debug` form.
+    #[error("{0}")]
+    User(UserError),
+}
+
+/// An error of a block's own type inside a [`RematError::User`]: its
+/// `Debug` form, and the value, which the block takes back once.
+///
+/// ```
+/// use remat_runtime::{rules::BlockError, RematError};
+/// #[derive(Debug, PartialEq)]
+/// struct Empty;
+/// impl From<candle_core::Error> for Empty {
+///     fn from(_: candle_core::Error) -> Self {
+///         Empty
+///     }
+/// }
+/// let e = Empty.into_remat();
+/// assert!(matches!(&e, RematError::User(u) if u.to_string() == "Empty"));
+/// assert_eq!(Empty::from_remat(e), Empty);
+/// ```
+#[derive(Clone)]
+pub struct UserError {
+    message: String,
+    value: Arc<std::sync::Mutex<Option<Box<dyn std::any::Any + Send>>>>,
+}
+
+impl UserError {
+    pub(crate) fn new(message: String, value: Box<dyn std::any::Any + Send>) -> Self {
+        UserError {
+            message,
+            value: Arc::new(std::sync::Mutex::new(Some(value))),
+        }
+    }
+
+    /// The value, if it is a `T` not taken yet.
+    pub(crate) fn take<T: 'static>(&self) -> Option<T> {
+        let mut slot = crate::lock(&self.value);
+        match slot.take()?.downcast::<T>() {
+            Ok(value) => Some(*value),
+            Err(other) => {
+                *slot = Some(other);
+                None
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for UserError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::fmt::Debug for UserError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
 }
 
 impl From<candle_core::Error> for RematError {

@@ -91,7 +91,7 @@ mod values;
 pub use backward::{backward, retain_tape, OptimizerInBackward};
 pub use checkpointed::Checkpointed;
 pub use ctx::{in_replay, Ctx};
-pub use error::{Mismatch, RematError, Result};
+pub use error::{Mismatch, RematError, Result, UserError};
 pub use inspect::{check_gradients, MemoryReport};
 pub use plan::{Plan, StatementInfo};
 pub use policy::Policy;

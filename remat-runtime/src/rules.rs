@@ -9,9 +9,12 @@
 //! - [`StatementValue`]: a statement's value is made of tensors and plain
 //!   values ([`Outputs`]), not a `Result` (a missing `?`);
 //! - [`HoldsTensors`]: a `#[save]` or `#[offload]` statement's value holds a
-//!   tensor (there is something to save).
+//!   tensor (there is something to save);
+//! - [`BlockError`]: a block's error type takes candle's errors and can
+//!   cross threads.
 
-use crate::__private::{Args, Block, Declared};
+use crate::__private::{Args, Block, Declared, Errors};
+use crate::error::UserError;
 use crate::{Outputs, RematError, Result};
 
 /// A value a statement of a `remat!` block can read: every `Clone` type.
@@ -82,7 +85,7 @@ pub trait StatementValue: Sized {
     /// `reads` names those read for their values, in order), under the
     /// policy it declares.
     #[doc(hidden)]
-    fn run<A: Args, E: Into<RematError>>(
+    fn run<A: Args, E>(
         block: &mut Block<'_, E>,
         name: &str,
         reads: &[&str],
@@ -94,7 +97,7 @@ pub trait StatementValue: Sized {
 
 #[diagnostic::do_not_recommend]
 impl<T: Outputs> StatementValue for T {
-    fn run<A: Args, E: Into<RematError>>(
+    fn run<A: Args, E>(
         block: &mut Block<'_, E>,
         name: &str,
         reads: &[&str],
@@ -103,6 +106,94 @@ impl<T: Outputs> StatementValue for T {
         f: impl FnOnce(A::Values) -> std::result::Result<Self, E>,
     ) -> Result<Self> {
         block.statement(name, reads, declared, args, f)
+    }
+}
+
+/// The error type of a `remat!` block's `Result` (`candle_core::Error`,
+/// [`RematError`], `anyhow::Error`, an enum of your own): statements fail
+/// with it (`?` on candle's errors, `return Err(MyError::..)`), so it takes
+/// candle's errors (`From<candle_core::Error>`), and it can cross threads
+/// (the backward may run elsewhere). An error of this type that a
+/// statement returns comes back from the block as it was; one the runtime
+/// raises comes back through `From<candle_core::Error>` (a
+/// [`RematError`] as itself).
+///
+/// ```
+/// use remat_runtime::rules::BlockError;
+/// #[derive(Debug)]
+/// enum MyError {
+///     Candle(candle_core::Error),
+///     EmptyBatch,
+/// }
+/// impl From<candle_core::Error> for MyError {
+///     fn from(e: candle_core::Error) -> Self {
+///         MyError::Candle(e)
+///     }
+/// }
+/// fn block_error<E: BlockError>() {}
+/// block_error::<MyError>();
+/// block_error::<candle_core::Error>();
+/// block_error::<remat_runtime::RematError>();
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is the error type of a remat! block, so it must implement `From<candle_core::Error>`, `Debug`, `Send` and `Sync`, and be `'static`",
+    label = "this block's result",
+    note = "statements run candle ops whose errors `?` turns into the block's error type, and the backward may run on another thread: return `candle_core::Result`, `remat_runtime::Result` or `anyhow::Result`, or implement `From<candle_core::Error>` for your error type"
+)]
+pub trait BlockError: Sized + std::fmt::Debug + Send + Sync + 'static {
+    /// The error as the runtime carries it: a [`RematError`] as itself, a
+    /// candle error as [`RematError::Candle`], any other as
+    /// [`RematError::User`].
+    fn into_remat(self) -> RematError {
+        use std::any::{Any, TypeId};
+        let id = TypeId::of::<Self>();
+        if id != TypeId::of::<RematError>() && id != TypeId::of::<candle_core::Error>() {
+            let message = format!("{self:?}");
+            return RematError::User(UserError::new(message, Box::new(self)));
+        }
+        let any: Box<dyn Any> = Box::new(self);
+        match any.downcast::<RematError>() {
+            Ok(e) => *e,
+            Err(any) => match any.downcast::<candle_core::Error>() {
+                Ok(e) => RematError::from(*e),
+                Err(_) => unreachable!("the type was one of the two"),
+            },
+        }
+    }
+
+    /// The block's error from the runtime's: a [`RematError`] as itself; an
+    /// error of this type a statement returned, as it was; any other
+    /// through `From<candle_core::Error>`.
+    fn from_remat(e: RematError) -> Self;
+
+    /// Both conversions, for the block's region.
+    #[doc(hidden)]
+    fn errors() -> Errors<Self> {
+        Errors {
+            into_remat: Self::into_remat,
+            from_remat: Self::from_remat,
+        }
+    }
+}
+
+#[diagnostic::do_not_recommend]
+impl<E: From<candle_core::Error> + std::fmt::Debug + Send + Sync + 'static> BlockError for E {
+    fn from_remat(e: RematError) -> Self {
+        use std::any::Any;
+        let any: Box<dyn Any> = Box::new(e);
+        let e = match any.downcast::<Self>() {
+            Ok(same) => return *same,
+            Err(any) => match any.downcast::<RematError>() {
+                Ok(e) => *e,
+                Err(_) => unreachable!("the box holds a RematError"),
+            },
+        };
+        if let RematError::User(user) = e.root() {
+            if let Some(own) = user.take::<Self>() {
+                return own;
+            }
+        }
+        Self::from(candle_core::Error::from(e))
     }
 }
 

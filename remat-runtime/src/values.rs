@@ -185,17 +185,22 @@ impl<T: Outputs, const N: usize> Outputs for [T; N] {
     }
 }
 
-/// A map of values (`HashMap<String, Tensor>`): its tensors in the map's
-/// order, its keys in the skeleton.
+/// A map of values (`HashMap<String, Tensor>`): its tensors in the order
+/// of its keys (not the map's own order, which differs from one map to the
+/// next: the replay's map must give its tensors in the forward's order),
+/// its keys in the skeleton.
 impl<K, V, S> Outputs for HashMap<K, V, S>
 where
-    K: Eq + Hash + Clone + Send + Sync + 'static,
+    K: Ord + Hash + Clone + Send + Sync + 'static,
     V: Outputs,
     S: BuildHasher + Default,
 {
     type Skeleton = Vec<(K, V::Skeleton)>;
     fn split_into(self, tensors: &mut Vec<Tensor>) -> Self::Skeleton {
-        self.into_iter()
+        let mut entries: Vec<(K, V)> = self.into_iter().collect();
+        entries.sort_by(|a, b| a.0.cmp(&b.0));
+        entries
+            .into_iter()
             .map(|(k, v)| (k, v.split_into(tensors)))
             .collect()
     }

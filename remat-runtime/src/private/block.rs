@@ -2,8 +2,6 @@
 //! ([`Block`]), which fixes the error type of the block's statements to the
 //! block's own.
 
-use std::marker::PhantomData;
-
 use super::args::{Args, Split};
 use crate::{Ctx, Outputs, Policy, Region, RematError, Result};
 
@@ -33,17 +31,27 @@ impl Declared {
 
 /// The region of a block whose function returns `R` (a `Result`): its
 /// statements fail with `R`'s error type.
-pub fn region<R: ResultError>(name: impl Into<String>) -> BlockRegion<R> {
+/// `errors`: how its error type and the runtime's convert
+/// (`rt::BlockError::errors()`, checked where the block's result is
+/// written).
+pub fn region<R: ResultError>(name: impl Into<String>, errors: Errors<R::Error>) -> BlockRegion<R> {
     BlockRegion {
         region: Region::new(name).declaring_all_reads(),
-        result: PhantomData,
+        errors,
     }
 }
 
+/// How a block's error type `E` and [`RematError`] convert
+/// ([`crate::rules::BlockError`]).
+pub struct Errors<E> {
+    pub(crate) into_remat: fn(E) -> RematError,
+    pub(crate) from_remat: fn(RematError) -> E,
+}
+
 /// See [`region`].
-pub struct BlockRegion<R> {
+pub struct BlockRegion<R: ResultError> {
     region: Region,
-    result: PhantomData<fn() -> R>,
+    errors: Errors<R::Error>,
 }
 
 impl<R: ResultError> BlockRegion<R> {
@@ -64,23 +72,26 @@ impl<R: ResultError> BlockRegion<R> {
         self,
         args: A,
         body: impl Fn(&mut Block<'_, R::Error>, A::Values) -> Result<O> + Send + Sync + 'static,
-    ) -> Result<O>
+    ) -> std::result::Result<O, R::Error>
     where
         A: Args + Send + Sync + 'static,
         O: Outputs,
+        R::Error: 'static,
     {
         let (inputs, _, _) = args.tensors();
-        self.region.run(inputs, move |ctx, tensors| {
+        let into_remat = self.errors.into_remat;
+        let result = self.region.run(inputs, move |ctx, tensors| {
             let values = args.values_from(tensors, tensors.len())?;
             body(
                 &mut Block {
                     ctx,
                     host_cut: None,
-                    error: PhantomData,
+                    into_remat,
                 },
                 values,
             )
-        })
+        });
+        result.map_err(self.errors.from_remat)
     }
 }
 
@@ -91,7 +102,8 @@ pub struct Block<'a, E> {
     /// A cut [`Block::host_data`] found in what the named statement reads:
     /// raised if the statement gives a floating-point tensor.
     host_cut: Option<(String, RematError)>,
-    error: PhantomData<fn() -> E>,
+    /// The block's error type as the runtime carries it.
+    into_remat: fn(E) -> RematError,
 }
 
 impl<E> Block<'_, E> {
@@ -132,10 +144,7 @@ impl<E> Block<'_, E> {
         declared: Declared,
         args: A,
         f: impl FnOnce(A::Values) -> std::result::Result<O, E>,
-    ) -> Result<O>
-    where
-        E: Into<RematError>,
-    {
+    ) -> Result<O> {
         let (inputs, n_values, reach) = args.tensors();
         let cut = self.host_cut.take().filter(|(s, _)| s == name);
         // Whether the statement made a float tensor: one of its outputs
@@ -148,7 +157,7 @@ impl<E> Block<'_, E> {
             inputs,
             (n_values, &reach),
             |tensors| {
-                let out = f(args.values_from(tensors, n_values)?).map_err(Into::into)?;
+                let out = f(args.values_from(tensors, n_values)?).map_err(self.into_remat)?;
                 if cut.is_none() {
                     return Ok(out);
                 }

@@ -27,10 +27,10 @@ mod saved;
 pub use crate::__remat_statement_names as names;
 pub use crate::graph::Reach;
 pub use crate::plan::compiled::StatementNames;
-pub use crate::rules::{HoldsTensors, Parameter, Readable, StatementValue};
+pub use crate::rules::{BlockError, HoldsTensors, Parameter, Readable, StatementValue};
 pub use args::{Arg, Args, OnBranch, Partly, Split, WithoutGrad};
 pub use block::{
-    method_region, region, Block, BlockRegion, Declared, Declared::*, ErrorOf, ResultError,
+    method_region, region, Block, BlockRegion, Declared, Declared::*, ErrorOf, Errors, ResultError,
 };
 pub use inventory;
 pub use read::{

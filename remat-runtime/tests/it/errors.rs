@@ -380,3 +380,81 @@ fn an_op_backward_that_fails_names_the_region_and_its_statements() {
         }
     }
 }
+
+/// A block's own error type, as applications write them.
+#[derive(Debug)]
+enum LayerError {
+    Candle(candle_core::Error),
+    EmptyBatch { layer: usize },
+}
+
+impl From<candle_core::Error> for LayerError {
+    fn from(e: candle_core::Error) -> Self {
+        LayerError::Candle(e)
+    }
+}
+
+remat_runtime::remat! {
+    fn checked_layer(x: &Tensor, w: &Tensor, layer: usize) -> Result<Tensor, LayerError> {
+        let h = x.matmul(w)?;
+        #[save]
+        let y = if h.dim(0)? == 0 {
+            return Err(LayerError::EmptyBatch { layer });
+        } else {
+            h.tanh()?
+        };
+        Ok((y * 2.0)?)
+    }
+}
+
+/// A block returning `Result<_, LayerError>` (an enum of the user's own
+/// with `From<candle_core::Error>`) compiles and trains with plain
+/// gradients under every plan; an error of its own type a statement
+/// returns (`return Err(..)`, or a candle error its `?` turned into one)
+/// comes back as it was.
+#[test]
+fn a_block_with_its_own_error_type_gives_its_errors_back() {
+    use remat_runtime::Plan;
+    for dtype in [DType::F32, DType::F64] {
+        let tol = if dtype == DType::F32 { 1e-5 } else { 1e-12 };
+        let x = var(&[3, 4], 71, 1.0, dtype);
+        let w = var(&[4, 4], 72, 0.5, dtype);
+        let reference = (x.matmul(&w).unwrap().tanh().unwrap() * 2.0)
+            .unwrap()
+            .sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        for plan in [Plan::declared(), Plan::recompute_all(), Plan::save_all()] {
+            let y = plan
+                .scope(|| checked_layer(x.as_tensor(), w.as_tensor(), 0))
+                .unwrap();
+            let g = backward(&y.sqr().unwrap().sum_all().unwrap()).unwrap();
+            for v in [&x, &w] {
+                let d = rel_diff(g.get(v).unwrap(), reference.get(v).unwrap());
+                assert!(d <= tol, "{dtype:?} {plan}: {d}");
+            }
+            let empty = Tensor::zeros((0, 4), dtype, &candle_core::Device::Cpu).unwrap();
+            let e = plan
+                .scope(|| checked_layer(&empty, w.as_tensor(), 3))
+                .unwrap_err();
+            assert!(
+                matches!(e, LayerError::EmptyBatch { layer: 3 }),
+                "{plan}: {e:?}"
+            );
+            let wrong = var(&[5, 4], 73, 0.5, dtype);
+            let e = plan
+                .scope(|| checked_layer(x.as_tensor(), wrong.as_tensor(), 0))
+                .unwrap_err();
+            let LayerError::Candle(c) = &e else {
+                panic!("{plan}: {e:?}")
+            };
+            // The statement's own `?` made it a `LayerError`: it comes back
+            // as the statement made it.
+            let text = c.to_string();
+            assert!(text.contains("shape mismatch in matmul"), "{plan}: {text}");
+        }
+    }
+}

@@ -348,41 +348,47 @@ fn closures_borrowing_statements_outputs_keep_them_and_their_gradients() {
 }
 
 remat! {
-    /// A reference taken to a binding and a parameter, both then shadowed:
-    /// the references still read the first values.
-    fn alias_then_shadow(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    /// References taken to a binding, to a reference parameter and to an
+    /// optional one (and to a reference), the first two then shadowed: the
+    /// references still read the first values.
+    fn alias_then_shadow(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         let xr = &x;
+        let br = &bias;
         let h = x.matmul(w)?;
         let r = &h;
+        let rr = &r;
         #[save]
         let h = h.exp()?;
         let x = (x * 0.5)?;
-        let g = (r * 2.0)?;
-        let h = (&h + &g)?;
+        let g = (rr.sqr()? * 2.0)?;
+        let h = (&h + &g)?.broadcast_add(br.unwrap())?;
         let y = ((r + &h)?.tanh()? + (xr.sum_keepdim(1)? + x.sum_keepdim(1)?)?.broadcast_as(h.shape())?)?;
         Ok(y)
     }
 }
 
-fn alias_then_shadow_plain(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+fn alias_then_shadow_plain(x: &Tensor, w: &Tensor, bias: &Tensor) -> Result<Tensor> {
     let h1 = x.matmul(w)?;
     let h2 = h1.exp()?;
-    let g = (&h1 * 2.0)?;
-    let h3 = (&h2 + &g)?;
+    let g = (h1.sqr()? * 2.0)?;
+    let h3 = (&h2 + &g)?.broadcast_add(bias)?;
     let xs = (x.sum_keepdim(1)? + (x * 0.5)?.sum_keepdim(1)?)?;
     (&h1 + &h3)?.tanh()? + xs.broadcast_as(h3.shape())?
 }
 
 /// `let r = &h; let h = ...; ... r ...` failed to compile (E0382: the first
 /// `h` was released by name after its last reader through `r`, where `h`
-/// named the second). Every gradient is plain candle's.
+/// named the second); `let xr = &x;` of a parameter `x: &Tensor` (and
+/// `let rr = &r;`) was read as a plain value, and saving plans lost the
+/// gradient through it silently. Every gradient is plain candle's.
 #[test]
 fn a_reference_to_a_binding_shadowed_later_reads_the_first_value() {
     for dtype in [DType::F32, DType::F64] {
         let tol = if dtype == DType::F32 { 1e-5 } else { 1e-12 };
         let x = var(&[3, 4], 51, 0.5, dtype);
         let w = var(&[4, 4], 52, 0.5, dtype);
-        let reference = alias_then_shadow_plain(x.as_tensor(), w.as_tensor())
+        let b = var(&[4], 53, 0.5, dtype);
+        let reference = alias_then_shadow_plain(x.as_tensor(), w.as_tensor(), b.as_tensor())
             .and_then(|y| y.sqr()?.sum_all())
             .unwrap()
             .backward()
@@ -392,18 +398,77 @@ fn a_reference_to_a_binding_shadowed_later_reads_the_first_value() {
         for plan in all {
             let y = plan
                 .scope(|| {
-                    alias_then_shadow(x.as_tensor(), w.as_tensor())?
+                    alias_then_shadow(x.as_tensor(), w.as_tensor(), Some(b.as_tensor()))?
                         .sqr()?
                         .sum_all()
                 })
                 .unwrap();
             let g = backward(&y).unwrap();
-            for v in [&x, &w] {
+            for (name, v) in [("x", &x), ("w", &w), ("bias", &b)] {
                 let d = match g.get(v) {
                     Some(got) => rel_diff(got, reference.get(v).unwrap()),
                     None => f64::INFINITY,
                 };
-                assert!(d < tol, "{dtype:?} {plan}: {d}");
+                assert!(d < tol, "{dtype:?} {plan} {name}: {d}");
+            }
+        }
+    }
+}
+
+remat! {
+    /// A helper closure over a saved output, a number it moves (a `f64`
+    /// parameter) and a count made by plain code.
+    fn closure_moves_numbers(x: &Tensor, w: &Tensor, k: f64) -> Result<Tensor> {
+        #[save]
+        let g = x.matmul(w)?.tanh()?;
+        let n = g.dim(1)?;
+        let gate = |t: &Tensor| -> Result<Tensor> { ((t * g.exp()?)? * k)? / n as f64 };
+        let b = gate(&x.sin()?)?;
+        Ok((b + &g)?)
+    }
+}
+
+fn closure_moves_numbers_plain(x: &Tensor, w: &Tensor, k: f64) -> Result<Tensor> {
+    let g = x.matmul(w)?.tanh()?;
+    let n = g.dim(1)?;
+    let gate = |t: &Tensor| -> Result<Tensor> { ((t * g.exp()?)? * k)? / n as f64 };
+    let b = gate(&x.sin()?)?;
+    b + &g
+}
+
+/// A closure that reads a statement's output and moves a number: under
+/// saving plans its caller read the forward's output (the closure was left
+/// to plain code) and the gradient through it was lost silently. Every
+/// gradient is plain candle's.
+#[test]
+fn a_closure_moving_a_number_keeps_the_outputs_it_borrows_and_their_gradients() {
+    for dtype in [DType::F32, DType::F64] {
+        let tol = if dtype == DType::F32 { 1e-5 } else { 1e-12 };
+        let x = var(&[3, 4], 61, 0.5, dtype);
+        let w = var(&[4, 4], 62, 0.5, dtype);
+        let reference = closure_moves_numbers_plain(x.as_tensor(), w.as_tensor(), 1.5)
+            .and_then(|y| y.sqr()?.sum_all())
+            .unwrap()
+            .backward()
+            .unwrap();
+        let mut all = plans();
+        all.push(Plan::save_only(["b"]));
+        all.push(Plan::budget(0.5));
+        for plan in all {
+            let y = plan
+                .scope(|| {
+                    closure_moves_numbers(x.as_tensor(), w.as_tensor(), 1.5)?
+                        .sqr()?
+                        .sum_all()
+                })
+                .unwrap();
+            let g = backward(&y).unwrap();
+            for (name, v) in [("x", &x), ("w", &w)] {
+                let d = match g.get(v) {
+                    Some(got) => rel_diff(got, reference.get(v).unwrap()),
+                    None => f64::INFINITY,
+                };
+                assert!(d < tol, "{dtype:?} {plan} {name}: {d}");
             }
         }
     }

@@ -447,13 +447,15 @@ fn value_reads(expr: &Expr) -> (Vec<String>, Vec<String>) {
 /// has an empty one). `named_fields`: a name's named field (`r.states`)
 /// is a part of it too.
 fn reads_of(expr: &Expr, every_branch: bool, named_fields: bool) -> (Vec<String>, Vec<String>) {
-    struct Collect(Vec<String>, Vec<String>, bool, bool);
+    /// Reads whole, reads in part, every branch only, named fields as
+    /// parts, inside a cast to a number.
+    struct Collect(Vec<String>, Vec<String>, bool, bool, bool);
     impl Collect {
         /// The reads every arm makes (whole or in part: as read whole).
         fn arms<'a>(&mut self, arms: impl Iterator<Item = Option<&'a Expr>>) {
             let mut common: Option<Vec<String>> = None;
             for arm in arms {
-                let mut c = Collect(Vec::new(), Vec::new(), true, self.3);
+                let mut c = Collect(Vec::new(), Vec::new(), true, self.3, self.4);
                 if let Some(e) = arm {
                     c.visit_expr(e);
                 }
@@ -517,6 +519,13 @@ fn reads_of(expr: &Expr, every_branch: bool, named_fields: bool) -> (Vec<String>
             }
         }
         fn visit_expr_index(&mut self, i: &'ast syn::ExprIndex) {
+            let part = match &*i.expr {
+                Expr::Field(f) => field_root(f).is_some(),
+                e => name_of(e).is_some(),
+            };
+            if self.4 && part {
+                return self.visit_expr(&i.index);
+            }
             match name_of(&i.expr) {
                 Some(name) => {
                     self.1.push(name);
@@ -525,7 +534,19 @@ fn reads_of(expr: &Expr, every_branch: bool, named_fields: bool) -> (Vec<String>
                 None => syn::visit::visit_expr_index(self, i),
             }
         }
+        fn visit_expr_cast(&mut self, c: &'ast syn::ExprCast) {
+            // Parts of values in a cast to a number (`t.1 as f64`,
+            // `(p.grid.h * p.grid.w) as f64`, `dims[0] as f64`) are
+            // numbers, not tensors: those values are not read for their
+            // values there.
+            let outer = std::mem::replace(&mut self.4, true);
+            self.visit_expr(&c.expr);
+            self.4 = outer;
+        }
         fn visit_expr_field(&mut self, f: &'ast syn::ExprField) {
+            if self.4 && field_root(f).is_some() {
+                return;
+            }
             // A tuple's field; a struct's (`p.w1`: a parameter holding no
             // tensors of its own, `self.proj`) is read whole.
             match (name_of(&f.base), &f.member) {
@@ -562,9 +583,21 @@ fn reads_of(expr: &Expr, every_branch: bool, named_fields: bool) -> (Vec<String>
     if detached_whole(expr) {
         return (Vec::new(), Vec::new());
     }
-    let mut c = Collect(Vec::new(), Vec::new(), every_branch, named_fields);
+    let mut c = Collect(Vec::new(), Vec::new(), every_branch, named_fields, false);
     c.visit_expr(expr);
     (c.0, c.1)
+}
+
+/// The name a chain of fields starts from (`p` of `p.grid.h`).
+fn field_root(f: &syn::ExprField) -> Option<String> {
+    match &*f.base {
+        Expr::Field(inner) => field_root(inner),
+        Expr::Paren(p) => match &*p.expr {
+            Expr::Field(inner) => field_root(inner),
+            e => name_of(e),
+        },
+        e => name_of(e),
+    }
 }
 
 /// Whether the value of `expr` is detached last: `(...)?.detach()`.
@@ -649,6 +682,19 @@ mod tests {
         assert!(for_value(src).is_empty());
         assert_eq!(for_value("(a.exp()?.detach() * b)?"), ["b"]);
         assert_eq!(for_value("(a.exp()?.detach() * a)?"), ["a"]);
+    }
+
+    #[test]
+    fn parts_cast_to_numbers_are_not_read_for_their_values() {
+        let read = |src: &str| read_for_value(&syn::parse_str(src).unwrap());
+        assert_eq!(read("(y * (t.1 as f64 / n as f64))"), ["y", "n"]);
+        assert_eq!(read("(&h * dims[i] as f64)"), ["h", "i"]);
+        assert_eq!(read("(x.sum_all()? + (x.dim(0)? + k) as f64)"), ["x", "k"]);
+        assert_eq!(read("(y * ((p.grid.h * p.grid.w) as f64))"), ["y"]);
+        assert_eq!(
+            read("(y * p.sizes[i] as f64 + p.t.exp()?)"),
+            ["y", "i", "p"]
+        );
     }
 
     #[test]

@@ -243,3 +243,63 @@ fn derived_parameters_read_in_part_and_maps_of_tensors_give_plain_gradients() {
         }
     }
 }
+
+/// A token count beside the tokens, as vision embeddings return them.
+#[derive(Clone, Outputs)]
+struct Tokens(Tensor, usize);
+
+#[derive(Clone, Outputs)]
+struct Grid {
+    h: usize,
+    w: usize,
+}
+
+/// Patches and their grid, as a vision transformer's embedding gives them.
+#[derive(Clone, Outputs)]
+struct Patches {
+    tokens: Tensor,
+    grid: Grid,
+}
+
+remat! {
+    /// The tail reads the saved value's count and the parameter's grid
+    /// only, cast to numbers.
+    fn scaled_tokens(p: &Patches, w: &Tensor) -> candle_core::Result<Tensor> {
+        #[save]
+        let t = Tokens(p.tokens.matmul(w)?, p.tokens.dim(0)?);
+        let y = t.0.tanh()?;
+        Ok((y * (t.1 as f64 / (p.grid.h * p.grid.w) as f64))?)
+    }
+}
+
+/// A part of a value cast to a number (`t.1 as f64`, `(p.grid.h *
+/// p.grid.w) as f64`) is not a read of its tensors: the tail reading only
+/// those was refused (`InputCut`). Every gradient is plain candle's.
+#[test]
+fn a_part_cast_to_a_number_is_no_read_of_the_values_tensors() {
+    for dtype in DTYPES {
+        let tol = if dtype == DType::F32 { 1e-5 } else { 1e-12 };
+        let (x, w) = (var(&[3, 4], 91, 0.5, dtype), var(&[4, 4], 92, 0.5, dtype));
+        let p = Patches {
+            tokens: x.as_tensor().clone(),
+            grid: Grid { h: 1, w: 2 },
+        };
+        let reference = ((x.matmul(&w).unwrap().tanh().unwrap() * 1.5).unwrap())
+            .sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        for plan in plans() {
+            let y = plan
+                .scope(|| scaled_tokens(&p, w.as_tensor())?.sqr()?.sum_all())
+                .unwrap();
+            let g = backward(&y).unwrap();
+            for v in [&x, &w] {
+                let d = rel_diff(g.get(v).unwrap(), reference.get(v).unwrap());
+                assert!(d <= tol, "{dtype:?} {plan}: {d}");
+            }
+        }
+    }
+}

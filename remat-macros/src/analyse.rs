@@ -141,12 +141,15 @@ struct Binding {
     /// The bindings that live as long as it: the one a `let r = &h;` alias
     /// refers to, those a closure borrows.
     refers_to: Vec<usize>,
-    /// A closure borrowing bindings, none `mut` (`let f = |t| t + &bias;`):
-    /// its statement and what it reads. A statement calling it defines it
+    /// A closure borrowing bindings (`let f = |t| t + &bias;`), assigning
+    /// none of them: its statement and what it reads. A statement calling it defines it
     /// again in its own code, over its own copies of those, so that the
     /// replay computes with them and their gradients flow.
     captures: Option<(usize, Vec<(usize, Span)>)>,
     mutable: bool,
+    /// The `mut` binding this one gives back unchanged in name (a statement
+    /// reading a `mut` binding gives it back as a new binding).
+    continues: Option<usize>,
     /// The statement that bound it; `None` for parameters.
     producer: Option<usize>,
     last_reader: Option<usize>,
@@ -231,6 +234,7 @@ impl<'a> Analyser<'a> {
                 refers_to: Vec::new(),
                 captures: None,
                 mutable: p.mutable,
+                continues: None,
                 producer: None,
                 last_reader: None,
                 moved_by: None,
@@ -330,6 +334,9 @@ impl<'a> Analyser<'a> {
             }
             closures.push(called);
             let mut given = Vec::new();
+            // A closure borrowing bindings changes none of them where it
+            // is written: it gives none back (a statement calling it does).
+            let closure = self.plain[i] && borrows(expr) && pat.and_then(single).is_some();
             if !forward_only {
                 let moved = self.moves(expr, i);
                 let rebound: Vec<String> = pat
@@ -341,12 +348,15 @@ impl<'a> Analyser<'a> {
                 for &(b, _) in &reads {
                     let name = self.bindings[b].ident.to_string();
                     if self.bindings[b].mutable
+                        && !closure
                         && (!moved.contains(&b) || assigned.iter().any(|(n, _)| *n == name))
                         && !rebound.contains(&name)
                     {
                         let ident = self.bindings[b].ident.clone();
                         self.bind(ident, true, i);
-                        given.push(self.bindings.len() - 1);
+                        let new = self.bindings.len() - 1;
+                        self.bindings[new].continues = Some(b);
+                        given.push(new);
                     }
                 }
             }
@@ -360,7 +370,7 @@ impl<'a> Analyser<'a> {
                     self.bindings[b].borrowed = Some(borrowed);
                     self.bindings[b].refs = refs;
                     self.bindings[b].refers_to = refers_to;
-                } else if self.plain[i] && single(pat).is_some() && borrows(expr) {
+                } else if closure {
                     // A closure borrowing bindings: they live as long as it.
                     let mut held = Vec::new();
                     for &(r, _) in &reads {
@@ -370,21 +380,19 @@ impl<'a> Analyser<'a> {
                         held.extend(self.bindings[r].refers_to.iter().copied());
                     }
                     self.bindings[b].refers_to = held;
-                    if reads.iter().all(|&(r, _)| !self.bindings[r].mutable) {
-                        // What it moves (`|t| (t * g.exp()?)? * k` moves
-                        // the `f64` `k`) each calling statement moves from
-                        // its own copy: not moved where the closure is
-                        // written. (A closure left to plain code there
-                        // moves it: a later statement reading a value that
-                        // is not `Copy` is then rustc's E0382, not a
-                        // gradient lost through the forward's value.)
-                        for &(r, _) in &reads {
-                            if self.bindings[r].moved_by.is_some_and(|(m, _)| m == i) {
-                                self.bindings[r].moved_by = None;
-                            }
+                    // What it moves (`|t| (t * g.exp()?)? * k` moves the
+                    // `f64` `k`) each calling statement moves from its own
+                    // copy: not moved where the closure is written. (A
+                    // closure left to plain code there moves it: a later
+                    // statement reading a value that is not `Copy` is then
+                    // rustc's E0382, not a gradient lost through the
+                    // forward's value.)
+                    for &(r, _) in &reads {
+                        if self.bindings[r].moved_by.is_some_and(|(m, _)| m == i) {
+                            self.bindings[r].moved_by = None;
                         }
-                        self.bindings[b].captures = Some((i, reads.clone()));
                     }
+                    self.bindings[b].captures = Some((i, reads.clone()));
                 }
             }
             statements.push(reads);
@@ -488,6 +496,7 @@ impl<'a> Analyser<'a> {
             refers_to: Vec::new(),
             captures: None,
             mutable,
+            continues: None,
             producer: Some(producer),
             last_reader: None,
             moved_by: None,
@@ -561,11 +570,23 @@ impl<'a> Analyser<'a> {
     /// captures (the statement defines it again).
     fn read(&mut self, b: usize, span: Span, reader: usize, out: &mut Vec<(usize, Span)>) {
         let statement = reader >= self.plain.len() || !self.plain[reader];
-        let captures = self.bindings[b].captures.clone().filter(|(_, captures)| {
-            // What it borrows is still visible under its names here.
-            captures
+        // What the closure borrows, if still visible under its names here:
+        // the binding each name finds, or one a statement gave back from it
+        // (a `mut` binding a closure borrows cannot be assigned while the
+        // closure lives). The statement reads those.
+        let captures = self.bindings[b].captures.clone().and_then(|(c, captures)| {
+            let here: Option<Vec<(usize, Span)>> = captures
                 .iter()
-                .all(|&(r, at)| self.lookup(&self.bindings[r].ident.to_string(), at) == Some(r))
+                .map(|&(r, at)| {
+                    let here = self.lookup(&self.bindings[r].ident.to_string(), at)?;
+                    let mut found = Some(here);
+                    while let Some(f) = found.filter(|&f| f != r) {
+                        found = self.bindings[f].continues;
+                    }
+                    (found == Some(r)).then_some((here, at))
+                })
+                .collect();
+            here.map(|here| (c, here))
         });
         if let (Some((c, captures)), true) = (captures, statement) {
             if !self.called.contains(&c) {

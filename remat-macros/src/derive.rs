@@ -116,7 +116,19 @@ pub(crate) fn outputs(input: TokenStream) -> TokenStream {
         .iter()
         .all(|(_, _, is_plain)| *is_plain)
         .then(|| quote!(let _ = tensors;));
+    // Holds no tensor where every field holds none: `#[save]` of it is
+    // refused as for other plain values.
+    let plain_bounds = fields
+        .iter()
+        .filter(|(_, _, is_plain)| !is_plain)
+        .map(|(_, f, _)| {
+            let ty = &f.ty;
+            quote!(for<'f> #rt::__private::PlainField<'f, #ty>: #rt::__private::Plain)
+        });
+    let (plain_generics, plain_predicates) = (impl_generics.clone(), predicates.clone());
     quote! {
+        impl #plain_generics #rt::__private::Plain for #name #ty_generics
+        where #(#plain_predicates,)* #(#plain_bounds,)* {}
         impl #impl_generics #rt::Outputs for #name #ty_generics where #(#predicates,)* {
             type Skeleton = #skeleton;
             fn split_into(self, tensors: &mut ::std::vec::Vec<#rt::candle_core::Tensor>) -> Self::Skeleton {

@@ -38,7 +38,7 @@ pub use read::{
     FromResult, Given, NotClone, Param, ParamClone, ParamFailed, ParamLevel2, ParamLevel3,
     ParamTensors, Read, Tensors,
 };
-pub use saved::{CheckPlain, CheckTensors, Checked, Probe};
+pub use saved::{CheckPlain, CheckTensors, Checked, Plain, PlainField, Probe};
 pub use std::result::Result::Ok;
 
 /// Drops `value` after its last reader (also a `Copy` one, without a lint).

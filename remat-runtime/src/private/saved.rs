@@ -43,6 +43,12 @@ macro_rules! plain_tuples {
         impl<$($name: Plain),+> Plain for ($($name,)+) {}
     };
 }
+/// A field's type in a `#[derive(Outputs)]` struct's `Plain` bounds
+/// (`for<'f> PlainField<'f, Tensor>: Plain`): a bound over a lifetime is checked
+/// where used, not where written, so a struct with a tensor field is simply
+/// not `Plain`.
+pub struct PlainField<'f, T: ?Sized>(std::marker::PhantomData<&'f T>);
+impl<T: Plain + ?Sized> Plain for PlainField<'_, T> {}
 plain_tuples!(A);
 plain_tuples!(A, B);
 plain_tuples!(A, B, C);

@@ -352,6 +352,7 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
     };
     let Parameters {
         checks,
+        names: inputs,
         args,
         pats,
         views,
@@ -377,6 +378,7 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
             #receiver
             #checks
             rt::Ok(rt::region::<#ret>(#region, #errors)#fields.run(
+                #inputs,
                 #args,
                 move |#ctx, #pats| {
                     #views
@@ -411,6 +413,8 @@ fn registered_names(analysis: &Analysis) -> TokenStream {
 /// checks of those it clones, and their handover.
 struct Parameters {
     checks: TokenStream,
+    /// Their names (`&["x", "p"]`), which errors about inputs give.
+    names: TokenStream,
     args: TokenStream,
     pats: TokenStream,
     views: TokenStream,
@@ -422,8 +426,14 @@ struct Parameters {
 fn parameters(params: &[Param]) -> Parameters {
     let mut checks = TokenStream::new();
     let (mut args, mut pats, mut views) = (vec![], vec![], TokenStream::new());
+    let mut names = Vec::new();
     for param in params {
         let ident = &param.ident;
+        // A method's `self` is the macro's `self_`.
+        names.push(match ident.to_string() {
+            name if name == "self_" => "self".to_string(),
+            name => name,
+        });
         match &param.passing {
             Passing::Ref(ty) if !unsized_type(ty) && !tensor_type(ty) => {
                 checks.extend(quote_spanned! {ty.span()=> let _: &dyn rt::Parameter = #ident; })
@@ -440,6 +450,7 @@ fn parameters(params: &[Param]) -> Parameters {
     }
     Parameters {
         checks,
+        names: quote!(&[#(#names),*]),
         args: tuple(args),
         pats: tuple(pats),
         views,

@@ -143,10 +143,11 @@ pub enum RematError {
     /// not match bit for bit): a tensor changed in place (`slice_set`,
     /// `Var::set`) after the forward.
     #[error(
-        "region `{region}`: input {index} of the block (shape {shape:?}, read by statement \
-         `{statement}`) changed between the forward and the backward (its checksum over every \
-         element differs); the replay would recompute with the new values and the gradients would be wrong; do not change a \
-         block's inputs in place before its backward (pass a copy)"
+        "region `{region}`: {} of the block, read by statement `{statement}`, changed between \
+         the forward and the backward (its checksum over every element differs); the replay \
+         would recompute with the new values and the gradients would be wrong; do not change a \
+         block's inputs in place before its backward (pass a copy)",
+        input_label(name, *index, shape)
     )]
     InputChanged {
         /// The region's name.
@@ -155,6 +156,10 @@ pub enum RematError {
         statement: String,
         /// Which input of the region, in order.
         index: usize,
+        /// The parameter of the `remat!` block that holds it (`mask`;
+        /// `self` for a tensor among a method's receiver's); `None` in the
+        /// statement API, whose inputs have no names.
+        name: Option<String>,
         /// Its shape.
         shape: Vec<usize>,
     },

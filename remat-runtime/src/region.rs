@@ -51,6 +51,8 @@ pub struct Region {
     /// Tensors the block reads from fields of its parameters
     /// (`remat!`'s `self.mask`): checked for changes in place.
     fields: Vec<FieldRead>,
+    /// Per input tensor, the name of the block's parameter holding it.
+    input_names: Vec<Option<&'static str>>,
 }
 
 impl Region {
@@ -67,6 +69,7 @@ impl Region {
             plan: None,
             declares_all_reads: false,
             fields: Vec::new(),
+            input_names: Vec::new(),
         }
     }
 
@@ -113,6 +116,13 @@ impl Region {
     /// compared in the replay.
     pub(crate) fn with_fields(mut self, fields: Vec<FieldRead>) -> Self {
         self.fields = fields;
+        self
+    }
+
+    /// A region whose input tensors are held by the block's parameters of
+    /// these names (per tensor), for its errors.
+    pub(crate) fn with_input_names(mut self, names: Vec<Option<&'static str>>) -> Self {
+        self.input_names = names;
         self
     }
 
@@ -245,6 +255,7 @@ impl Region {
                 inputs_read,
                 param_statements,
                 &self.fields,
+                &self.input_names,
                 outputs,
             )?),
             None => None,

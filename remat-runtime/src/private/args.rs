@@ -212,6 +212,22 @@ pub trait Args {
         (split.values, n, split.reach)
     }
 
+    /// The input tensors, as [`Args::tensors`] gives them, and the name of
+    /// the value holding each (`names`: the values', in order).
+    fn named_tensors(&self, names: &[&'static str]) -> (Vec<Tensor>, Vec<Option<&'static str>>) {
+        let mut split = Split::default();
+        self.push(&mut split);
+        let named: Vec<Option<&'static str>> = (0..split.values.len())
+            .map(|i| {
+                let value = split.ends.iter().position(|&end| i < end);
+                value.and_then(|v| names.get(v)).copied()
+            })
+            .chain(split.others.iter().map(|_| None))
+            .collect();
+        split.values.extend(split.others);
+        (split.values, named)
+    }
+
     /// Which value (its position among the values read) holds the tensor
     /// at `input` among those read for their values.
     fn value_of(&self, input: usize) -> Option<usize> {

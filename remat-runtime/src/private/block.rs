@@ -65,11 +65,12 @@ impl<R: ResultError> BlockRegion<R> {
         self
     }
 
-    /// Runs `body` on `args` (the block's parameters, of which the region
-    /// keeps its own copy) as a region: once now, and once more at the
-    /// start of its backward.
+    /// Runs `body` on `args` (the block's parameters, named `names`, of
+    /// which the region keeps its own copy) as a region: once now, and once
+    /// more at the start of its backward.
     pub fn run<A, O>(
         self,
+        names: &'static [&'static str],
         args: A,
         body: impl Fn(&mut Block<'_, R::Error>, A::Values) -> Result<O> + Send + Sync + 'static,
     ) -> std::result::Result<O, R::Error>
@@ -78,9 +79,10 @@ impl<R: ResultError> BlockRegion<R> {
         O: Outputs,
         R::Error: 'static,
     {
-        let (inputs, _, _) = args.tensors();
+        let (inputs, names) = args.named_tensors(names);
         let into_remat = self.errors.into_remat;
-        let result = self.region.run(inputs, move |ctx, tensors| {
+        let region = self.region.with_input_names(names);
+        let result = region.run(inputs, move |ctx, tensors| {
             let values = args.values_from(tensors, tensors.len())?;
             body(
                 &mut Block {

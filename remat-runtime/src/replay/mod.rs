@@ -181,10 +181,11 @@ impl Replay {
                     };
                     taken.push((subject, Some(p)));
                 }
-                for &(index, k) in &forward.inputs {
+                for &(index, k, name) in &forward.inputs {
                     let t = &inputs[index as usize];
                     let subject = Subject::Input {
                         index: index as usize,
+                        name,
                         shape: t.dims().to_vec(),
                         statement: statement(k),
                     };

@@ -113,9 +113,9 @@ pub(crate) struct Forward {
     /// Per parameter: the record of the first statement that used it
     /// (`u32::MAX`: none, a parameter returned as a region output).
     pub params: Vec<u32>,
-    /// The region inputs the replay reads: index, and the record of the
-    /// first recomputed statement that reads it.
-    pub inputs: Vec<(u32, u32)>,
+    /// The region inputs the replay reads: index, the record of the
+    /// first recomputed statement that reads it, and its name.
+    pub inputs: Vec<(u32, u32, Option<&'static str>)>,
     /// The tensors the block read from fields, each once: neither inputs
     /// nor parameters, and carrying no gradient.
     pub fields: Vec<FieldRead>,
@@ -126,7 +126,9 @@ impl Forward {
     /// took `outputs` (its recomputed outputs'): the parameters' and the
     /// read inputs' are taken now, at the end of the forward. `inputs_read`:
     /// per region input, the first record that reads it in the backward;
-    /// `param_statements`: per parameter, the first record that used it.
+    /// `param_statements`: per parameter, the first record that used it;
+    /// `names`: the inputs' names, where the block gave them.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         params: &[Tensor],
         inputs: &[Tensor],
@@ -134,16 +136,23 @@ impl Forward {
         inputs_read: Vec<Option<u32>>,
         mut param_statements: Vec<u32>,
         fields: &[FieldRead],
+        names: &[Option<&'static str>],
         outputs: Vec<Tensor>,
     ) -> Result<Self> {
-        let read: Vec<(u32, u32)> = inputs_read
-            .into_iter()
-            .enumerate()
-            .filter_map(|(i, r)| Some((i as u32, r?)))
-            // An input that is also a parameter (a `Var` passed in) is
-            // fingerprinted once, as the parameter.
-            .filter(|&(i, _)| !params.iter().any(|p| p.id() == inputs[i as usize].id()))
-            .collect();
+        // An input that is also a parameter (a `Var` passed in) is
+        // fingerprinted once, as the parameter.
+        let checked = |&(i, r): &(usize, &Option<u32>)| {
+            r.is_some() && !params.iter().any(|p| p.id() == inputs[i].id())
+        };
+        // Held as long as the tape: no spare capacity.
+        let mut read = Vec::with_capacity(inputs_read.iter().enumerate().filter(checked).count());
+        read.extend(
+            inputs_read
+                .iter()
+                .enumerate()
+                .filter(checked)
+                .filter_map(|(i, r)| Some((i as u32, (*r)?, names.get(i).copied().flatten()))),
+        );
         // A field's tensor that is an input or a parameter is checked as
         // such; one that carries a gradient is a parameter's view (or an
         // error the statement reading it reported).
@@ -160,7 +169,7 @@ impl Forward {
         // then the recomputed outputs: one tensor.
         let taken: Vec<Option<&Tensor>> = params
             .iter()
-            .chain(read.iter().map(|&(i, _)| &detached[i as usize]))
+            .chain(read.iter().map(|&(i, _, _)| &detached[i as usize]))
             .chain(fields.iter().map(|f| &f.tensor))
             .map(Some)
             .collect();
@@ -269,6 +278,7 @@ pub(crate) enum Subject {
     },
     Input {
         index: usize,
+        name: Option<&'static str>,
         shape: Vec<usize>,
         statement: String,
     },
@@ -380,6 +390,7 @@ impl Checks {
                 }
                 Subject::Input {
                     index,
+                    name,
                     shape,
                     statement,
                 } => {
@@ -388,6 +399,7 @@ impl Checks {
                             region,
                             statement,
                             index,
+                            name: name.map(str::to_string),
                             shape,
                         });
                     }

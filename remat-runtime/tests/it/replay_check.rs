@@ -358,11 +358,17 @@ fn one_column_of_a_mask_changed_in_place_is_caught() {
                 slice_set_column(&mask, &column, col);
                 let e = backward(&y).unwrap_err();
                 assert!(
-                    matches!(&e, RematError::InputChanged { region, index: 2, statement, .. }
-                        if region == "masked_scores" && statement == "s"),
+                    matches!(&e, RematError::InputChanged { region, index: 2, statement, name, .. }
+                        if region == "masked_scores" && statement == "s"
+                            && name.as_deref() == Some("mask")),
                     "{dtype:?} column {col}: {e:?}"
                 );
-                assert!(e.to_string().contains("read by statement `s`"), "{e}");
+                assert!(
+                    e.to_string().contains(
+                        "`mask` (input 2, shape [6, 8]) of the block, read by statement `s`"
+                    ),
+                    "{e}"
+                );
             }
         }
     }

@@ -293,8 +293,10 @@ fn statement_call(
     } else {
         quote!({ #views #(#closures)* #code })
     };
+    // The `?` too: a value of another type than the binding's is reported
+    // at the statement.
     let call = quote_spanned! {span=>
-        rt::StatementValue::run(#ctx, #name, #names, #declared, #args, |#pats| #code)
+        rt::StatementValue::run(#ctx, #name, #names, #declared, #args, |#pats| #code)?
     };
     StatementCall { checks, call }
 }
@@ -529,7 +531,12 @@ fn recorded_let(
     let span = init.span();
     let gives: Vec<TokenStream> = inouts.iter().map(give).collect();
     let givens: Vec<TokenStream> = inouts.iter().map(given).collect();
-    let code = if inouts.is_empty() {
+    let code = if let (true, syn::Pat::Type(t)) = (inouts.is_empty(), pat) {
+        // `let g: Tensor = h.dims2()?;`: the type checked at the code, as
+        // rustc checks it without the macro.
+        let ty = &t.ty;
+        quote_spanned!(span=> rt::Ok::<#ty, _>(#init))
+    } else if inouts.is_empty() {
         quote_spanned!(span=> rt::Ok(#init))
     } else {
         quote_spanned!(span=> rt::Ok((#init, #(#gives),*)))
@@ -550,19 +557,19 @@ fn recorded_let(
     let bind = if inouts.is_empty() && !rebound {
         quote! {
             #allow_mut
-            #(#attrs)* let #pat = #call?;
+            #(#attrs)* let #pat = #call;
             #release
         }
     } else if inouts.is_empty() {
         quote! {
-            let #value = #call?;
+            let #value = #call;
             #release
             #allow_mut
             #(#attrs)* let #pat = #value;
         }
     } else if let syn::Pat::Type(_) = pat {
         quote! {
-            let #value = #call?;
+            let #value = #call;
             #release
             let (#value, #(#givens),*) = #value;
             #allow_mut
@@ -570,7 +577,7 @@ fn recorded_let(
         }
     } else {
         quote! {
-            let #value = #call?;
+            let #value = #call;
             #release
             #allow_mut
             #(#attrs)* let (#pat, #(#givens),*) = #value;
@@ -603,9 +610,9 @@ fn recorded_expr(
         statement_call(e.span(), sa, params, quote! {{ #(#attrs)* #e; #given }});
     let host = host_data(&sa.name, &sa.host_data);
     let bind = match inouts.len() {
-        0 => quote! { #call?; #release },
-        1 => quote! { let #value = #call?; #release let #(#givens)* = #value; },
-        _ => quote! { let #value = #call?; #release let (#(#givens),*) = #value; },
+        0 => quote! { #call; #release },
+        1 => quote! { let #value = #call; #release let #(#givens)* = #value; },
+        _ => quote! { let #value = #call; #release let (#(#givens),*) = #value; },
     };
     quote! { #host #checks #bind }
 }

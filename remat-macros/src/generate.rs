@@ -1,5 +1,6 @@
 //! The code of a checkpointed block: one call of the runtime's
-//! `rt::region(name).run(args, body)`, in which every top-level statement
+//! `rt::BlockValue::run(rt::region::<R>(name, errors), names, args, body)`,
+//! in which every top-level statement
 //! is one call `rt::StatementValue::run(ctx, name, names, policy, reads,
 //! code)`.
 //!
@@ -370,6 +371,19 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
     let ret = &block.ret;
     // The block's error type is checked here, at its result.
     let errors = quote_spanned!(ret.span()=> rt::BlockError::errors());
+    // So is its value, where the region runs: the call is spanned there.
+    let run = quote_spanned! {ret.span()=>
+        rt::BlockValue::run(
+            rt::region::<#ret>(#region, #errors)#fields,
+            #inputs,
+            #args,
+            move |#ctx, #pats| {
+                #views
+                #body
+                #result
+            },
+        )
+    };
     let body = braces(
         block,
         quote! {
@@ -379,15 +393,7 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
             #names
             #receiver
             #checks
-            rt::Ok(rt::region::<#ret>(#region, #errors)#fields.run(
-                #inputs,
-                #args,
-                move |#ctx, #pats| {
-                    #views
-                    #body
-                    #result
-                },
-            )?)
+            rt::Ok(#run?)
         },
     );
     quote! {

@@ -13,7 +13,7 @@
 //! - [`BlockError`]: a block's error type takes candle's errors and can
 //!   cross threads.
 
-use crate::__private::{Args, Block, Declared, Errors};
+use crate::__private::{Args, Block, BlockRegion, Declared, Errors, ResultError};
 use crate::error::UserError;
 use crate::{Outputs, RematError, Result};
 
@@ -106,6 +106,53 @@ impl<T: Outputs> StatementValue for T {
         f: impl FnOnce(A::Values) -> std::result::Result<Self, E>,
     ) -> Result<Self> {
         block.statement(name, reads, declared, args, f)
+    }
+}
+
+/// The value of a `remat!` block's `Result`: every [`Outputs`] type (a
+/// tensor, tuples, a struct deriving `Outputs`). The macro runs the
+/// block's region through this trait, so that a value that is not one is
+/// reported in these words at the block's result type.
+///
+/// ```
+/// fn value<T: remat_runtime::rules::BlockValue>() {}
+/// value::<(candle_core::Tensor, usize)>();
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be the value of a remat! block",
+    label = "this block's result",
+    note = "a block gives what a statement can give: tensors, `Vec`s, `Option`s, tuples and maps of them, or plain values such as `usize`; a struct of your own: add `#[derive(remat_runtime::Outputs)]` to it (a field of it that is not `Outputs`, such as a module: `#[outputs(plain)]`)"
+)]
+pub trait BlockValue: Sized {
+    /// Runs `region` on `args` (the block's parameters, named `names`):
+    /// see `BlockRegion::run`.
+    #[doc(hidden)]
+    fn run<R, A>(
+        region: BlockRegion<R>,
+        names: &'static [&'static str],
+        args: A,
+        body: impl Fn(&mut Block<'_, R::Error>, A::Values) -> Result<Self> + Send + Sync + 'static,
+    ) -> std::result::Result<Self, R::Error>
+    where
+        R: ResultError,
+        A: Args + Send + Sync + 'static,
+        R::Error: 'static;
+}
+
+#[diagnostic::do_not_recommend]
+impl<T: Outputs> BlockValue for T {
+    fn run<R, A>(
+        region: BlockRegion<R>,
+        names: &'static [&'static str],
+        args: A,
+        body: impl Fn(&mut Block<'_, R::Error>, A::Values) -> Result<Self> + Send + Sync + 'static,
+    ) -> std::result::Result<Self, R::Error>
+    where
+        R: ResultError,
+        A: Args + Send + Sync + 'static,
+        R::Error: 'static,
+    {
+        region.run(names, args, body)
     }
 }
 

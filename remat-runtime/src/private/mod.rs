@@ -1,7 +1,8 @@
 //! Support for the code the `remat!` macro generates. Not a public API.
 //!
-//! A block expands to one call of [`region`]`::<R>(name).run(args, body)`:
-//! `args` are the block's parameters, `body` the block, in which every
+//! A block expands to one call of [`BlockValue::run`]`(`[`region`]`::<R>(name,
+//! errors), names, args, body)`: `args` are the block's parameters, `names`
+//! their names, `body` the block, in which every
 //! statement is one call of [`StatementValue::run`] with its name, its
 //! declared policy ([`Declared`]), what it reads (an [`Args`] tuple) and its
 //! code as a closure of what it reads. The forward runs `body` once; the
@@ -27,7 +28,7 @@ mod saved;
 pub use crate::__remat_statement_names as names;
 pub use crate::graph::Reach;
 pub use crate::plan::compiled::StatementNames;
-pub use crate::rules::{BlockError, HoldsTensors, Parameter, Readable, StatementValue};
+pub use crate::rules::{BlockError, BlockValue, HoldsTensors, Parameter, Readable, StatementValue};
 pub use args::{Arg, Args, OnBranch, Partly, Split, WithoutGrad};
 pub use block::{
     method_region, region, Block, BlockRegion, Declared, Declared::*, ErrorOf, Errors, ResultError,

@@ -18,6 +18,74 @@ const FROM_HOST: &[&str] = &["new", "from_vec", "from_slice", "from_iter", "full
 /// candle's reads of a tensor's values to the host.
 const TO_HOST: &[&str] = &["to_vec0", "to_vec1", "to_vec2", "to_vec3", "to_scalar"];
 
+/// candle's ops whose value carries no gradient of what they read (its
+/// backward gives none): comparisons, arg-reductions, `detach`.
+const NO_GRADIENT: &[&str] = &[
+    "eq",
+    "ne",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "cmp",
+    "argmax",
+    "argmin",
+    "argmax_keepdim",
+    "argmin_keepdim",
+    "arg_sort_last_dim",
+    "detach",
+];
+
+/// candle's ops whose value is computed from their receiver alone (a
+/// dtype, a shape, a reduction): applied to a value that carries no
+/// gradient, they give one that carries none.
+const RECEIVER_ONLY: &[&str] = &[
+    "to_dtype",
+    "to_device",
+    "sum_all",
+    "sum",
+    "sum_keepdim",
+    "mean_all",
+    "mean",
+    "mean_keepdim",
+    "max",
+    "max_keepdim",
+    "min",
+    "min_keepdim",
+    "flatten_all",
+    "flatten",
+    "flatten_from",
+    "flatten_to",
+    "squeeze",
+    "unsqueeze",
+    "reshape",
+    "contiguous",
+    "narrow",
+    "i",
+    "get",
+    "t",
+    "transpose",
+    "permute",
+    "clone",
+    "copy",
+];
+
+/// Whether `expr` carries no gradient of what it reads: a chain of
+/// receiver-only ops from a comparison, an arg-reduction or a `detach`
+/// (`x.gt(0.0)?.to_dtype(DType::F64)?.sum_all()?`).
+fn carries_no_gradient(expr: &Expr) -> bool {
+    match expr {
+        Expr::Try(t) => carries_no_gradient(&t.expr),
+        Expr::Paren(p) => carries_no_gradient(&p.expr),
+        Expr::MethodCall(m) => {
+            let method = m.method.to_string();
+            NO_GRADIENT.contains(&method.as_str())
+                || (RECEIVER_ONLY.contains(&method.as_str()) && carries_no_gradient(&m.receiver))
+        }
+        _ => false,
+    }
+}
+
 /// Macros whose arguments are printed, formatted or asserted: no part of a
 /// value (`println!("{w}")`, `assert!(w > 0.0)`, `tracing::info!(..)`).
 const REPORTING: &[&str] = &[
@@ -242,12 +310,15 @@ pub(crate) fn read_as_data(expr: &Expr) -> Vec<Place> {
 }
 
 /// Whether `expr` reads a tensor's values to the host (`to_vec2`,
-/// `to_scalar`, ...): a statement that may be a host read.
+/// `to_scalar`, ...): a statement that may be a host read. A read of a
+/// value that carries no gradient (`x.gt(0.0)?.sum_all()?.to_scalar()`, a
+/// count from a comparison) is not one.
 pub(crate) fn reads_to_host(expr: &Expr) -> bool {
     struct Find(bool);
     impl<'ast> Visit<'ast> for Find {
         fn visit_expr_method_call(&mut self, m: &'ast syn::ExprMethodCall) {
-            self.0 |= TO_HOST.contains(&m.method.to_string().as_str());
+            self.0 |= TO_HOST.contains(&m.method.to_string().as_str())
+                && !carries_no_gradient(&m.receiver);
             syn::visit::visit_expr_method_call(self, m);
         }
     }

@@ -248,7 +248,12 @@ impl Ctx {
                 }
                 let mut tensors = Vec::new();
                 let skeleton = out.split_into(&mut tensors);
-                if tensors.is_empty() {
+                // Only floats carry gradients (a mask from a comparison
+                // does not).
+                let floats = owned.iter().take(value_inputs);
+                if tensors.is_empty()
+                    && floats.clone().any(|t| t.track_op() && t.dtype().is_float())
+                {
                     self.host_reads.insert(name_hash(name));
                 }
                 check_cut(&self.region, name, tracked, &tensors)?;

@@ -288,7 +288,12 @@ impl Recorder {
             .enumerate()
             .map(|(i, t)| self.needs_grad(s.region, s.name, i, t))
             .collect::<Result<Vec<bool>>>()?;
-        let reads_tracked = needs.iter().take(s.value_inputs).any(|&n| n);
+        // Only floats carry gradients (a mask from a comparison does not).
+        let reads_tracked_floats = needs
+            .iter()
+            .zip(inputs)
+            .take(s.value_inputs)
+            .any(|(&n, t)| n && t.dtype().is_float());
         let sources = self.sources(inputs, &needs);
         let timed = self.profile;
         let run = |args: &[Tensor]| -> Result<Ran<O::Skeleton>> {
@@ -330,7 +335,7 @@ impl Recorder {
             sole_call: ran.sole.as_ref().map(|s| s.0),
             sole_fingerprinted: false,
             unread: false,
-            host_read: reads_tracked && outputs.is_empty(),
+            host_read: reads_tracked_floats && outputs.is_empty(),
             saved,
             profile: self.profile.then(|| {
                 Box::new(Profile {

@@ -746,3 +746,89 @@ fn fields_of_a_tuple_are_checked_by_their_own_type() {
         }
     }
 }
+
+remat! {
+    /// Mean pooling over the tokens that are not padding, divided by their
+    /// count read to the host (sentence-transformers' pooling): the count
+    /// comes from a comparison, which carries no gradient, in one
+    /// statement and through a mask of its own.
+    fn pooled_by_count(h: &Tensor, w: &Tensor) -> Result<Tensor> {
+        let states = h.matmul(w)?.tanh()?;
+        let kept = h.abs()?.gt(0.5)?.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+        let mask = states.ge(0.0)?;
+        let positive = mask.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+        let top = states.argmax_keepdim(1)?.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+        let y = ((states.sum(0)? / kept)? * (positive + top + 1.0))?;
+        Ok(y)
+    }
+}
+
+fn pooled_by_count_by_hand(h: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let states = h.matmul(w)?.tanh()?;
+    let kept = h
+        .abs()?
+        .gt(0.5)?
+        .to_dtype(DType::F64)?
+        .sum_all()?
+        .to_scalar::<f64>()?;
+    let mask = states.ge(0.0)?;
+    let positive = mask.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+    let top = states
+        .argmax_keepdim(1)?
+        .to_dtype(DType::F64)?
+        .sum_all()?
+        .to_scalar::<f64>()?;
+    (states.sum(0)? / kept)? * (positive + top + 1.0)
+}
+
+remat! {
+    /// The same count read from a value that carries a gradient: a cut.
+    fn pooled_by_norm(h: &Tensor, w: &Tensor) -> Result<Tensor> {
+        let states = h.matmul(w)?.tanh()?;
+        let norm = states.abs()?.gt(0.5)?.to_dtype(states.dtype())?.mul(&states)?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        let y = (states.sum(0)? / norm)?;
+        Ok(y)
+    }
+}
+
+/// Counts read to the host from comparisons and arg-reductions of values
+/// that need gradients (`x.gt(0.5)?.to_dtype(F64)?.sum_all()?.to_scalar()`,
+/// a mask of its own, `argmax`) carry no gradient: no `HostCut` (it was
+/// raised under every plan, `off` too), and plain candle's gradients. A
+/// value multiplied back by a tracked tensor before the read is still a
+/// cut.
+#[test]
+fn counts_from_comparisons_read_to_the_host_are_no_cut() {
+    for dtype in [DType::F32, DType::F64] {
+        let tol = if dtype == DType::F32 { 1e-5 } else { 1e-12 };
+        let h = var(&[5, 4], 51, 1.0, dtype);
+        let w = var(&[4, 3], 52, 0.6, dtype);
+        let reference =
+            weighted_loss(&pooled_by_count_by_hand(h.as_tensor(), w.as_tensor()).unwrap())
+                .backward()
+                .unwrap();
+        for plan in plans() {
+            let y = plan
+                .scope(|| {
+                    Ok::<_, candle_core::Error>(weighted_loss(&pooled_by_count(
+                        h.as_tensor(),
+                        w.as_tensor(),
+                    )?))
+                })
+                .unwrap();
+            let g = backward(&y).unwrap();
+            for (name, v) in [("h", &h), ("w", &w)] {
+                let d = rel_diff(g.get(v).unwrap(), reference.get(v).unwrap());
+                assert!(d < tol, "{plan} {dtype:?} {name}: {d}");
+            }
+            let e = plan
+                .scope(|| pooled_by_norm(h.as_tensor(), w.as_tensor()))
+                .unwrap_err();
+            assert!(
+                e.to_string()
+                    .contains("statement `y`: makes a tensor from `norm`"),
+                "{plan} {dtype:?}: {e}"
+            );
+        }
+    }
+}

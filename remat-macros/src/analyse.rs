@@ -107,9 +107,9 @@ pub(crate) struct Analysis {
     pub fields: Vec<(FieldRead, String)>,
 }
 
-/// A closure that borrows what it mentions (not a `move` one).
-fn borrows(init: &Expr) -> bool {
-    matches!(init, Expr::Closure(c) if c.capture.is_none())
+/// A closure (borrowing what it mentions, or a `move` one).
+fn is_closure(init: &Expr) -> bool {
+    matches!(init, Expr::Closure(_))
 }
 
 /// `Ok(x)` with `x` bound by a statement of the block.
@@ -141,8 +141,8 @@ struct Binding {
     /// The bindings that live as long as it: the one a `let r = &h;` alias
     /// refers to, those a closure borrows.
     refers_to: Vec<usize>,
-    /// A closure borrowing bindings (`let f = |t| t + &bias;`), assigning
-    /// none of them: its statement and what it reads. A statement calling it defines it
+    /// A closure of bindings (`let f = |t| t + &bias;`, a `move` one, one
+    /// changing what it borrows): its statement and what it reads. A statement calling it defines it
     /// again in its own code, over its own copies of those, so that the
     /// replay computes with them and their gradients flow.
     captures: Option<(usize, Vec<(usize, Span)>)>,
@@ -336,7 +336,7 @@ impl<'a> Analyser<'a> {
             let mut given = Vec::new();
             // A closure borrowing bindings changes none of them where it
             // is written: it gives none back (a statement calling it does).
-            let closure = self.plain[i] && borrows(expr) && pat.and_then(single).is_some();
+            let closure = self.plain[i] && is_closure(expr) && pat.and_then(single).is_some();
             if !forward_only {
                 let moved = self.moves(expr, i);
                 let rebound: Vec<String> = pat
@@ -364,7 +364,7 @@ impl<'a> Analyser<'a> {
                 for (ident, mutable) in bound(pat) {
                     self.bind(ident, mutable, i);
                 }
-                // `alias` and `borrows` bind one name: the last binding.
+                // `alias` and closures bind one name: the last binding.
                 let b = self.bindings.len().saturating_sub(1);
                 if let Some((borrowed, refs, refers_to)) = alias {
                     self.bindings[b].borrowed = Some(borrowed);

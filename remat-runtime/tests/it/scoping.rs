@@ -477,12 +477,14 @@ fn a_closure_moving_a_number_keeps_the_outputs_it_borrows_and_their_gradients() 
 /// Closures over `mut` bindings, as model code writes them: one reading a
 /// binding assigned before it, one reading a binding that a statement
 /// reads again between the closure and its calls, one changing what it
-/// borrows (`FnMut`: a counter and a list it pushes to), and closures
-/// calling closures. They were left to plain code: saving plans read the
-/// forward's values through them and the gradient was lost without an
-/// error (x and w off by 5.8 and 9.0 under `save_all`), or the block did
-/// not compile (E0505, E0277). Each calling statement now defines the
-/// closure again over its own copies, and gives back what it changed.
+/// borrows (`FnMut`: a counter and a list it pushes to), closures calling
+/// closures, a `move` closure and one giving back what it took (`FnOnce`).
+/// They were left to plain code: saving plans read the forward's values
+/// through them and the gradient was lost without an error (x and w off by
+/// 5.8 and 9.0 under `save_all`), or the block did not compile (E0505,
+/// E0277; a `move` closure: E0382 with a help naming the expansion's
+/// `value`). Each calling statement now defines the closure again over its
+/// own copies, and gives back what it changed.
 mod mut_closures {
     use super::*;
 
@@ -531,7 +533,10 @@ mod mut_closures {
             let twice = |t: &Tensor| -> Result<Tensor> { scale(&scale(t)?) };
             let z = twice(&outs[1])?;
             let all = Tensor::cat(&outs, 1)?.sum_keepdim(1)?;
-            Ok(((all.broadcast_add(&z)? * k as f64)? + acc)?)
+            let g = all.exp()?;
+            let moved = move |t: &Tensor| -> Result<Tensor> { t.broadcast_mul(&g) };
+            let taken = || acc;
+            Ok(((moved(&z)? * k as f64)? + taken())?)
         }
     }
 }
@@ -576,7 +581,10 @@ fn changing_plain(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let twice = |t: &Tensor| -> Result<Tensor> { scale(&scale(t)?) };
     let z = twice(&outs[1])?;
     let all = Tensor::cat(&outs, 1)?.sum_keepdim(1)?;
-    (all.broadcast_add(&z)? * k as f64)? + acc
+    let g = all.exp()?;
+    let moved = move |t: &Tensor| -> Result<Tensor> { t.broadcast_mul(&g) };
+    let taken = || acc;
+    (moved(&z)? * k as f64)? + taken()
 }
 
 type Block2 = fn(&Tensor, &Tensor) -> Result<Tensor>;

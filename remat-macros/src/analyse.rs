@@ -7,7 +7,9 @@ use syn::{Expr, Ident};
 
 use crate::errors::Errors;
 use crate::fields::{field_reads, FieldRead};
-use crate::host::{into_tensors, read_as_data, reads_to_host, HostValue, Place};
+use crate::host::{
+    into_tensors, read_as_data, reads_to_host, reads_to_host_without_gradient, HostValue, Place,
+};
 use crate::hygiene::context;
 use crate::model::{AnnotationKind, Block, StmtKind};
 use crate::plain::copies;
@@ -112,6 +114,35 @@ fn is_closure(init: &Expr) -> bool {
     matches!(init, Expr::Closure(_))
 }
 
+/// The names a statement reads only in part, with the closures it calls
+/// (`called`, whose reads for their values and in part are in `closures`):
+/// a name is read in part where every read of it, the statement's own
+/// (`own`, `own_part`) and each closure's, is (`ws[i]` in a closure).
+fn in_part_with(
+    own: &[String],
+    own_part: &[String],
+    called: &[usize],
+    closures: (&[Vec<String>], &[Vec<String>]),
+) -> Vec<String> {
+    let (for_value, in_part) = closures;
+    let in_part_everywhere = |name: &String| {
+        (!own.contains(name) || own_part.contains(name))
+            && called
+                .iter()
+                .all(|&c| !for_value[c].contains(name) || in_part[c].contains(name))
+    };
+    let mut out: Vec<String> = own_part.to_vec();
+    for &c in called {
+        for name in &in_part[c] {
+            if !out.contains(name) && in_part_everywhere(name) {
+                out.push(name.clone());
+            }
+        }
+    }
+    out.retain(|name| in_part_everywhere(name));
+    out
+}
+
 /// `Ok(x)` with `x` bound by a statement of the block.
 fn passthrough(tail: &Expr, reads: &[usize], bindings: &[Binding]) -> Option<Ident> {
     let Expr::Call(call) = tail else { return None };
@@ -141,10 +172,11 @@ struct Binding {
     /// The bindings that live as long as it: the one a `let r = &h;` alias
     /// refers to, those a closure borrows.
     refers_to: Vec<usize>,
-    /// A closure of bindings (`let f = |t| t + &bias;`, a `move` one, one
-    /// changing what it borrows): its statement and what it reads. A statement calling it defines it
-    /// again in its own code, over its own copies of those, so that the
-    /// replay computes with them and their gradients flow.
+    /// A closure (`let f = |t| t + &bias;`, a `move` one, one changing what
+    /// it borrows): its statement and what it reads. A statement calling
+    /// it defines it again in its own code, over its own copies of those
+    /// (given back where the closure changes them), so that the replay
+    /// computes with them and their gradients flow.
     captures: Option<(usize, Vec<(usize, Span)>)>,
     mutable: bool,
     /// The `mut` binding this one gives back unchanged in name (a statement
@@ -213,6 +245,9 @@ struct Reads {
     data: Vec<Vec<Place>>,
     /// Per statement: it reads a tensor to the host ([`reads_to_host`]).
     to_host: Vec<bool>,
+    /// Per statement: what it reads to the host carries no gradient
+    /// ([`reads_to_host_without_gradient`]): it is no host read.
+    no_gradient: Vec<bool>,
     /// Per statement, then the tail: the parameters' fields it reads in
     /// place ([`field_reads`]).
     fields: Vec<Vec<FieldRead>>,
@@ -281,6 +316,7 @@ impl<'a> Analyser<'a> {
         let mut into = Vec::new();
         let mut data = Vec::new();
         let mut to_host = Vec::new();
+        let mut no_gradient = Vec::new();
         let mut fields = Vec::new();
         let mut closures = Vec::new();
         for (i, stmt) in block.statements.iter().enumerate() {
@@ -298,6 +334,7 @@ impl<'a> Analyser<'a> {
                     into.push(Vec::new());
                     data.push(Vec::new());
                     to_host.push(false);
+                    no_gradient.push(false);
                     fields.push(Vec::new());
                     closures.push(Vec::new());
                     continue;
@@ -312,6 +349,7 @@ impl<'a> Analyser<'a> {
             into.push(into_tensors(expr));
             data.push(read_as_data(expr));
             to_host.push(reads_to_host(expr));
+            no_gradient.push(reads_to_host_without_gradient(expr));
             fields.push(self.field_reads(expr));
             let alias = match pat {
                 Some(p) if self.kinds[i].is_none() => single(p).and(self.alias(expr)),
@@ -325,17 +363,19 @@ impl<'a> Analyser<'a> {
             self.check_assignments(expr, &assigned);
             let reads = self.resolve(expr, i, forward_only);
             let called = std::mem::take(&mut self.called);
+            in_part[i] = in_part_with(&for_value[i], &in_part[i], &called, (&for_value, &in_part));
             for &c in &called {
                 let (f, d, t) = (for_value[c].clone(), data[c].clone(), into[c].clone());
                 for_value[i].extend(f);
                 data[i].extend(d);
                 into[i].extend(t);
                 to_host[i] |= to_host[c];
+                no_gradient[i] &= !to_host[c];
             }
             closures.push(called);
             let mut given = Vec::new();
-            // A closure borrowing bindings changes none of them where it
-            // is written: it gives none back (a statement calling it does).
+            // A closure changes none of the bindings it mentions where it is
+            // written: it gives none back (a statement calling it does).
             let closure = self.plain[i] && is_closure(expr) && pat.and_then(single).is_some();
             if !forward_only {
                 let moved = self.moves(expr, i);
@@ -412,6 +452,8 @@ impl<'a> Analyser<'a> {
                 fields.push(self.field_reads(t));
                 let reads = self.resolve(t, n, false);
                 let called = std::mem::take(&mut self.called);
+                in_part[n] =
+                    in_part_with(&for_value[n], &in_part[n], &called, (&for_value, &in_part));
                 for &c in &called {
                     let (f, d, t) = (for_value[c].clone(), data[c].clone(), into[c].clone());
                     for_value[n].extend(f);
@@ -433,6 +475,7 @@ impl<'a> Analyser<'a> {
             into_tensors: into,
             data,
             to_host,
+            no_gradient,
             fields,
             tail,
             closures,
@@ -586,6 +629,25 @@ impl<'a> Analyser<'a> {
                     (found == Some(r)).then_some((here, at))
                 })
                 .collect();
+            if here.is_none() && statement {
+                // A later `let` of a name the closure borrows: defined
+                // again here, the closure would read the later value.
+                let shadowed = captures.iter().find(|&&(r, at)| {
+                    self.lookup(&self.bindings[r].ident.to_string(), at) != Some(r)
+                });
+                if let Some(&(r, _)) = shadowed {
+                    let (closure, name) = (&self.bindings[b].ident, &self.bindings[r].ident);
+                    self.errors.push(
+                        span,
+                        format!(
+                            "the closure `{closure}` borrows `{name}`, which a later `let {name}` \
+                             shadows before this call; a statement calling a closure defines it \
+                             again with what its names mean at the call, so rename the later \
+                             `{name}` (or call `{closure}` before it)"
+                        ),
+                    );
+                }
+            }
             here.map(|here| (c, here))
         });
         if let (Some((c, captures)), true) = (captures, statement) {
@@ -763,7 +825,7 @@ impl<'a> Analyser<'a> {
             }
             seen.push(p);
             to_host |= reads.to_host[p];
-            if !names[p].is_empty() {
+            if !names[p].is_empty() && !reads.no_gradient[p] {
                 out.push(names[p].clone());
             }
             for &(r, _) in &reads.statements[p] {

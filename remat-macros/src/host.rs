@@ -18,16 +18,12 @@ const FROM_HOST: &[&str] = &["new", "from_vec", "from_slice", "from_iter", "full
 /// candle's reads of a tensor's values to the host.
 const TO_HOST: &[&str] = &["to_vec0", "to_vec1", "to_vec2", "to_vec3", "to_scalar"];
 
+/// Comparisons, of tensors (`x.ge(t)?`, `x.cmp(t, op)?`) or of host values.
+const COMPARISONS: &[&str] = &["cmp", "eq", "ne", "lt", "le", "gt", "ge"];
+
 /// candle's ops whose value carries no gradient of what they read (its
-/// backward gives none): comparisons, arg-reductions, `detach`.
+/// backward gives none) besides [`COMPARISONS`]: arg-reductions, `detach`.
 const NO_GRADIENT: &[&str] = &[
-    "eq",
-    "ne",
-    "lt",
-    "le",
-    "gt",
-    "ge",
-    "cmp",
     "argmax",
     "argmin",
     "argmax_keepdim",
@@ -42,6 +38,14 @@ const NO_GRADIENT: &[&str] = &[
 const RECEIVER_ONLY: &[&str] = &[
     "to_dtype",
     "to_device",
+    "affine",
+    "abs",
+    "neg",
+    "sqr",
+    "sqrt",
+    "exp",
+    "log",
+    "powf",
     "sum_all",
     "sum",
     "sum_keepdim",
@@ -79,7 +83,8 @@ fn carries_no_gradient(expr: &Expr) -> bool {
         Expr::Paren(p) => carries_no_gradient(&p.expr),
         Expr::MethodCall(m) => {
             let method = m.method.to_string();
-            NO_GRADIENT.contains(&method.as_str())
+            COMPARISONS.contains(&method.as_str())
+                || NO_GRADIENT.contains(&method.as_str())
                 || (RECEIVER_ONLY.contains(&method.as_str()) && carries_no_gradient(&m.receiver))
         }
         _ => false,
@@ -120,22 +125,15 @@ const REPORTING: &[&str] = &[
 
 /// Methods whose value is a count, an order or a truth value, whatever they
 /// are called on and with (`w.len()`, `a.total_cmp(&b)`, `x.ge(t)?`): what
-/// they read gives no float to a value.
+/// they read gives no float to a value; [`COMPARISONS`] too.
 const COUNTS_AND_TESTS: &[&str] = &[
     "len",
     "count",
     "position",
     "rposition",
     "is_empty",
-    "cmp",
     "partial_cmp",
     "total_cmp",
-    "eq",
-    "ne",
-    "lt",
-    "le",
-    "gt",
-    "ge",
     "is_nan",
     "is_finite",
     "is_infinite",
@@ -272,7 +270,10 @@ pub(crate) fn read_as_data(expr: &Expr) -> Vec<Place> {
             self.visit_expr(&i.expr);
         }
         fn visit_expr_method_call(&mut self, m: &'ast syn::ExprMethodCall) {
-            if !COUNTS_AND_TESTS.contains(&m.method.to_string().as_str()) {
+            let method = m.method.to_string();
+            if !COUNTS_AND_TESTS.contains(&method.as_str())
+                && !COMPARISONS.contains(&method.as_str())
+            {
                 syn::visit::visit_expr_method_call(self, m);
             }
         }
@@ -309,22 +310,36 @@ pub(crate) fn read_as_data(expr: &Expr) -> Vec<Place> {
     c.0
 }
 
-/// Whether `expr` reads a tensor's values to the host (`to_vec2`,
-/// `to_scalar`, ...): a statement that may be a host read. A read of a
-/// value that carries no gradient (`x.gt(0.0)?.sum_all()?.to_scalar()`, a
-/// count from a comparison) is not one.
-pub(crate) fn reads_to_host(expr: &Expr) -> bool {
-    struct Find(bool);
+/// How `expr` reads tensors' values to the host (`to_vec2`, `to_scalar`,
+/// ...): whether it does, and whether one of the values it reads carries a
+/// gradient (`x.gt(0.0)?.sum_all()?.to_scalar()`, a count from a
+/// comparison, carries none).
+fn host_reads(expr: &Expr) -> (bool, bool) {
+    struct Find(bool, bool);
     impl<'ast> Visit<'ast> for Find {
         fn visit_expr_method_call(&mut self, m: &'ast syn::ExprMethodCall) {
-            self.0 |= TO_HOST.contains(&m.method.to_string().as_str())
-                && !carries_no_gradient(&m.receiver);
+            if TO_HOST.contains(&m.method.to_string().as_str()) {
+                self.0 = true;
+                self.1 |= !carries_no_gradient(&m.receiver);
+            }
             syn::visit::visit_expr_method_call(self, m);
         }
     }
-    let mut f = Find(false);
+    let mut f = Find(false, false);
     f.visit_expr(expr);
-    f.0
+    (f.0, f.1)
+}
+
+/// Whether `expr` reads to the host a value that carries a gradient: a
+/// statement that may be a host read.
+pub(crate) fn reads_to_host(expr: &Expr) -> bool {
+    host_reads(expr).1
+}
+
+/// Whether every value `expr` reads to the host carries no gradient (and
+/// it reads one): its statement is no host read, wherever its floats go.
+pub(crate) fn reads_to_host_without_gradient(expr: &Expr) -> bool {
+    host_reads(expr) == (true, false)
 }
 
 /// The names `expr` mentions inside the arguments of a call of one of

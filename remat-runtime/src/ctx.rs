@@ -250,10 +250,11 @@ impl Ctx {
                 let skeleton = out.split_into(&mut tensors);
                 // Only floats carry gradients (a mask from a comparison
                 // does not).
-                let floats = owned.iter().take(value_inputs);
-                if tensors.is_empty()
-                    && floats.clone().any(|t| t.track_op() && t.dtype().is_float())
-                {
+                let reads_floats = owned
+                    .iter()
+                    .take(value_inputs)
+                    .any(|t| t.track_op() && t.dtype().is_float());
+                if tensors.is_empty() && reads_floats {
                     self.host_reads.insert(name_hash(name));
                 }
                 check_cut(&self.region, name, tracked, &tensors)?;

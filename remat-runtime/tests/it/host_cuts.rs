@@ -758,8 +758,11 @@ remat! {
         let mask = states.ge(0.0)?;
         let positive = mask.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
         let top = states.argmax_keepdim(1)?.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
-        let y = ((states.sum(0)? / kept)? * (positive + top + 1.0))?;
-        Ok(y)
+        let scaled = h.gt(0.0)?.to_dtype(DType::F64)?.affine(2.0, 1.0)?.sum_all()?.to_scalar::<f64>()?;
+        let rows = mask.to_dtype(DType::F64)?.sum_keepdim(1)?.flatten_all()?.to_vec1::<f64>()?;
+        let counts = Tensor::new(rows.as_slice(), h.device())?.to_dtype(h.dtype())?;
+        let y = ((states.sum(0)? / kept)? * (positive + top + scaled))?;
+        Ok((y.unsqueeze(0)?.broadcast_mul(&counts.unsqueeze(1)?)? + states)?)
     }
 }
 
@@ -778,7 +781,20 @@ fn pooled_by_count_by_hand(h: &Tensor, w: &Tensor) -> Result<Tensor> {
         .to_dtype(DType::F64)?
         .sum_all()?
         .to_scalar::<f64>()?;
-    (states.sum(0)? / kept)? * (positive + top + 1.0)
+    let scaled = h
+        .gt(0.0)?
+        .to_dtype(DType::F64)?
+        .affine(2.0, 1.0)?
+        .sum_all()?
+        .to_scalar::<f64>()?;
+    let rows = mask
+        .to_dtype(DType::F64)?
+        .sum_keepdim(1)?
+        .flatten_all()?
+        .to_vec1::<f64>()?;
+    let counts = Tensor::new(rows.as_slice(), h.device())?.to_dtype(h.dtype())?;
+    let y = ((states.sum(0)? / kept)? * (positive + top + scaled))?;
+    y.unsqueeze(0)?.broadcast_mul(&counts.unsqueeze(1)?)? + states
 }
 
 remat! {
@@ -793,8 +809,9 @@ remat! {
 
 /// Counts read to the host from comparisons and arg-reductions of values
 /// that need gradients (`x.gt(0.5)?.to_dtype(F64)?.sum_all()?.to_scalar()`,
-/// a mask of its own, `argmax`) carry no gradient: no `HostCut` (it was
-/// raised under every plan, `off` too), and plain candle's gradients. A
+/// a mask of its own, `argmax`, an `affine` of a count, per-row counts
+/// handed to `Tensor::new`) carry no gradient: no `HostCut` (it was raised
+/// under every plan, `off` too), and plain candle's gradients. A
 /// value multiplied back by a tracked tensor before the read is still a
 /// cut.
 #[test]

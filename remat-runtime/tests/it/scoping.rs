@@ -278,7 +278,9 @@ remat! {
     /// A closure of the block borrowing statements' outputs (`bias`, and
     /// `scale` through an alias), called by later statements, and by a
     /// closure whose parameter's type is inferred from its call; and a
-    /// closure over a plain value whose name a later binding takes.
+    /// closure over a plain value. (A later binding may not take the name
+    /// of a value a closure borrows before the closure is called: a
+    /// compile error, UI case `closure_capture_shadowed`.)
     fn closure_captures(x: &Tensor, w: &Tensor) -> Result<Tensor> {
         let h = x.matmul(w)?;
         #[save] let bias = (h.sum_keepdim(0)? * 0.1)?;
@@ -288,10 +290,10 @@ remat! {
         let twice = |t| add_bias(&add_bias(t)?);
         let k = 0.5;
         let half = |t: &Tensor| t * k;
-        let k = h.cos()?;
+        let c = h.cos()?;
         let g = h.sin()?;
         let z = add_bias(&g)?;
-        let u = (twice(&z)? + half(&k)?)?;
+        let u = (twice(&z)? + half(&c)?)?;
         Ok((u + &h)?)
     }
 }
@@ -489,6 +491,23 @@ mod mut_closures {
     use super::*;
 
     remat! {
+        /// A closure indexing a list of tensors, called in a loop and by a
+        /// statement reading one of them through it: read in part, as
+        /// `ws[2]` written in the statement is (it was `InputCut`).
+        pub fn indexing(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+            let ws = vec![w.tanh()?, (w * 0.5)?, w.sin()?];
+            let b = w.sum_keepdim(0)?;
+            let step = |i: usize, t: &Tensor| t.matmul(&ws[i])?.broadcast_add(&b);
+            let mut h = x.clone();
+            for i in 0..3 {
+                h = step(i, &h)?.tanh()?;
+            }
+            let last = step(2, &h)?;
+            Ok(last)
+        }
+    }
+
+    remat! {
         pub fn assigned_before(x: &Tensor, w: &Tensor) -> Result<Tensor> {
             let mut g = x.matmul(w)?.tanh()?;
             g = (g * 2.0)?;
@@ -541,6 +560,17 @@ mod mut_closures {
     }
 }
 
+fn indexing_plain(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let ws = vec![w.tanh()?, (w * 0.5)?, w.sin()?];
+    let b = w.sum_keepdim(0)?;
+    let step = |i: usize, t: &Tensor| t.matmul(&ws[i])?.broadcast_add(&b);
+    let mut h = x.clone();
+    for i in 0..3 {
+        h = step(i, &h)?.tanh()?;
+    }
+    step(2, &h)
+}
+
 fn assigned_before_plain(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let mut g = x.matmul(w)?.tanh()?;
     g = (g * 2.0)?;
@@ -591,7 +621,8 @@ type Block2 = fn(&Tensor, &Tensor) -> Result<Tensor>;
 
 #[test]
 fn closures_over_mut_bindings_keep_every_gradient() {
-    let blocks: [(&str, Block2, Block2); 3] = [
+    let blocks: [(&str, Block2, Block2); 4] = [
+        ("indexing", mut_closures::indexing, indexing_plain),
         (
             "assigned_before",
             mut_closures::assigned_before,

@@ -761,7 +761,8 @@ remat! {
         let scaled = h.gt(0.0)?.to_dtype(DType::F64)?.affine(2.0, 1.0)?.sum_all()?.to_scalar::<f64>()?;
         let rows = mask.to_dtype(DType::F64)?.sum_keepdim(1)?.flatten_all()?.to_vec1::<f64>()?;
         let counts = Tensor::new(rows.as_slice(), h.device())?.to_dtype(h.dtype())?;
-        let y = ((states.sum(0)? / kept)? * (positive + top + scaled))?;
+        let picked = mask.to_dtype(DType::F64)?.gather(&mask.to_dtype(DType::U32)?, 1)?.sum_all()?.to_scalar::<f64>()?;
+        let y = ((states.sum(0)? / kept)? * (positive + top + scaled + picked))?;
         Ok((y.unsqueeze(0)?.broadcast_mul(&counts.unsqueeze(1)?)? + states)?)
     }
 }
@@ -793,7 +794,12 @@ fn pooled_by_count_by_hand(h: &Tensor, w: &Tensor) -> Result<Tensor> {
         .flatten_all()?
         .to_vec1::<f64>()?;
     let counts = Tensor::new(rows.as_slice(), h.device())?.to_dtype(h.dtype())?;
-    let y = ((states.sum(0)? / kept)? * (positive + top + scaled))?;
+    let picked = mask
+        .to_dtype(DType::F64)?
+        .gather(&mask.to_dtype(DType::U32)?, 1)?
+        .sum_all()?
+        .to_scalar::<f64>()?;
+    let y = ((states.sum(0)? / kept)? * (positive + top + scaled + picked))?;
     y.unsqueeze(0)?.broadcast_mul(&counts.unsqueeze(1)?)? + states
 }
 
@@ -809,8 +815,8 @@ remat! {
 
 /// Counts read to the host from comparisons and arg-reductions of values
 /// that need gradients (`x.gt(0.5)?.to_dtype(F64)?.sum_all()?.to_scalar()`,
-/// a mask of its own, `argmax`, an `affine` of a count, per-row counts
-/// handed to `Tensor::new`) carry no gradient: no `HostCut` (it was raised
+/// a mask of its own, `argmax`, an `affine` of a count, a `gather`, per-row
+/// counts handed to `Tensor::new`) carry no gradient: no `HostCut` (it was raised
 /// under every plan, `off` too), and plain candle's gradients. A
 /// value multiplied back by a tracked tensor before the read is still a
 /// cut.

@@ -561,7 +561,7 @@ mod mut_closures {
 }
 
 fn indexing_plain(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    let ws = vec![w.tanh()?, (w * 0.5)?, w.sin()?];
+    let ws = [w.tanh()?, (w * 0.5)?, w.sin()?];
     let b = w.sum_keepdim(0)?;
     let step = |i: usize, t: &Tensor| t.matmul(&ws[i])?.broadcast_add(&b);
     let mut h = x.clone();

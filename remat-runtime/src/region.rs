@@ -10,7 +10,7 @@ use crate::graph::{attach, make_leaf};
 use crate::inspect::{memory, trace};
 use crate::tape::fingerprint::FieldRead;
 use crate::tape::recorder::{constant_outputs, first_forward, first_plain_run, Recorded, Recorder};
-use crate::tape::{fingerprint, Mask, Meta, Tape};
+use crate::tape::{fingerprint, Kept, Mask, Meta, Tape};
 use crate::{plan, random, Inputs, Outputs, Plan, RematError, Result};
 
 /// A checkpointed region: a block of statements whose activations are
@@ -202,6 +202,7 @@ impl Region {
                     records,
                     mut params,
                     inputs_read,
+                    replayed,
                     param_statements,
                     fingerprints: output_fingerprints,
                 },
@@ -211,10 +212,14 @@ impl Region {
             profile,
             captures,
         } = forward;
-        let kept_inputs: Vec<Option<Tensor>> = detached
+        let kept_inputs: Vec<Kept> = detached
             .iter()
-            .zip(&inputs_read)
-            .map(|(t, read)| read.as_ref().map(|_| t.clone()))
+            .enumerate()
+            .map(|(i, t)| match inputs_read[i] {
+                None => Kept::Released,
+                Some(_) if requires_grad[i] && !replayed[i] => Kept::Checked(t.clone()),
+                Some(_) => Kept::Read(t.clone()),
+            })
             .collect();
         // A `Var` returned as it is keeps its gradient path: it is anchored
         // like every parameter, and the sweep hands it its output's gradient.

@@ -26,7 +26,7 @@ use candle_core::Tensor;
 use crate::ctx::{Ctx, Mode};
 use crate::graph::{make_leaf, Relayout};
 use crate::replay::{self, Replay};
-use crate::tape::{Meta, Tape};
+use crate::tape::{Kept, Meta, Tape};
 use crate::{inspect, lock, RematError, Result};
 use pending::Pending;
 
@@ -195,22 +195,30 @@ impl Call {
                 known,
             });
         }
-        // Inputs no statement's backward reads (no recomputed statement
-        // reads them, and no saved one holds them as they are) were
-        // released after the forward: the block sees placeholders for them.
-        // The others that need gradients are leaves (one copy each, which
-        // every unit reading them shares), so that a statement reading one
-        // without declaring it shows in its graph; a strided one's leaf is
-        // in memory order, and the block sees it through the input's view.
+        // Inputs no statement's backward reads were released after the
+        // forward, and those only saved statements read through their own
+        // copies are kept for the check alone: the block sees placeholders
+        // for both. The others that need gradients are leaves (one copy
+        // each, which every unit reading them shares), so that a statement
+        // reading one without declaring it shows in its graph; a strided
+        // one's leaf is in memory order, and the block sees it through the
+        // input's view.
         let mut relaid = Vec::with_capacity(inputs.len());
+        let checked: Vec<Option<Tensor>> = inputs
+            .iter()
+            .map(|k| match k {
+                Kept::Checked(t) => Some(t.clone()),
+                _ => None,
+            })
+            .collect();
         let inputs = inputs
             .into_iter()
             .zip(&input_metas)
             .zip(&requires_grad)
-            .map(|((t, meta), &grad)| {
+            .map(|((kept, meta), &grad)| {
                 relaid.push(None);
-                match t {
-                    Some(t) if grad => match Relayout::of(t.layout(), t.device()) {
+                match kept {
+                    Kept::Read(t) if grad => match Relayout::of(t.layout(), t.device()) {
                         Some(r) => {
                             let leaf = r.leaf(&t)?;
                             let seen = r.read(&leaf)?;
@@ -221,8 +229,8 @@ impl Call {
                         }
                         None => make_leaf(&t),
                     },
-                    Some(t) => Ok(t),
-                    None => replay::placeholder(meta),
+                    Kept::Read(t) => Ok(t),
+                    Kept::Checked(_) | Kept::Released => replay::placeholder(meta),
                 }
             })
             .collect::<Result<Vec<Tensor>>>()?;
@@ -231,6 +239,7 @@ impl Call {
             Mode::Replay(Replay::new(
                 records,
                 &inputs,
+                &checked,
                 relaid,
                 &requires_grad,
                 &params,

@@ -8,6 +8,7 @@ use candle_core::DType;
 
 use crate::backward::{Call, TapeState};
 use crate::tape::bytes::{Counter, Seen};
+use crate::tape::Kept;
 use crate::{lock, Policy};
 
 thread_local! {
@@ -142,7 +143,7 @@ impl MemoryReport {
             let bytes = tape
                 .inputs
                 .iter()
-                .flatten()
+                .filter_map(Kept::tensor)
                 .map(|t| counter.count(t, false))
                 .sum();
             let shapes = tape

@@ -127,9 +127,13 @@ pub(crate) fn placeholder(meta: &Meta) -> Result<Tensor> {
 }
 
 impl Replay {
+    /// `checked`: the region inputs the tape kept, to fingerprint (the
+    /// block may see leaf copies of them, or placeholders).
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         records: Vec<Record>,
         inputs: &[Tensor],
+        checked: &[Option<Tensor>],
         relaid: Vec<Option<(Tensor, Relayout)>>,
         requires_grad: &[bool],
         params: &[Tensor],
@@ -182,7 +186,9 @@ impl Replay {
                     taken.push((subject, Some(p)));
                 }
                 for &(index, k, name) in &forward.inputs {
-                    let t = &inputs[index as usize];
+                    let t = checked[index as usize]
+                        .as_ref()
+                        .unwrap_or(&inputs[index as usize]);
                     let subject = Subject::Input {
                         index: index as usize,
                         name,

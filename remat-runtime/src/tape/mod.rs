@@ -177,14 +177,38 @@ pub(crate) struct Profile {
     pub sources: Vec<Source>,
 }
 
+/// A region input as a tape keeps it: detached (sharing storage with the
+/// caller's), or not at all.
+#[derive(Clone)]
+pub(crate) enum Kept {
+    /// Read by the replay: the block sees it (a leaf copy of it where it
+    /// needs gradients).
+    Read(Tensor),
+    /// Needing gradients and read only by saved statements, through their
+    /// own leaf copies: kept to see a change in place before their
+    /// backward (plain candle's would read the changed values); the replay
+    /// sees a placeholder.
+    Checked(Tensor),
+    /// Read by no statement's backward: the replay sees a placeholder.
+    Released,
+}
+
+impl Kept {
+    /// The tensor kept, if any.
+    pub fn tensor(&self) -> Option<&Tensor> {
+        match self {
+            Kept::Read(t) | Kept::Checked(t) => Some(t),
+            Kept::Released => None,
+        }
+    }
+}
+
 /// Everything one region call keeps between its forward and its backward,
 /// but the block itself (which the call holds next to its tape).
 #[derive(Clone)]
 pub(crate) struct Tape {
-    /// The region inputs the replay reads, detached (they share storage
-    /// with the caller's); `None` for an input no recomputed statement
-    /// reads, which the replay sees as a placeholder.
-    pub inputs: Vec<Option<Tensor>>,
+    /// The region inputs, as the tape keeps them.
+    pub inputs: Vec<Kept>,
     /// Shape, dtype and device of every region input.
     pub input_metas: Vec<Meta>,
     /// Which inputs need gradients.

@@ -136,6 +136,8 @@ pub(crate) struct Recorded {
     /// it), or a saved one whose kept graph holds it as it is (its backward
     /// reads it; an input that needs gradients is read through a copy).
     pub inputs_read: Vec<Option<u32>>,
+    /// Per region input: a recomputed statement reads it (the replay does).
+    pub replayed: Vec<bool>,
     /// Per parameter: the record of the first statement whose graph used it.
     pub param_statements: Vec<u32>,
     /// The fingerprints of the recomputed outputs, in order, when taken.
@@ -155,9 +157,10 @@ pub(crate) struct Recorder {
     /// Every value a recomputed statement reads (what the replay reads),
     /// with the first record that reads it.
     replay_reads: HashMap<TensorId, usize>,
-    /// Every value a saved statement's kept graph holds as it is (not a
-    /// leaf copy), with the first record that reads it: its backward reads
-    /// it, so a change in place before then must be seen.
+    /// Every value a saved statement's kept graph holds, as it is or as a
+    /// leaf copy, with the first record that reads it: its backward reads
+    /// it (or the copy, where plain candle's would read it), so a change in
+    /// place before then must be seen.
     saved_reads: HashMap<TensorId, usize>,
     /// Recomputed statements whose whole value is one `nn` op call's
     /// tensor: (record, the value). The replay may leave such a value
@@ -450,8 +453,11 @@ impl Recorder {
         let mut leaves = Vec::with_capacity(inputs.len());
         let mut args = Vec::with_capacity(inputs.len());
         let mut chained = false;
-        // The inputs it reads for their values as they are (no copy).
-        let mut as_is = Vec::new();
+        // The inputs its backward depends on: those it reads for their
+        // values as they are (no copy), and those it reads through leaf
+        // copies (its backward reads the copies, where plain candle's reads
+        // the tensors: a change in place before the backward must be seen).
+        let mut read = Vec::new();
         for (i, (t, &need)) in inputs.iter().zip(needs).enumerate() {
             // An input read for its shape or detached needs no leaf.
             let need = need && i < s.value_inputs;
@@ -462,6 +468,7 @@ impl Recorder {
                 leaves.push(None);
                 args.push(tracked);
             } else if need {
+                read.push(t.id());
                 let leaf = match self.shared_leaves.get(&t.id()) {
                     Some(leaf) if !offload => leaf.clone(),
                     _ => {
@@ -479,7 +486,7 @@ impl Recorder {
                 leaves.push(None);
                 args.push((*t).clone());
                 if i < s.value_inputs {
-                    as_is.push(t.id());
+                    read.push(t.id());
                 }
             }
         }
@@ -499,7 +506,7 @@ impl Recorder {
         }
         let any_tracked = tracked.iter().any(|t| t.track_op());
         if any_tracked {
-            for id in as_is {
+            for id in read {
                 self.saved_reads.entry(id).or_insert(index);
             }
         }
@@ -659,7 +666,7 @@ impl Recorder {
 
     /// Ends the forward: saved outputs that no recomputed statement reads are
     /// dropped from the tape (replay gives placeholders for them), and so
-    /// are the region `inputs` no recomputed statement reads.
+    /// are the region `inputs` no statement's backward reads.
     pub fn finish(mut self, inputs: &[Tensor]) -> Result<Recorded> {
         self.fingerprint_pending_sole()?;
         let inputs_read = inputs
@@ -669,6 +676,10 @@ impl Recorder {
                 let saved = self.saved_reads.get(&t.id());
                 replay.into_iter().chain(saved).min().map(|&k| k as u32)
             })
+            .collect();
+        let replayed = inputs
+            .iter()
+            .map(|t| self.replay_reads.contains_key(&t.id()))
             .collect();
         let param_statements = self.param_first.iter().map(|&k| k as u32).collect();
         for (k, record) in self.records.iter_mut().enumerate() {
@@ -698,6 +709,7 @@ impl Recorder {
             records: self.records,
             params: self.params,
             inputs_read,
+            replayed,
             param_statements,
             fingerprints: self.fingerprints,
         })

@@ -177,9 +177,10 @@ fn the_report_shows_a_host_column_only_when_something_is_offloaded() {
     assert_eq!(line(&kept, "r#0 e"), "r#0 e offload 256 [4, 8]");
     assert!(moved.lines().next().unwrap().contains(" host "), "{moved}");
     assert_eq!(line(&moved, "r#0 e"), "r#0 e offload 0 256 [4, 8]");
-    // Only the offloaded statement reads x, from its own leaf copy: the
-    // tape does not hold the region input.
-    assert_eq!(line(&moved, "total"), "total 0 256");
+    // Only the offloaded statement reads x, from its own leaf copy (moved
+    // to the host); the tape holds x on its device, to see a change in
+    // place before the backward (as the caller's `Var` does).
+    assert_eq!(line(&moved, "total"), "total 128 256");
 }
 
 #[test]

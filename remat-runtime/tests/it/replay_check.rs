@@ -845,3 +845,61 @@ fn a_block_input_unchanged_but_read_through_a_view_passes() {
         assert!(backward(&y).is_ok(), "{dtype:?}");
     }
 }
+
+remat! {
+    /// A gated projection: the weight comes in as a block input (a `Var`
+    /// handed over as `&Tensor`, as `Linear::new(w, b)` users do).
+    fn gated_projection(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+        let h = x.matmul(w)?;
+        let gate = h.tanh()?;
+        let y = (&gate * &h)?.sum_keepdim(1)?;
+        Ok(y)
+    }
+}
+
+/// Block inputs that need gradients, changed in place between the forward
+/// and the backward (an optimizer step on the `Var` handed in, `slice_set`
+/// on a tracked activation): `InputChanged` naming them under every plan.
+/// Saving plans keep copies of such inputs for the saved statements'
+/// backward; that backward then gave the gradient of the values before the
+/// change, where plain candle's reads the new ones: a silent difference.
+#[test]
+fn tracked_block_inputs_changed_in_place_are_caught_under_every_plan() {
+    for dtype in DTYPES {
+        for plan in [
+            Plan::declared(),
+            Plan::recompute_all(),
+            Plan::save_all(),
+            Plan::budget(0.5),
+            Plan::budget_bytes(0),
+            Plan::save_only(["h"]),
+            Plan::save_only(["gate", "y"]),
+        ] {
+            for changed in ["w", "x"] {
+                let x0 = var(&[5, 6], 31, 1.0, dtype);
+                let w = var(&[6, 4], 32, 0.5, dtype);
+                // A tracked activation, not a `Var`.
+                let x = (x0.as_tensor() * 2.0).unwrap();
+                let y = plan.scope(|| gated_projection(&x, w.as_tensor())).unwrap();
+                let loss = y.sqr().unwrap().sum_all().unwrap();
+                match changed {
+                    // An SGD step from another loss before this backward.
+                    "w" => w.set(&(w.as_tensor() * 0.9).unwrap()).unwrap(),
+                    _ => x
+                        .slice_set(&x.narrow(0, 2, 1).unwrap().neg().unwrap(), 0, 0)
+                        .unwrap(),
+                }
+                let e = backward(&loss)
+                    .err()
+                    .unwrap_or_else(|| panic!("{dtype:?} {plan} `{changed}`: no error"));
+                let index = usize::from(changed == "w");
+                assert!(
+                    matches!(&e, RematError::InputChanged { region, index: i, name, .. }
+                        if region == "gated_projection" && *i == index
+                            && name.as_deref() == Some(changed)),
+                    "{dtype:?} {plan} `{changed}`: {e:?}"
+                );
+            }
+        }
+    }
+}

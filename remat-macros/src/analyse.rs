@@ -109,9 +109,11 @@ pub(crate) struct Analysis {
     pub fields: Vec<(FieldRead, String)>,
 }
 
-/// A closure (borrowing what it mentions, or a `move` one).
+/// A closure (borrowing what it mentions, or a `move` one), or a value
+/// built of others without computing anything ([`crate::plain::built`]):
+/// defined again in each statement that reads it.
 fn is_closure(init: &Expr) -> bool {
-    matches!(init, Expr::Closure(_))
+    matches!(init, Expr::Closure(_)) || crate::plain::built(init)
 }
 
 /// The names a statement reads only in part, with the closures it calls
@@ -140,6 +142,34 @@ fn in_part_with(
         }
     }
     out.retain(|name| in_part_everywhere(name));
+    out
+}
+
+/// The names a statement reads only through the values built of them it
+/// reads (`called`, see [`crate::plain::built`]; `own`: the names it reads
+/// for their values itself): it may use some of their fields only
+/// (`LinearCrossEntropy { bias: None, ..o }`), so its graph need not reach
+/// them, as if read on a branch.
+fn through_built(
+    own: &[String],
+    called: &[usize],
+    for_value: &[Vec<String>],
+    block: &crate::model::Block,
+) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for &c in called {
+        let StmtKind::Let { init, .. } = &block.statements[c].kind else {
+            continue;
+        };
+        if !crate::plain::built(init) {
+            continue;
+        }
+        for name in &for_value[c] {
+            if !own.contains(name) && !out.contains(name) {
+                out.push(name.clone());
+            }
+        }
+    }
     out
 }
 
@@ -364,6 +394,7 @@ impl<'a> Analyser<'a> {
             let reads = self.resolve(expr, i, forward_only);
             let called = std::mem::take(&mut self.called);
             in_part[i] = in_part_with(&for_value[i], &in_part[i], &called, (&for_value, &in_part));
+            on_branch[i].extend(through_built(&for_value[i], &called, &for_value, block));
             for &c in &called {
                 let (f, d, t) = (for_value[c].clone(), data[c].clone(), into[c].clone());
                 for_value[i].extend(f);
@@ -454,6 +485,7 @@ impl<'a> Analyser<'a> {
                 let called = std::mem::take(&mut self.called);
                 in_part[n] =
                     in_part_with(&for_value[n], &in_part[n], &called, (&for_value, &in_part));
+                on_branch[n].extend(through_built(&for_value[n], &called, &for_value, block));
                 for &c in &called {
                     let (f, d, t) = (for_value[c].clone(), data[c].clone(), into[c].clone());
                     for_value[n].extend(f);

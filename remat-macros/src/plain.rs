@@ -18,7 +18,8 @@ const PLAIN_METHODS: &[&str] = &[
 /// (`let _enter = self.span.enter();`, kept to the block's end), a copy
 /// (`let mut layer = self.layer.clone();`, `let residual = xs.clone();`:
 /// nothing to checkpoint, and the value may be any `Clone` type), or a
-/// tensor's device, dtype or shape (`let device = xs.device();`). A
+/// tensor's device, dtype or shape (`let device = xs.device();`), a value
+/// built of others without computing anything ([`built`]). A
 /// reference (`let residual = xs;`, `let r = &h;`) is plain code too, found
 /// by the analysis (`analyse`'s aliases). Annotated statements never are.
 pub(crate) fn plain(stmt: &Statement) -> bool {
@@ -29,7 +30,7 @@ pub(crate) fn plain(stmt: &Statement) -> bool {
         return false;
     }
     let guard = crate::usage::single(pat).is_some_and(|i| i.to_string().starts_with('_'));
-    let closure = matches!(init, Expr::Closure(_));
+    let closure = matches!(init, Expr::Closure(_)) || built(init);
     let copy = match init {
         Expr::MethodCall(m) => {
             PLAIN_METHODS.iter().any(|p| m.method == p) && m.args.is_empty() && place(&m.receiver)
@@ -55,4 +56,51 @@ fn place(e: &Expr) -> bool {
 pub(crate) fn copies(kind: &StmtKind) -> bool {
     matches!(kind, StmtKind::Let { init: Expr::MethodCall(m), .. }
         if PLAIN_METHODS.iter().any(|p| m.method == p))
+}
+
+/// A struct literal built of others without computing anything: its fields
+/// (and its base, `..Default::default()`) are literals, names, references
+/// to places (`&h`, `&self.norm.weight`), tuple structs or enum variants of
+/// them (`Some(&b)`), tuples, arrays and struct literals of them, as the
+/// options of an op are (`LinearCrossEntropy { bias: Some(&p.b),
+/// ..Default::default() }`). Like a closure, it is defined again in each
+/// statement that reads it, over that statement's copies of what it
+/// borrows.
+pub(crate) fn built(e: &Expr) -> bool {
+    match e {
+        Expr::Struct(s) => {
+            s.qself.is_none()
+                && s.fields.iter().all(|f| part(&f.expr))
+                && s.rest.as_deref().is_none_or(part)
+        }
+        _ => false,
+    }
+}
+
+/// A part of a [`built`] value.
+fn part(e: &Expr) -> bool {
+    match e {
+        Expr::Lit(_) => true,
+        Expr::Path(p) => p.qself.is_none(),
+        Expr::Reference(r) => place(&r.expr),
+        Expr::Field(_) => place(e),
+        Expr::Paren(p) => part(&p.expr),
+        Expr::Unary(u) => matches!(u.op, syn::UnOp::Neg(_)) && matches!(*u.expr, Expr::Lit(_)),
+        Expr::Tuple(t) => t.elems.iter().all(part),
+        Expr::Array(a) => a.elems.iter().all(part),
+        Expr::Struct(_) => built(e),
+        // `Some(&b)`, `Pair(&a, &b)`, `Default::default()`.
+        Expr::Call(c) => {
+            let Expr::Path(f) = &*c.func else {
+                return false;
+            };
+            let last = f.path.segments.last().map(|s| s.ident.to_string());
+            let variant = last
+                .as_deref()
+                .is_some_and(|l| l.starts_with(|ch: char| ch.is_ascii_uppercase()));
+            let default = c.args.is_empty() && last.as_deref() == Some("default");
+            (variant || default) && c.args.iter().all(part)
+        }
+        _ => false,
+    }
 }

@@ -401,3 +401,89 @@ fn an_ignored_token_with_an_infinite_logit() {
         .unwrap();
     assert!(loss.is_finite(), "{loss}");
 }
+
+/// A model's last layer and loss, with the options of the head written
+/// where they are used, inside a block.
+#[derive(Clone)]
+struct FinalLayer {
+    gain: Tensor,
+    w: Tensor,
+    b: Tensor,
+}
+
+impl FinalLayer {
+    remat_runtime::remat! {
+        fn loss(&self, x: &Tensor, labels: &Tensor) -> Result<Tensor> {
+            let h = (x.tanh()? * 2.0)?;
+            let bias = (&self.b * 0.5)?;
+            // Options borrowing a field, a statement's value and a block
+            // input, read by two statements.
+            let o = LinearCrossEntropy {
+                norm: Some(PreNorm::Rms { gain: &self.gain, eps: EPS }),
+                bias: Some(&bias),
+                label_smoothing: 0.1,
+                ..Default::default()
+            };
+            let main = linear_cross_entropy(&h, &self.w, labels, &o)?;
+            let plain_head = LinearCrossEntropy { norm: None, bias: None, ..o };
+            let aux = linear_cross_entropy(x, &self.w, labels, &plain_head)?;
+            let loss = (main + (aux * 0.25)?)?;
+            Ok(loss)
+        }
+    }
+
+    fn loss_plain(&self, x: &Tensor, labels: &Tensor) -> Result<Tensor> {
+        let h = (x.tanh()? * 2.0)?;
+        let bias = (&self.b * 0.5)?;
+        let o = LinearCrossEntropy {
+            norm: Some(PreNorm::Rms {
+                gain: &self.gain,
+                eps: EPS,
+            }),
+            bias: Some(&bias),
+            label_smoothing: 0.1,
+            ..Default::default()
+        };
+        let main = linear_cross_entropy(&h, &self.w, labels, &o)?;
+        let plain_head = LinearCrossEntropy {
+            norm: None,
+            bias: None,
+            ..o
+        };
+        let aux = linear_cross_entropy(x, &self.w, labels, &plain_head)?;
+        main + (aux * 0.25)?
+    }
+}
+
+/// Options of the fused head built inside a block (a struct literal
+/// borrowing fields and statements' values) are plain code, defined again
+/// in each statement that reads them: the gradients equal plain candle's
+/// under every plan.
+#[test]
+fn head_options_built_inside_a_block_match_plain_candle() {
+    for dtype in [DType::F32, DType::F64] {
+        let head = Head::new(2, 3, 8, 11, Norm::Rms, true, dtype);
+        let layer = FinalLayer {
+            gain: head.gain.as_tensor().clone(),
+            w: head.w.as_tensor().clone(),
+            b: head.b.as_ref().unwrap().as_tensor().clone(),
+        };
+        let (_, expected) = head.run(|| layer.loss_plain(head.x.as_tensor(), &head.labels));
+        for plan in [
+            remat_runtime::Plan::declared(),
+            remat_runtime::Plan::recompute_all(),
+            remat_runtime::Plan::save_all(),
+            remat_runtime::Plan::save_only(["bias", "aux"]),
+        ] {
+            let (_, got) = head.run(|| {
+                plan.scope(|| layer.loss(head.x.as_tensor(), &head.labels))
+                    .map_err(candle_core::Error::wrap)
+            });
+            for (g, e) in got.iter().zip(&expected) {
+                let d = rel_diff(g, e);
+                let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
+                assert!(d < tol, "{dtype:?} {plan}: {d}");
+            }
+        }
+    }
+}

@@ -112,8 +112,8 @@ pub(crate) struct Analysis {
 /// A closure (borrowing what it mentions, or a `move` one), or a value
 /// built of others without computing anything ([`crate::plain::built`]):
 /// defined again in each statement that reads it.
-fn is_closure(init: &Expr) -> bool {
-    matches!(init, Expr::Closure(_)) || crate::plain::built(init)
+fn is_closure(pat: &syn::Pat, init: &Expr) -> bool {
+    matches!(init, Expr::Closure(_)) || crate::plain::built_let(pat, init)
 }
 
 /// The names a statement reads only in part, with the closures it calls
@@ -158,10 +158,10 @@ fn through_built(
 ) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
     for &c in called {
-        let StmtKind::Let { init, .. } = &block.statements[c].kind else {
+        let StmtKind::Let { pat, init } = &block.statements[c].kind else {
             continue;
         };
-        if !crate::plain::built(init) {
+        if !crate::plain::built_let(pat, init) {
             continue;
         }
         for name in &for_value[c] {
@@ -407,7 +407,9 @@ impl<'a> Analyser<'a> {
             let mut given = Vec::new();
             // A closure changes none of the bindings it mentions where it is
             // written: it gives none back (a statement calling it does).
-            let closure = self.plain[i] && is_closure(expr) && pat.and_then(single).is_some();
+            let closure = self.plain[i]
+                && pat.is_some_and(|p| is_closure(p, expr))
+                && pat.and_then(single).is_some();
             if !forward_only {
                 let moved = self.moves(expr, i);
                 let rebound: Vec<String> = pat

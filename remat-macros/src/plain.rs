@@ -30,7 +30,7 @@ pub(crate) fn plain(stmt: &Statement) -> bool {
         return false;
     }
     let guard = crate::usage::single(pat).is_some_and(|i| i.to_string().starts_with('_'));
-    let closure = matches!(init, Expr::Closure(_)) || built(init);
+    let closure = matches!(init, Expr::Closure(_)) || built_let(pat, init);
     let copy = match init {
         Expr::MethodCall(m) => {
             PLAIN_METHODS.iter().any(|p| m.method == p) && m.args.is_empty() && place(&m.receiver)
@@ -58,7 +58,20 @@ pub(crate) fn copies(kind: &StmtKind) -> bool {
         if PLAIN_METHODS.iter().any(|p| m.method == p))
 }
 
-/// A struct literal built of others without computing anything: its fields
+/// `let name = value;` of a [`built`] value to a binding that is not
+/// `mut` (one that statements change is a statement's value, given back).
+pub(crate) fn built_let(pat: &syn::Pat, init: &Expr) -> bool {
+    let immutable = match pat {
+        syn::Pat::Ident(p) => p.mutability.is_none() && p.by_ref.is_none() && p.subpat.is_none(),
+        syn::Pat::Type(t) => matches!(&*t.pat, syn::Pat::Ident(p)
+            if p.mutability.is_none() && p.by_ref.is_none() && p.subpat.is_none()),
+        _ => false,
+    };
+    immutable && built(init)
+}
+
+/// A struct literal built of others without computing anything (or a
+/// type's default, `LinearCrossEntropy::default()`): its fields
 /// (and its base, `..Default::default()`) are literals, names, references
 /// to places (`&h`, `&self.norm.weight`), tuple structs or enum variants of
 /// them (`Some(&b)`), tuples, arrays and struct literals of them, as the
@@ -72,6 +85,12 @@ pub(crate) fn built(e: &Expr) -> bool {
             s.qself.is_none()
                 && s.fields.iter().all(|f| part(&f.expr))
                 && s.rest.as_deref().is_none_or(part)
+        }
+        Expr::Call(c) => {
+            c.args.is_empty()
+                && matches!(&*c.func, Expr::Path(f) if f.qself.is_none()
+                    && f.path.segments.len() > 1
+                    && f.path.segments.last().is_some_and(|s| s.ident == "default"))
         }
         _ => false,
     }

@@ -427,7 +427,9 @@ impl FinalLayer {
             let main = linear_cross_entropy(&h, &self.w, labels, &o)?;
             let plain_head = LinearCrossEntropy { norm: None, bias: None, ..o };
             let aux = linear_cross_entropy(x, &self.w, labels, &plain_head)?;
-            let loss = (main + (aux * 0.25)?)?;
+            let defaults = LinearCrossEntropy::default();
+            let third = linear_cross_entropy(&h, &self.w, labels, &defaults)?;
+            let loss = ((main + (aux * 0.25)?)? + (third * 0.5)?)?;
             Ok(loss)
         }
     }
@@ -451,7 +453,9 @@ impl FinalLayer {
             ..o
         };
         let aux = linear_cross_entropy(x, &self.w, labels, &plain_head)?;
-        main + (aux * 0.25)?
+        let defaults = LinearCrossEntropy::default();
+        let third = linear_cross_entropy(&h, &self.w, labels, &defaults)?;
+        (main + (aux * 0.25)?)? + (third * 0.5)?
     }
 }
 

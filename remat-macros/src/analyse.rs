@@ -109,11 +109,9 @@ pub(crate) struct Analysis {
     pub fields: Vec<(FieldRead, String)>,
 }
 
-/// A closure (borrowing what it mentions, or a `move` one), or a value
-/// built of others without computing anything ([`crate::plain::built`]):
-/// defined again in each statement that reads it.
-fn is_closure(pat: &syn::Pat, init: &Expr) -> bool {
-    matches!(init, Expr::Closure(_)) || crate::plain::built_let(pat, init)
+/// A closure (borrowing what it mentions, or a `move` one).
+fn is_closure(init: &Expr) -> bool {
+    matches!(init, Expr::Closure(_))
 }
 
 /// The names a statement reads only in part, with the closures it calls
@@ -146,7 +144,7 @@ fn in_part_with(
 }
 
 /// The names a statement reads only through the values built of them it
-/// reads (`called`, see [`crate::plain::built`]; `own`: the names it reads
+/// reads (`called`, see [`crate::plain::built_lets`]; `own`: the names it reads
 /// for their values itself): it may use some of their fields only
 /// (`LinearCrossEntropy { bias: None, ..o }`), so its graph need not reach
 /// them, as if read on a branch.
@@ -154,14 +152,11 @@ fn through_built(
     own: &[String],
     called: &[usize],
     for_value: &[Vec<String>],
-    block: &crate::model::Block,
+    built: &[bool],
 ) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
     for &c in called {
-        let StmtKind::Let { pat, init } = &block.statements[c].kind else {
-            continue;
-        };
-        if !crate::plain::built_let(pat, init) {
+        if !built[c] {
             continue;
         }
         for name in &for_value[c] {
@@ -245,6 +240,9 @@ struct Analyser<'a> {
     /// Whether each statement is plain code: what parsing found, and
     /// references the analysis finds.
     plain: Vec<bool>,
+    /// Per statement: a `let` of a value built of others
+    /// ([`crate::plain::built_lets`]), defined again where it is read.
+    built: Vec<bool>,
     /// The closure statements the statement being resolved calls.
     called: Vec<usize>,
 }
@@ -320,7 +318,13 @@ impl<'a> Analyser<'a> {
             .iter()
             .map(|s| s.annotation.as_ref().map(|a| a.kind))
             .collect();
-        let plain = block.statements.iter().map(crate::plain::plain).collect();
+        let built = crate::plain::built_lets(block);
+        let plain = block
+            .statements
+            .iter()
+            .zip(&built)
+            .map(|(s, &b)| crate::plain::plain(s, b))
+            .collect();
         Analyser {
             block,
             errors,
@@ -329,6 +333,7 @@ impl<'a> Analyser<'a> {
             in_context,
             kinds,
             plain,
+            built,
             called: Vec::new(),
         }
     }
@@ -394,7 +399,12 @@ impl<'a> Analyser<'a> {
             let reads = self.resolve(expr, i, forward_only);
             let called = std::mem::take(&mut self.called);
             in_part[i] = in_part_with(&for_value[i], &in_part[i], &called, (&for_value, &in_part));
-            on_branch[i].extend(through_built(&for_value[i], &called, &for_value, block));
+            on_branch[i].extend(through_built(
+                &for_value[i],
+                &called,
+                &for_value,
+                &self.built,
+            ));
             for &c in &called {
                 let (f, d, t) = (for_value[c].clone(), data[c].clone(), into[c].clone());
                 for_value[i].extend(f);
@@ -408,7 +418,7 @@ impl<'a> Analyser<'a> {
             // A closure changes none of the bindings it mentions where it is
             // written: it gives none back (a statement calling it does).
             let closure = self.plain[i]
-                && pat.is_some_and(|p| is_closure(p, expr))
+                && (is_closure(expr) || self.built[i])
                 && pat.and_then(single).is_some();
             if !forward_only {
                 let moved = self.moves(expr, i);
@@ -487,7 +497,12 @@ impl<'a> Analyser<'a> {
                 let called = std::mem::take(&mut self.called);
                 in_part[n] =
                     in_part_with(&for_value[n], &in_part[n], &called, (&for_value, &in_part));
-                on_branch[n].extend(through_built(&for_value[n], &called, &for_value, block));
+                on_branch[n].extend(through_built(
+                    &for_value[n],
+                    &called,
+                    &for_value,
+                    &self.built,
+                ));
                 for &c in &called {
                     let (f, d, t) = (for_value[c].clone(), data[c].clone(), into[c].clone());
                     for_value[n].extend(f);

@@ -3,7 +3,7 @@
 
 use syn::Expr;
 
-use crate::model::{Statement, StmtKind};
+use crate::model::{Block, Statement, StmtKind};
 
 /// Methods whose value, bound by a `let` to a binding or a field
 /// (`x.device()`), is plain code: a copy, or what a tensor tells of itself
@@ -22,7 +22,7 @@ const PLAIN_METHODS: &[&str] = &[
 /// built of others without computing anything ([`built`]). A
 /// reference (`let residual = xs;`, `let r = &h;`) is plain code too, found
 /// by the analysis (`analyse`'s aliases). Annotated statements never are.
-pub(crate) fn plain(stmt: &Statement) -> bool {
+pub(crate) fn plain(stmt: &Statement, built: bool) -> bool {
     let StmtKind::Let { pat, init } = &stmt.kind else {
         return false;
     };
@@ -30,7 +30,7 @@ pub(crate) fn plain(stmt: &Statement) -> bool {
         return false;
     }
     let guard = crate::usage::single(pat).is_some_and(|i| i.to_string().starts_with('_'));
-    let closure = matches!(init, Expr::Closure(_)) || built_let(pat, init);
+    let closure = matches!(init, Expr::Closure(_)) || built;
     let copy = match init {
         Expr::MethodCall(m) => {
             PLAIN_METHODS.iter().any(|p| m.method == p) && m.args.is_empty() && place(&m.receiver)
@@ -58,33 +58,61 @@ pub(crate) fn copies(kind: &StmtKind) -> bool {
         if PLAIN_METHODS.iter().any(|p| m.method == p))
 }
 
-/// `let name = value;` of a [`built`] value to a binding that is not
-/// `mut` (one that statements change is a statement's value, given back).
-pub(crate) fn built_let(pat: &syn::Pat, init: &Expr) -> bool {
-    let immutable = match pat {
-        syn::Pat::Ident(p) => p.mutability.is_none() && p.by_ref.is_none() && p.subpat.is_none(),
-        syn::Pat::Type(t) => matches!(&*t.pat, syn::Pat::Ident(p)
-            if p.mutability.is_none() && p.by_ref.is_none() && p.subpat.is_none()),
-        _ => false,
-    };
-    immutable && built(init)
+/// Per statement of `block`: a `let` of a [`built`] value to a binding that
+/// is not `mut` (one that statements change is a statement's value, given
+/// back). Names bound by earlier such `let`s may be parts of later ones
+/// (`..o`): each is defined again where it is read, never moved.
+pub(crate) fn built_lets(block: &Block) -> Vec<bool> {
+    let mut names: Vec<String> = Vec::new();
+    block
+        .statements
+        .iter()
+        .map(|stmt| {
+            let StmtKind::Let { pat, init } = &stmt.kind else {
+                return false;
+            };
+            let name = match pat {
+                syn::Pat::Ident(p)
+                    if p.mutability.is_none() && p.by_ref.is_none() && p.subpat.is_none() =>
+                {
+                    &p.ident
+                }
+                syn::Pat::Type(t) => match &*t.pat {
+                    syn::Pat::Ident(p)
+                        if p.mutability.is_none() && p.by_ref.is_none() && p.subpat.is_none() =>
+                    {
+                        &p.ident
+                    }
+                    _ => return false,
+                },
+                _ => return false,
+            };
+            let built = stmt.annotation.is_none() && built(init, &names);
+            if built {
+                names.push(name.to_string());
+            }
+            built
+        })
+        .collect()
 }
 
 /// A struct literal built of others without computing anything (or a
-/// type's default, `LinearCrossEntropy::default()`): its fields
-/// (and its base, `..Default::default()`) are literals, names, references
-/// to places (`&h`, `&self.norm.weight`), tuple structs or enum variants of
-/// them (`Some(&b)`), tuples, arrays and struct literals of them, as the
+/// type's default, `LinearCrossEntropy::default()`): its fields (and its
+/// base, `..Default::default()`) are literals, constants (`EPS`, `None`),
+/// references to places (`&h`, `&self.norm.weight`), names of earlier
+/// built values (`built`), tuple structs or enum variants of them
+/// (`Some(&b)`), tuples, arrays and struct literals of them, as the
 /// options of an op are (`LinearCrossEntropy { bias: Some(&p.b),
 /// ..Default::default() }`). Like a closure, it is defined again in each
 /// statement that reads it, over that statement's copies of what it
-/// borrows.
-pub(crate) fn built(e: &Expr) -> bool {
+/// borrows; it moves no binding of the block (a field `h` moving a tensor
+/// would be moved again by each statement defining it).
+fn built(e: &Expr, built: &[String]) -> bool {
     match e {
         Expr::Struct(s) => {
             s.qself.is_none()
-                && s.fields.iter().all(|f| part(&f.expr))
-                && s.rest.as_deref().is_none_or(part)
+                && s.fields.iter().all(|f| part(&f.expr, built))
+                && s.rest.as_deref().is_none_or(|r| part(r, built))
         }
         Expr::Call(c) => {
             c.args.is_empty()
@@ -97,17 +125,28 @@ pub(crate) fn built(e: &Expr) -> bool {
 }
 
 /// A part of a [`built`] value.
-fn part(e: &Expr) -> bool {
+fn part(e: &Expr, built: &[String]) -> bool {
     match e {
         Expr::Lit(_) => true,
-        Expr::Path(p) => p.qself.is_none(),
+        // A constant or unit variant (`EPS`, `None`, `DType::F32`), or a
+        // built value; not a binding that would be moved.
+        Expr::Path(p) => {
+            p.qself.is_none()
+                && match p.path.get_ident() {
+                    Some(i) => {
+                        let name = i.to_string();
+                        name.starts_with(|c: char| c.is_ascii_uppercase()) || built.contains(&name)
+                    }
+                    None => true,
+                }
+        }
         Expr::Reference(r) => place(&r.expr),
-        Expr::Field(_) => place(e),
-        Expr::Paren(p) => part(&p.expr),
+        Expr::Field(_) => false,
+        Expr::Paren(p) => part(&p.expr, built),
         Expr::Unary(u) => matches!(u.op, syn::UnOp::Neg(_)) && matches!(*u.expr, Expr::Lit(_)),
-        Expr::Tuple(t) => t.elems.iter().all(part),
-        Expr::Array(a) => a.elems.iter().all(part),
-        Expr::Struct(_) => built(e),
+        Expr::Tuple(t) => t.elems.iter().all(|e| part(e, built)),
+        Expr::Array(a) => a.elems.iter().all(|e| part(e, built)),
+        Expr::Struct(_) => self::built(e, built),
         // `Some(&b)`, `Pair(&a, &b)`, `Default::default()`.
         Expr::Call(c) => {
             let Expr::Path(f) = &*c.func else {
@@ -118,7 +157,7 @@ fn part(e: &Expr) -> bool {
                 .as_deref()
                 .is_some_and(|l| l.starts_with(|ch: char| ch.is_ascii_uppercase()));
             let default = c.args.is_empty() && last.as_deref() == Some("default");
-            (variant || default) && c.args.iter().all(part)
+            (variant || default) && c.args.iter().all(|e| part(e, built))
         }
         _ => false,
     }

@@ -303,3 +303,55 @@ fn a_part_cast_to_a_number_is_no_read_of_the_values_tensors() {
         }
     }
 }
+
+remat! {
+    /// A derived struct built by moving statements' values into it (a
+    /// statement: each reading statement defining it again would move
+    /// them again), returned and read through its fields.
+    fn built_pair(x: &Tensor, w: &Tensor) -> candle_core::Result<Pair<Tensor>> {
+        let h = x.matmul(w)?;
+        let g = h.tanh()?;
+        let both = Pair { left: h, right: g };
+        let y = (&both.left * &both.right)?;
+        let out = Pair { left: y, right: both.right };
+        Ok(out)
+    }
+}
+
+/// `let both = Pair { left: h, right: g };` moving `h` and `g`, read by a
+/// later statement and the tail: plain candle's gradients under every
+/// plan (it did not compile while such a `let` was taken for plain code).
+#[test]
+fn a_derived_struct_built_of_statement_values_matches_plain_candle() {
+    for dtype in [DType::F32, DType::F64] {
+        let x = var(&[3, 4], 41, 1.0, dtype);
+        let w = var(&[4, 5], 42, 0.5, dtype);
+        let loss = |p: Pair<Tensor>| {
+            ((p.left * 2.0).unwrap() + p.right.sqr().unwrap())
+                .unwrap()
+                .sum_all()
+                .unwrap()
+        };
+        let h = x.as_tensor().matmul(w.as_tensor()).unwrap();
+        let g = h.tanh().unwrap();
+        let expected = loss(Pair {
+            left: (&h * &g).unwrap(),
+            right: g,
+        })
+        .backward()
+        .unwrap();
+        for plan in plans() {
+            let out = plan
+                .scope(|| built_pair(x.as_tensor(), w.as_tensor()))
+                .unwrap();
+            let got = backward(&loss(out)).unwrap();
+            for v in [&x, &w] {
+                let d = rel_diff(got.get(v).unwrap(), expected.get(v).unwrap());
+                assert!(
+                    d < if dtype == DType::F64 { 1e-12 } else { 1e-5 },
+                    "{dtype:?} {plan}: {d}"
+                );
+            }
+        }
+    }
+}

@@ -144,23 +144,34 @@ fn in_part_with(
 }
 
 /// The names a statement reads only through the values built of them it
-/// reads (`called`, see [`crate::plain::built_lets`]; `own`: the names it reads
-/// for their values itself): it may use some of their fields only
-/// (`LinearCrossEntropy { bias: None, ..o }`), so its graph need not reach
-/// them, as if read on a branch.
-fn through_built(
+/// reads (see [`crate::plain::built_lets`]), which it may use some of the
+/// fields of only (`LinearCrossEntropy { bias: None, ..o }`), or through
+/// closures it calls only on some branches (`if a { mix(&h)? } else { h }`):
+/// its graph need not reach them, as if read on a branch. `called`: the
+/// values and closures it reads, each with whether it reads it on some
+/// branches only; `own` and `own_branch`: the names it reads for their
+/// values itself, and those of them it reads on some branches only.
+fn through_unsure(
     own: &[String],
-    called: &[usize],
+    own_branch: &[String],
+    called: &[(usize, bool)],
     for_value: &[Vec<String>],
     built: &[bool],
 ) -> Vec<String> {
+    let unsure = |c: usize, branch: bool| built[c] || branch;
+    let sure = |name: &String| {
+        (own.contains(name) && !own_branch.contains(name))
+            || called
+                .iter()
+                .any(|&(c, branch)| !unsure(c, branch) && for_value[c].contains(name))
+    };
     let mut out: Vec<String> = Vec::new();
-    for &c in called {
-        if !built[c] {
+    for &(c, branch) in called {
+        if !unsure(c, branch) {
             continue;
         }
         for name in &for_value[c] {
-            if !own.contains(name) && !out.contains(name) {
+            if !sure(name) && !out.contains(name) {
                 out.push(name.clone());
             }
         }
@@ -399,12 +410,15 @@ impl<'a> Analyser<'a> {
             let reads = self.resolve(expr, i, forward_only);
             let called = std::mem::take(&mut self.called);
             in_part[i] = in_part_with(&for_value[i], &in_part[i], &called, (&for_value, &in_part));
-            on_branch[i].extend(through_built(
+            let branches = self.on_branches(&called, &on_branch[i]);
+            let unsure = through_unsure(
                 &for_value[i],
-                &called,
+                &on_branch[i],
+                &branches,
                 &for_value,
                 &self.built,
-            ));
+            );
+            on_branch[i].extend(unsure);
             for &c in &called {
                 let (f, d, t) = (for_value[c].clone(), data[c].clone(), into[c].clone());
                 for_value[i].extend(f);
@@ -497,12 +511,15 @@ impl<'a> Analyser<'a> {
                 let called = std::mem::take(&mut self.called);
                 in_part[n] =
                     in_part_with(&for_value[n], &in_part[n], &called, (&for_value, &in_part));
-                on_branch[n].extend(through_built(
+                let branches = self.on_branches(&called, &on_branch[n]);
+                let unsure = through_unsure(
                     &for_value[n],
-                    &called,
+                    &on_branch[n],
+                    &branches,
                     &for_value,
                     &self.built,
-                ));
+                );
+                on_branch[n].extend(unsure);
                 for &c in &called {
                     let (f, d, t) = (for_value[c].clone(), data[c].clone(), into[c].clone());
                     for_value[n].extend(f);
@@ -655,6 +672,22 @@ impl<'a> Analyser<'a> {
             self.read(b, span, reader, &mut out);
         }
         out
+    }
+
+    /// Each closure or built value of `called` (by the statement defining
+    /// it), with whether the statement mentions its name on some branches
+    /// only (`branch`: the names it reads so).
+    fn on_branches(&self, called: &[usize], branch: &[String]) -> Vec<(usize, bool)> {
+        called
+            .iter()
+            .map(|&c| {
+                let named = self.bindings.iter().any(|b| {
+                    b.captures.as_ref().is_some_and(|(d, _)| *d == c)
+                        && branch.contains(&b.ident.to_string())
+                });
+                (c, named)
+            })
+            .collect()
     }
 
     /// Binding `b`, mentioned at `span`, read by statement `reader`: a

@@ -204,6 +204,7 @@ impl Region {
                     inputs_read,
                     replayed,
                     param_statements,
+                    used,
                     fingerprints: output_fingerprints,
                 },
             detached,
@@ -230,18 +231,31 @@ impl Region {
                 params.push(t.clone());
             }
         }
+        // An input that needs gradients but that no statement used gets
+        // none, as in plain candle: it is not anchored (an anchor would have
+        // to hand candle zeros for it, and the `Var`s behind it would get
+        // zero gradients).
+        let anchored_inputs: Vec<bool> = requires_grad
+            .iter()
+            .zip(&used)
+            .map(|(&r, &u)| r && u)
+            .collect();
         let anchored: Vec<Tensor> = inputs
             .iter()
-            .zip(&requires_grad)
-            .filter(|(_, &r)| r)
+            .zip(&anchored_inputs)
+            .filter(|(_, &a)| a)
             .map(|(t, _)| t.clone())
             .chain(params.iter().cloned())
             .collect();
-        if anchored.is_empty() {
+        if anchored.is_empty() && !requires_grad.contains(&true) {
             // Inert: nothing needs gradients, the outputs are plain values.
             return O::join(&mut outputs.into_iter(), &skeleton);
         }
         let constant = self.constants(&outputs, &known, captures)?;
+        if anchored.is_empty() {
+            // No statement used what needs gradients: neither do the outputs.
+            return O::join(&mut outputs.into_iter(), &skeleton);
+        }
         if profile {
             // It saved every open statement: plan the region from what that
             // cost.
@@ -269,6 +283,7 @@ impl Region {
             input_metas: detached.iter().map(Meta::of).collect(),
             inputs: kept_inputs,
             requires_grad,
+            anchored: anchored_inputs,
             records,
             params,
             fingerprints,
@@ -341,7 +356,7 @@ impl Region {
             unreachable!("the context was built in record mode")
         };
         let known: Vec<bool> = outputs.iter().map(|t| recorder.knows(t)).collect();
-        let recorded = recorder.finish(&visible)?;
+        let recorded = recorder.finish(&visible, &outputs)?;
         Ok(Forward {
             outputs,
             skeleton,

@@ -177,6 +177,7 @@ impl Call {
             inputs,
             input_metas,
             requires_grad,
+            anchored,
             records,
             params,
             fingerprints,
@@ -279,13 +280,29 @@ impl Call {
             &inputs,
             &params,
         )?;
-        // Anchor arguments: the inputs that need gradients, then the parameters.
-        Ok(input_grads
+        // Anchor arguments: the inputs anchored, then the parameters. An
+        // input the forward did not use cannot get a gradient in the replay
+        // unless the replay ran other code.
+        let mut grads = Vec::with_capacity(input_grads.len() + param_grads.len());
+        for (i, (g, (&r, &a))) in input_grads
             .into_iter()
-            .zip(&requires_grad)
-            .filter(|(_, &r)| r)
-            .map(|(g, _)| g)
-            .chain(param_grads)
-            .collect())
+            .zip(requires_grad.iter().zip(&anchored))
+            .enumerate()
+        {
+            match g {
+                _ if a => grads.push(g),
+                Some(g) if r && g.elem_count() > 0 => {
+                    return Err(RematError::desync(
+                        &self.name,
+                        "none that did (a branch taken another way, or state that changed \
+                         between the forward and the backward)",
+                        format!("statements that used input {i} of the block for its values"),
+                    ))
+                }
+                _ => {}
+            }
+        }
+        grads.extend(param_grads);
+        Ok(grads)
     }
 }

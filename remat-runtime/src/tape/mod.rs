@@ -213,6 +213,9 @@ pub(crate) struct Tape {
     pub input_metas: Vec<Meta>,
     /// Which inputs need gradients.
     pub requires_grad: Vec<bool>,
+    /// Which inputs the anchor chain ties to the call: those that need
+    /// gradients and that a statement used in the forward.
+    pub anchored: Vec<bool>,
     pub records: Vec<Record>,
     /// The parameters (`Var`s) the block used, in order of first use.
     pub params: Vec<Tensor>,

@@ -140,6 +140,12 @@ pub(crate) struct Recorded {
     pub replayed: Vec<bool>,
     /// Per parameter: the record of the first statement whose graph used it.
     pub param_statements: Vec<u32>,
+    /// Per region input: a statement's graph reached it, or the block
+    /// returned it: a gradient can reach it, and the region anchors it. One
+    /// that needs gradients but that no statement used in this call (read
+    /// only on a branch not taken, or not read) gets none, as in plain
+    /// candle.
+    pub used: Vec<bool>,
     /// The fingerprints of the recomputed outputs, in order, when taken.
     pub fingerprints: Option<Vec<Tensor>>,
 }
@@ -204,6 +210,10 @@ pub(crate) struct Recorder {
     value_leaves: HashSet<TensorId>,
     /// The call's label in the trace being recorded, if any.
     trace: Option<String>,
+    /// Each region input (as the block sees it) by its position.
+    input_index: HashMap<TensorId, usize>,
+    /// Per region input: used (see [`Recorded::used`]).
+    used: Vec<bool>,
     /// Storages already counted in the trace's bytes.
     trace_seen: Seen,
 }
@@ -260,6 +270,12 @@ impl Recorder {
             captures,
             value_leaves,
             trace,
+            input_index: inputs
+                .iter()
+                .enumerate()
+                .map(|(i, t)| (t.id(), i))
+                .collect(),
+            used: vec![false; inputs.len()],
             trace_seen,
         }
     }
@@ -298,6 +314,7 @@ impl Recorder {
             .take(s.value_inputs)
             .any(|(&n, t)| n && t.dtype().is_float());
         let sources = self.sources(inputs, &needs);
+        let unsure = self.unsure_reads(&s, inputs, &needs);
         let timed = self.profile;
         let run = |args: &[Tensor]| -> Result<Ran<O::Skeleton>> {
             let start = timed.then(Instant::now);
@@ -315,8 +332,8 @@ impl Recorder {
             })
         };
         let (outputs, saved, ran) = match s.policy {
-            Policy::Recompute => self.recompute(&s, inputs, &needs, run)?,
-            Policy::Save | Policy::Offload => self.save(&s, inputs, &needs, run)?,
+            Policy::Recompute => self.recompute(&s, inputs, &needs, &unsure, run)?,
+            Policy::Save | Policy::Offload => self.save(&s, inputs, &needs, &unsure, run)?,
         };
         if let (Policy::Recompute, Some(fingerprints)) = (s.policy, &mut self.fingerprints) {
             let taken: Vec<Option<&Tensor>> = outputs.iter().map(Some).collect();
@@ -361,6 +378,7 @@ impl Recorder {
         s: &Statement,
         inputs: &[&Tensor],
         needs: &[bool],
+        unsure: &[Option<usize>],
         run: impl FnOnce(&[Tensor]) -> Result<Ran<S>>,
     ) -> Result<Taken<S>> {
         let index = self.records.len();
@@ -373,11 +391,14 @@ impl Recorder {
         // A first forward runs the statement on leaves of what it reads for
         // its values that needs gradients, as the replay does (one per
         // value): its graph shows every cut. Later forwards run it on the
-        // values as they are. The leaves are not parameters.
+        // values as they are, but on leaves of the region inputs it may not
+        // use (`unsure`): its graph shows whether it did. The leaves are not
+        // parameters.
         let mut leaves: HashMap<TensorId, Tensor> = HashMap::new();
         let mut args = Vec::with_capacity(inputs.len());
         for (i, (t, &need)) in inputs.iter().zip(needs).enumerate() {
-            if !(self.first && need && i < s.value_inputs) || t.is_variable() {
+            let leaf = (self.first && need && i < s.value_inputs) || unsure[i].is_some();
+            if !leaf || t.is_variable() {
                 args.push((*t).clone());
                 continue;
             }
@@ -414,6 +435,7 @@ impl Recorder {
         if self.first {
             check_paths(s, needs, &args, &ran.tensors)?;
         }
+        self.mark_used(unsure, &args, &ran.tensors);
         ran.sole = unread::sole_call::<S>(&calls, &ran.tensors)
             .map(|c| (c, calls[usize::from(c)].input.clone()));
         // Its float outputs need gradients if it read for its value a value
@@ -444,6 +466,7 @@ impl Recorder {
         s: &Statement,
         inputs: &[&Tensor],
         needs: &[bool],
+        unsure: &[Option<usize>],
         run: impl FnOnce(&[Tensor]) -> Result<Ran<S>>,
     ) -> Result<Taken<S>> {
         // An offloaded statement's graph moves to the host as a whole: it
@@ -494,6 +517,7 @@ impl Recorder {
         let mut ran = unread::watch(None, || run(&args)).0?;
         self.check_captures(s, &args, &ran.tensors)?;
         check_paths(s, needs, &args, &ran.tensors)?;
+        self.mark_used(unsure, &args, &ran.tensors);
         drop(args);
         let tracked = std::mem::take(&mut ran.tensors);
         let mut outputs = Vec::with_capacity(tracked.len());
@@ -615,6 +639,67 @@ impl Recorder {
         Ok(false)
     }
 
+    /// Per input of statement `s`: the region input it is, where `s` reads
+    /// it for its value, it needs gradients, no statement has used it yet
+    /// in this call, and `s` may not use it either (it reads it in part or
+    /// on a branch: its graph will say). A region input `s` reads for its
+    /// value otherwise is used from here on (the first forward's
+    /// [`check_reached`] makes sure its graph reaches it).
+    fn unsure_reads(
+        &mut self,
+        s: &Statement,
+        inputs: &[&Tensor],
+        needs: &[bool],
+    ) -> Vec<Option<usize>> {
+        let mut unsure = vec![None; inputs.len()];
+        for (i, t) in inputs.iter().enumerate().take(s.value_inputs) {
+            let Some(&k) = self.input_index.get(&t.id()) else {
+                continue;
+            };
+            if !needs[i] || self.used[k] {
+                continue;
+            }
+            let maybe = s.reach.iter().any(|r| match r {
+                Reach::OneOf(range) | Reach::NoneOf(range) => range.contains(&i),
+            });
+            if maybe {
+                unsure[i] = Some(k);
+            } else {
+                self.used[k] = true;
+            }
+        }
+        unsure
+    }
+
+    /// Marks the region inputs among `unsure` whose argument in `args` the
+    /// graph of `outputs` reaches as used. Where an output is empty (candle
+    /// builds no graph for it), every one is taken as used.
+    fn mark_used(&mut self, unsure: &[Option<usize>], args: &[Tensor], outputs: &[Tensor]) {
+        if unsure.iter().all(Option::is_none) {
+            return;
+        }
+        let floats = || outputs.iter().filter(|t| t.dtype().is_float());
+        let reached: Option<HashSet<TensorId>> =
+            (!floats().any(|t| t.elem_count() == 0)).then(|| {
+                floats()
+                    .filter(|t| t.track_op())
+                    .flat_map(|t| {
+                        t.sorted_nodes()
+                            .into_iter()
+                            .map(Tensor::id)
+                            .collect::<Vec<_>>()
+                    })
+                    .collect()
+            });
+        for (arg, k) in args.iter().zip(unsure) {
+            if let Some(k) = *k {
+                if reached.as_ref().is_none_or(|r| r.contains(&arg.id())) {
+                    self.used[k] = true;
+                }
+            }
+        }
+    }
+
     /// Records the variables `t` depends on that are not leaves of this region.
     fn discover_params(&mut self, t: &Tensor) {
         if !t.track_op() {
@@ -667,8 +752,14 @@ impl Recorder {
     /// Ends the forward: saved outputs that no recomputed statement reads are
     /// dropped from the tape (replay gives placeholders for them), and so
     /// are the region `inputs` no statement's backward reads.
-    pub fn finish(mut self, inputs: &[Tensor]) -> Result<Recorded> {
+    pub fn finish(mut self, inputs: &[Tensor], outputs: &[Tensor]) -> Result<Recorded> {
         self.fingerprint_pending_sole()?;
+        // An input the block returns as it is gets its output's gradient.
+        for t in outputs {
+            if let Some(&k) = self.input_index.get(&t.id()) {
+                self.used[k] = true;
+            }
+        }
         let inputs_read = inputs
             .iter()
             .map(|t| {
@@ -711,6 +802,7 @@ impl Recorder {
             inputs_read,
             replayed,
             param_statements,
+            used: self.used,
             fingerprints: self.fingerprints,
         })
     }

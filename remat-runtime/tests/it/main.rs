@@ -19,6 +19,7 @@ mod features;
 mod finite_differences;
 mod grad_equality;
 mod gradient_cuts;
+mod gradient_presence;
 mod heldout;
 mod host_cuts;
 mod input_cuts;

@@ -367,6 +367,11 @@ const WITHOUT_GRADIENT: &[&str] = &[
     "ones_like",
     "rand_like",
     "randn_like",
+    // Of an `Option` or a list of tensors: whether there is one, how many.
+    "is_some",
+    "is_none",
+    "len",
+    "is_empty",
 ];
 
 /// The identifiers `expr` mentions for their values, where a gradient can
@@ -483,11 +488,26 @@ fn reads_of(expr: &Expr, every_branch: bool, named_fields: bool) -> (Vec<String>
             self.arms([Some(&then), otherwise].into_iter());
         }
         fn visit_expr_match(&mut self, m: &'ast syn::ExprMatch) {
-            if !self.2 {
-                return syn::visit::visit_expr_match(self, m);
+            match destructured(&m.expr, m.arms.iter().map(|a| &a.pat)) {
+                Some(name) => self.1.push(name),
+                None => self.visit_expr(&m.expr),
             }
-            self.visit_expr(&m.expr);
+            if !self.2 {
+                for arm in &m.arms {
+                    if let Some((_, guard)) = &arm.guard {
+                        self.visit_expr(guard);
+                    }
+                    self.visit_expr(&arm.body);
+                }
+                return;
+            }
             self.arms(m.arms.iter().map(|a| Some(&*a.body)));
+        }
+        fn visit_expr_let(&mut self, l: &'ast syn::ExprLet) {
+            match destructured(&l.expr, std::iter::once(&*l.pat)) {
+                Some(name) => self.1.push(name),
+                None => self.visit_expr(&l.expr),
+            }
         }
         fn visit_expr_method_call(&mut self, m: &'ast syn::ExprMethodCall) {
             let receiver = name_of(&m.receiver);
@@ -549,7 +569,7 @@ fn reads_of(expr: &Expr, every_branch: bool, named_fields: bool) -> (Vec<String>
             }
             // A tuple's field; a struct's (`p.w1`: a parameter holding no
             // tensors of its own, `self.proj`) is read whole.
-            match (name_of(&f.base), &f.member) {
+            match (name_of(unwrapped(&f.base)), &f.member) {
                 (Some(name), syn::Member::Unnamed(_)) => self.1.push(name),
                 (Some(name), syn::Member::Named(_)) if self.3 => self.1.push(name),
                 _ => syn::visit::visit_expr_field(self, f),
@@ -586,6 +606,49 @@ fn reads_of(expr: &Expr, every_branch: bool, named_fields: bool) -> (Vec<String>
     let mut c = Collect(Vec::new(), Vec::new(), every_branch, named_fields, false);
     c.visit_expr(expr);
     (c.0, c.1)
+}
+
+/// The name `scrutinee` is (`p`, `&p`, `p.as_ref()`), where a pattern of
+/// `pats` takes it apart (`Some(c)`, `Pair { a, .. }`, `(k, v)`): the
+/// bindings the patterns make read parts of it (`match cache { Some(c) =>
+/// cat(&[&c.k, &k]), None => k }` reads `cache` in part).
+fn destructured<'a>(
+    scrutinee: &Expr,
+    mut pats: impl Iterator<Item = &'a syn::Pat>,
+) -> Option<String> {
+    let name = match scrutinee {
+        Expr::Reference(r) => name_of(&r.expr),
+        Expr::Paren(p) => name_of(&p.expr),
+        Expr::MethodCall(m) if m.method == "as_ref" && m.args.is_empty() => name_of(&m.receiver),
+        e => name_of(e),
+    }?;
+    let apart = |p: &syn::Pat| match p {
+        syn::Pat::Ident(i) => i.subpat.is_some(),
+        syn::Pat::Wild(_) => false,
+        syn::Pat::Or(o) => o
+            .cases
+            .iter()
+            .any(|c| !matches!(c, syn::Pat::Wild(_) | syn::Pat::Ident(_))),
+        _ => true,
+    };
+    pats.any(apart).then_some(name)
+}
+
+/// `e` without the calls that take an `Option` apart (`p.unwrap()`,
+/// `p.as_ref().expect("..")`): a field of what they give (`p.unwrap().a`)
+/// is a field of `p`.
+fn unwrapped(e: &Expr) -> &Expr {
+    match e {
+        Expr::MethodCall(m)
+            if ["unwrap", "expect", "as_ref", "as_deref"]
+                .contains(&m.method.to_string().as_str())
+                && m.args.iter().all(|a| matches!(a, Expr::Lit(_))) =>
+        {
+            unwrapped(&m.receiver)
+        }
+        Expr::Paren(p) => unwrapped(&p.expr),
+        e => e,
+    }
 }
 
 /// The name a chain of fields starts from (`p` of `p.grid.h`).

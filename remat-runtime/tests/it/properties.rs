@@ -402,19 +402,30 @@ fn check(p: &Program, misuse: Option<&Misuse>) -> Result<(), TestCaseError> {
     };
     let reference = run_plain(p, misuse, &inputs, &wt);
     // Every other case is a region's first forward on this thread (which
-    // looks for undeclared reads); the others reuse one region name.
+    // looks for undeclared reads); the others are its second, after a
+    // first one of the same block whose values are dropped (a region name
+    // stands for one block: another program's first forward under the
+    // same name would leave it what that block's outputs were).
     let case = CASES.fetch_add(1, Ordering::Relaxed);
     let first = case % 2 == 0;
-    let name = if first {
-        format!("prop#{case}")
-    } else {
-        "prop".to_string()
+    let name = format!("prop#{case}");
+    let forward = || {
+        if p.swap {
+            remat_runtime::offload::swap_on_cpu(|| {
+                run_region(&name, p, misuse, &inputs, &wt, plan(p))
+            })
+        } else {
+            run_region(&name, p, misuse, &inputs, &wt, plan(p))
+        }
     };
-    let got = if p.swap {
-        remat_runtime::offload::swap_on_cpu(|| run_region(&name, p, misuse, &inputs, &wt, plan(p)))
-    } else {
-        run_region(&name, p, misuse, &inputs, &wt, plan(p))
-    };
+    if !first {
+        match forward() {
+            Ok(_) => {}
+            Err(e) if misuse.is_some() && names_a_misuse(&e) => return Ok(()),
+            Err(e) => return Err(TestCaseError::fail(format!("first forward failed: {e}"))),
+        }
+    }
+    let got = forward();
     let got = match got {
         Ok(got) => got,
         Err(e) if misuse.is_some() && names_a_misuse(&e) => return Ok(()),

@@ -405,6 +405,29 @@ pub enum RematError {
         /// Position of the tensor among the statement inputs.
         index: usize,
     },
+    /// A statement's graph reaches a tensor that an earlier region call
+    /// returned, not through one of the block's tensors: it is held in a
+    /// value whose type does not derive [`Outputs`](crate::Outputs) (a
+    /// field of a plain struct, a `Vec` of them) or captured by a closure.
+    /// candle would run that call's backward inside this region's, and a
+    /// use of the tensor outside it would find that backward spent.
+    #[error(
+        "region `{region}`, statement `{statement}`: reads a tensor that region `{from}` returned, \
+         but not as one of the block's tensors (it is held in a value whose type does not derive \
+         `remat_runtime::Outputs`, or captured by a closure), so `{from}`'s backward would run \
+         inside this region's, and a use of the tensor outside it would find that backward \
+         spent; derive `Outputs` for the type holding it \
+         (`#[derive(Clone, remat_runtime::Outputs)]`), or pass the tensor to the block as a \
+         `&Tensor`"
+    )]
+    CapturedOutput {
+        /// The region's name.
+        region: String,
+        /// The statement that read the tensor.
+        statement: String,
+        /// The region that returned it.
+        from: String,
+    },
     /// The number of region outputs differs between forward and replay.
     #[error(
         "region `{region}`: the replay returned {replay} outputs but the forward returned \

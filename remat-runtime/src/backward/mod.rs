@@ -21,7 +21,7 @@ pub use retain::{backward, retain_tape};
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::Tensor;
+use candle_core::{Tensor, TensorId};
 
 use crate::ctx::{Ctx, Mode};
 use crate::graph::{make_leaf, Relayout};
@@ -62,10 +62,13 @@ pub(crate) struct Call {
     pending: Mutex<Option<Pending>>,
     /// Those variables, by their position among the anchor arguments.
     variables: Vec<(usize, Tensor)>,
+    /// The ids of the outputs it gave candle (its taps' values).
+    pub given: Mutex<Vec<TensorId>>,
 }
 
 impl Drop for Call {
     fn drop(&mut self) {
+        crate::graph::forget(&lock(&self.given));
         inspect::memory::forget_ended();
     }
 }
@@ -88,6 +91,7 @@ impl Call {
             anchor_grads: Mutex::new(Vec::new()),
             pending: Mutex::new(Some(pending)),
             variables,
+            given: Mutex::new(Vec::new()),
         }
     }
 

@@ -33,7 +33,7 @@ pub(crate) use leaf::{
 };
 pub(crate) use relayout::Relayout;
 pub(crate) use seed::Seed;
-pub(crate) use tap::attach;
+pub(crate) use tap::{attach, calls_so_far, forget, given_before};
 
 use std::cell::RefCell;
 

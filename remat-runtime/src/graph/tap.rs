@@ -1,8 +1,10 @@
 //! Taps: the region outputs candle sees.
 
-use std::sync::{Arc, Mutex};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock, Mutex};
 
-use candle_core::{CpuStorage, CudaStorage, CustomOp1, Layout, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CudaStorage, CustomOp1, Layout, Shape, Storage, Tensor, TensorId};
 
 use super::{copy_compact, wrong_device};
 use crate::backward::{Call, TapeState};
@@ -18,6 +20,7 @@ pub(crate) fn attach(
     constant: &[bool],
 ) -> crate::Result<Vec<Tensor>> {
     let top = super::anchor_chain(call, anchored)?;
+    let number = CALLS.fetch_add(1, Ordering::Relaxed);
     let attached = outputs
         .into_iter()
         .enumerate()
@@ -33,6 +36,19 @@ pub(crate) fn attach(
             Ok(top.apply_op1(tap)?)
         })
         .collect::<crate::Result<Vec<Tensor>>>()?;
+    let given: Vec<TensorId> = attached
+        .iter()
+        .zip(constant)
+        .filter(|(_, &c)| !c)
+        .map(|(t, _)| t.id())
+        .collect();
+    {
+        let mut live = crate::lock(&OUTPUTS);
+        for &id in &given {
+            live.insert(id, (number, call.name.clone()));
+        }
+    }
+    *crate::lock(&call.given) = given;
     if let TapeState::Live { tape, .. } = &mut *crate::lock(&call.tape) {
         tape.swap_out(&call.name)?;
     }
@@ -41,6 +57,42 @@ pub(crate) fn attach(
 
 /// A region output: copies the value the block computed in its forward,
 /// hands the output's gradient to the region call in its backward.
+/// The region outputs candle sees (taps' values) of live calls, each with
+/// the number of the call that gave it (in the order calls attached their
+/// outputs) and its region's name.
+static OUTPUTS: LazyLock<Mutex<HashMap<TensorId, (u64, String)>>> =
+    LazyLock::new(|| Mutex::new(HashMap::new()));
+
+/// The number the next call attaching its outputs takes.
+static CALLS: AtomicU64 = AtomicU64::new(0);
+
+/// The number the next call attaching its outputs will take: a forward
+/// starting now takes it, and so tells the outputs of calls before it
+/// from those of regions nested in its statements ([`given_before`]).
+pub(crate) fn calls_so_far() -> u64 {
+    CALLS.load(Ordering::Relaxed)
+}
+
+/// The region whose call, attached before call number `start`, gave `t`
+/// as an output, if one did.
+pub(crate) fn given_before(t: &Tensor, start: u64) -> Option<String> {
+    match crate::lock(&OUTPUTS).get(&t.id()) {
+        Some((number, region)) if *number < start => Some(region.clone()),
+        _ => None,
+    }
+}
+
+/// Forgets the outputs `given` of a call that ended.
+pub(crate) fn forget(given: &[TensorId]) {
+    if given.is_empty() {
+        return;
+    }
+    let mut live = crate::lock(&OUTPUTS);
+    for id in given {
+        live.remove(id);
+    }
+}
+
 pub(crate) struct Tap {
     pub call: Arc<Call>,
     pub index: usize,

@@ -214,6 +214,10 @@ pub(crate) struct Recorder {
     input_index: HashMap<TensorId, usize>,
     /// Per region input: used (see [`Recorded::used`]).
     used: Vec<bool>,
+    /// The number of the first region call to attach its outputs after
+    /// this forward began ([`crate::graph::calls_so_far`]): outputs of
+    /// calls before it are not this block's to read but as its inputs.
+    start: u64,
     /// Storages already counted in the trace's bytes.
     trace_seen: Seen,
 }
@@ -276,6 +280,7 @@ impl Recorder {
                 .map(|(i, t)| (t.id(), i))
                 .collect(),
             used: vec![false; inputs.len()],
+            start: crate::graph::calls_so_far(),
             trace_seen,
         }
     }
@@ -448,7 +453,7 @@ impl Recorder {
             .iter()
             .map(|t| {
                 let requires_grad = t.dtype().is_float() && (any_input || t.track_op());
-                Ok(self.detach_output(t, requires_grad)?.0)
+                Ok(self.detach_output(s, t, requires_grad)?.0)
             })
             .collect::<Result<Vec<Tensor>>>()?;
         if ran.sole.is_some() {
@@ -523,7 +528,7 @@ impl Recorder {
         let mut outputs = Vec::with_capacity(tracked.len());
         let mut detached = Vec::with_capacity(tracked.len());
         for (j, t) in tracked.iter().enumerate() {
-            let (visible, d) = self.detach_output(t, carries_grad(t))?;
+            let (visible, d) = self.detach_output(s, t, carries_grad(t))?;
             self.saved_outputs.insert(visible.id(), (index, j));
             outputs.push(visible);
             detached.push(d);
@@ -558,8 +563,13 @@ impl Recorder {
     /// being recorded, and `t` detached. They are the same tensor, unless
     /// this forward looks for captures and the output needs gradients: the
     /// block then sees a leaf copy.
-    fn detach_output(&mut self, t: &Tensor, requires_grad: bool) -> Result<(Tensor, Tensor)> {
-        self.discover_params(t);
+    fn detach_output(
+        &mut self,
+        s: &Statement,
+        t: &Tensor,
+        requires_grad: bool,
+    ) -> Result<(Tensor, Tensor)> {
+        self.discover_params(s, t)?;
         // A value the block holds already, given back as it is (`h.clone()`,
         // `h.detach()` of the detached `h` the block sees) gets a handle of
         // its own: what is recorded of it is this statement's, and the value
@@ -700,12 +710,21 @@ impl Recorder {
         }
     }
 
-    /// Records the variables `t` depends on that are not leaves of this region.
-    fn discover_params(&mut self, t: &Tensor) {
+    /// Records the variables `t`, an output of statement `s`, depends on
+    /// that are not leaves of this region; an output of an earlier region
+    /// call it depends on is [`RematError::CapturedOutput`](crate::RematError::CapturedOutput).
+    fn discover_params(&mut self, s: &Statement, t: &Tensor) -> Result<()> {
         if !t.track_op() {
-            return;
+            return Ok(());
         }
         for node in t.sorted_nodes() {
+            if let Some(from) = crate::graph::given_before(node, self.start) {
+                return Err(crate::RematError::CapturedOutput {
+                    region: s.region.to_string(),
+                    statement: s.name.to_string(),
+                    from,
+                });
+            }
             if node.is_variable()
                 && !self.leaf_ids.contains(&node.id())
                 && self.param_ids.insert(node.id())
@@ -714,6 +733,7 @@ impl Recorder {
                 self.param_first.push(self.records.len());
             }
         }
+        Ok(())
     }
 
     /// The tracked output behind `t` when `t` is an output of the run of

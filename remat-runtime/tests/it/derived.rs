@@ -355,3 +355,165 @@ fn a_derived_struct_built_of_statement_values_matches_plain_candle() {
         }
     }
 }
+
+/// A key/value cache of the user's own, kept outside the block and handed
+/// to it as an `Option`, as chunked prefill does.
+#[derive(Clone, Outputs)]
+struct KvCache {
+    k: Tensor,
+    v: Tensor,
+}
+
+remat! {
+    /// One attention step over the cache and this chunk: the cache is
+    /// taken apart by `match` in one statement and read through
+    /// `unwrap()` in another; each reads one of its tensors.
+    #[allow(clippy::unnecessary_unwrap)]
+    fn attend(x: &Tensor, wk: &Tensor, wv: &Tensor, cache: Option<&KvCache>) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+        let k = x.matmul(wk)?;
+        let v = x.matmul(wv)?;
+        let k = match cache {
+            Some(c) => Tensor::cat(&[&c.k, &k], 0)?,
+            None => k,
+        };
+        let v = if cache.is_some() { Tensor::cat(&[&cache.unwrap().v, &v], 0)? } else { v };
+        let scores = x.matmul(&k.t()?)?;
+        let y = candle_nn::ops::softmax(&scores, 1)?.matmul(&v)?;
+        Ok((y, k, v))
+    }
+}
+
+fn attend_plain(
+    x: &Tensor,
+    wk: &Tensor,
+    wv: &Tensor,
+    cache: Option<&KvCache>,
+) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+    let (mut k, mut v) = (x.matmul(wk)?, x.matmul(wv)?);
+    if let Some(c) = cache {
+        k = Tensor::cat(&[&c.k, &k], 0)?;
+        v = Tensor::cat(&[&c.v, &v], 0)?;
+    }
+    let scores = x.matmul(&k.t()?)?;
+    let e = scores.exp()?;
+    let p = e.broadcast_div(&e.sum_keepdim(1)?)?;
+    Ok((p.matmul(&v)?, k, v))
+}
+
+/// One chunk through `attend`: its output, keys and values.
+type Attend<'a> =
+    dyn Fn(&Tensor, Option<&KvCache>) -> candle_core::Result<(Tensor, Tensor, Tensor)> + 'a;
+
+/// Two chunks of a prefill through a cache struct that derives `Outputs`,
+/// its tensors carrying gradients from the first chunk: a statement that
+/// takes the `Option` apart (`match cache { Some(c) => .. }`) or reads
+/// `cache.unwrap().v` reads one of its tensors, not both. Both were
+/// `InputCut` (false alarm) under every plan; now every gradient is plain
+/// candle's.
+#[test]
+fn a_cache_struct_taken_apart_by_match_or_unwrap_is_read_in_part() {
+    for dtype in DTYPES {
+        let tol = if dtype == DType::F32 { 1e-5 } else { 1e-12 };
+        let wk = var(&[4, 4], 71, 0.5, dtype);
+        let wv = var(&[4, 4], 72, 0.5, dtype);
+        let x1 = var(&[3, 4], 73, 1.0, dtype);
+        let x2 = var(&[2, 4], 74, 1.0, dtype);
+        let vars = [&wk, &wv, &x1, &x2];
+        let run = |f: &Attend<'_>| {
+            let (y1, k, v) = f(x1.as_tensor(), None)?;
+            let (y2, _, _) = f(x2.as_tensor(), Some(&KvCache { k, v }))?;
+            Tensor::cat(&[&y1, &y2], 0)?.sqr()?.sum_all()?.backward()
+        };
+        let reference = run(&|x, c| attend_plain(x, wk.as_tensor(), wv.as_tensor(), c)).unwrap();
+        for plan in plans() {
+            let got = run(&|x, c| plan.scope(|| attend(x, wk.as_tensor(), wv.as_tensor(), c)))
+                .unwrap_or_else(|e| panic!("{dtype:?} {plan}: {e}"));
+            for (i, v) in vars.iter().enumerate() {
+                let d = rel_diff(got.get(v).unwrap(), reference.get(v).unwrap());
+                assert!(d < tol, "{dtype:?} {plan}: var {i} differs by {d:e}");
+            }
+        }
+    }
+}
+
+/// A cache of the user's own that does not derive `Outputs`.
+#[derive(Clone)]
+struct PlainCache {
+    k: Tensor,
+}
+
+remat! {
+    fn keys(x: &Tensor, wk: &Tensor) -> candle_core::Result<Tensor> {
+        let k = x.matmul(wk)?.tanh()?;
+        Ok(k)
+    }
+}
+
+remat! {
+    fn with_plain_cache(x: &Tensor, cache: &PlainCache) -> remat_runtime::Result<Tensor> {
+        let y = x.matmul(&cache.k.t()?)?;
+        Ok(y)
+    }
+}
+
+remat! {
+    fn with_cache(x: &Tensor, cache: &KvCache) -> candle_core::Result<Tensor> {
+        let y = x.matmul(&cache.k.t()?)?;
+        Ok(y)
+    }
+}
+
+/// A region's output held in a struct that does not derive `Outputs` is
+/// not one of the reading block's tensors: candle would run the first
+/// region's backward inside the second's and again for the output's other
+/// use (it was `TapeReleased` at the backward, advising `retain_tape`).
+/// It is `CapturedOutput` in the forward, naming both regions and the
+/// derive to add; with the derive, the gradients are plain candle's.
+#[test]
+fn a_region_output_in_a_struct_without_outputs_is_refused_with_the_fix() {
+    let dtype = DType::F64;
+    let wk = var(&[4, 4], 81, 0.5, dtype);
+    let x = var(&[3, 4], 82, 1.0, dtype);
+    for plan in plans() {
+        let k = plan.scope(|| keys(x.as_tensor(), wk.as_tensor())).unwrap();
+        let cache = PlainCache { k: k.clone() };
+        let err = plan
+            .scope(|| with_plain_cache(x.as_tensor(), &cache))
+            .unwrap_err();
+        let text = err.to_string();
+        assert!(
+            matches!(&err, RematError::CapturedOutput { region, statement, from }
+                if region == "with_plain_cache" && statement == "y" && from == "keys"),
+            "{plan}: {text}"
+        );
+        assert!(text.contains("derive `Outputs`"), "{text}");
+    }
+    // The same with a cache that derives `Outputs`, the keys also used on
+    // their own: plain candle's gradients.
+    let reference = {
+        let k = x
+            .as_tensor()
+            .matmul(wk.as_tensor())
+            .unwrap()
+            .tanh()
+            .unwrap();
+        let y = x.as_tensor().matmul(&k.t().unwrap()).unwrap();
+        ((y.sqr().unwrap().sum_all().unwrap() + k.sum_all().unwrap()).unwrap())
+            .backward()
+            .unwrap()
+    };
+    for plan in plans() {
+        let k = plan.scope(|| keys(x.as_tensor(), wk.as_tensor())).unwrap();
+        let cache = KvCache {
+            k: k.clone(),
+            v: k.clone(),
+        };
+        let y = plan.scope(|| with_cache(x.as_tensor(), &cache)).unwrap();
+        let g = backward(&(y.sqr().unwrap().sum_all().unwrap() + k.sum_all().unwrap()).unwrap())
+            .unwrap();
+        for v in [&wk, &x] {
+            let d = rel_diff(g.get(v).unwrap(), reference.get(v).unwrap());
+            assert!(d < 1e-12, "{plan}: {d:e}");
+        }
+    }
+}

@@ -45,6 +45,10 @@ pub(crate) struct Read {
     /// Bound by plain code (a closure, a guard), whose type may not be
     /// `Clone`: the read is checked where it is written.
     pub plain_code: bool,
+    /// A binding a closure the statement calls borrows, whose name a later
+    /// `let` took: read through the reference `source` made before that
+    /// `let` (see `StatementAnalysis::keeps`).
+    pub source: Option<Ident>,
 }
 
 /// What a reference binding refers to.
@@ -84,6 +88,9 @@ pub(crate) struct StatementAnalysis {
     /// A closure only statements call: they define it (`closures`), so it
     /// is not defined where written.
     pub inlined: bool,
+    /// `let g_shadowed = &g;` before it: bindings it shadows that closures
+    /// called later borrow, kept under another name for them.
+    pub keeps: Vec<(Ident, Ident)>,
     /// Plain values (or their fields) it reads as data that a host read
     /// may have computed, each with the statements it was computed from:
     /// if one of those read values that need gradients and the statement
@@ -671,6 +678,28 @@ impl<'a> Analyser<'a> {
             }
             self.read(b, span, reader, &mut out);
         }
+        // Two bindings of one name: a closure the statement calls borrows
+        // one that a later `let` shadowed, and the statement reads the
+        // later one; inside the statement one name cannot mean both.
+        for (k, &(b, here)) in out.iter().enumerate() {
+            let ident = &self.bindings[b].ident;
+            let twin = out[..k].iter().any(|&(o, _)| {
+                let other = &self.bindings[o].ident;
+                o != b && other == ident && crate::hygiene::same(other.span(), ident.span())
+            });
+            if twin {
+                self.errors.push(
+                    here,
+                    format!(
+                        "this statement calls a closure that borrows a `{ident}` which a later \
+                         `let {ident}` shadows, and reads that later `{ident}` too; a statement \
+                         calling a closure defines it again with what its names mean there, so \
+                         rename the later `{ident}`"
+                    ),
+                );
+                break;
+            }
+        }
         out
     }
 
@@ -708,7 +737,16 @@ impl<'a> Analyser<'a> {
                     while let Some(f) = found.filter(|&f| f != r) {
                         found = self.bindings[f].continues;
                     }
-                    (found == Some(r)).then_some((here, at))
+                    if found == Some(r) {
+                        return Some((here, at));
+                    }
+                    // A later `let` took the name: the statement reads the
+                    // binding itself, through a reference made before that
+                    // `let` (an owned binding that is not `mut`; shadowed,
+                    // it lives to the block's end).
+                    let kept = &self.bindings[r];
+                    (kept.borrowed.is_none() && !kept.mutable && kept.producer.is_some())
+                        .then_some((r, at))
                 })
                 .collect();
             if here.is_none() && statement {
@@ -961,6 +999,34 @@ impl<'a> Analyser<'a> {
                 releases[r].push(ident);
             }
         }
+        // Bindings read after a later `let` took their name (what a closure
+        // the reader calls borrows): each kept under another name by a
+        // reference made before the first such `let`.
+        let first_shadow = |b: &Binding, r: usize| {
+            let after = b.producer.map_or(0, |p| p + 1);
+            self.bindings
+                .iter()
+                .filter_map(|o| o.producer.filter(|&q| q >= after && q < r).map(|q| (q, o)))
+                .filter(|(_, o)| {
+                    o.ident == b.ident && crate::hygiene::same(o.ident.span(), b.ident.span())
+                })
+                .map(|(q, _)| q)
+                .min()
+        };
+        let kept_name =
+            |b: &Binding| Ident::new(&format!("{}_shadowed", b.ident), Span::mixed_site());
+        let mut keeps: Vec<Vec<(Ident, Ident)>> = vec![Vec::new(); n];
+        for (i, ids) in reads.statements.iter().chain([&reads.tail]).enumerate() {
+            for &(b, _) in ids {
+                let binding = &self.bindings[b];
+                if let Some(j) = first_shadow(binding, i) {
+                    let keep = (kept_name(binding), binding.ident.clone());
+                    if !keeps[j].iter().any(|(k, _)| *k == keep.0) {
+                        keeps[j].push(keep);
+                    }
+                }
+            }
+        }
         let defined = |called: &[usize]| -> Vec<TokenStream> {
             called
                 .iter()
@@ -995,6 +1061,7 @@ impl<'a> Analyser<'a> {
                             && binding.producer.is_some_and(|p| {
                                 self.plain[p] && !copies(&self.block.statements[p].kind)
                             }),
+                        source: first_shadow(binding, i).map(|_| kept_name(binding)),
                     }
                 })
                 .collect()
@@ -1033,6 +1100,7 @@ impl<'a> Analyser<'a> {
                         && b.last_reader.is_none()
                         && b.moved_by.is_none()
                 }),
+                keeps: std::mem::take(&mut keeps[i]),
             })
             .collect();
         // Statements that run in the replay, plain code (a copy of a field,

@@ -80,7 +80,15 @@ enum Taker {
 
 /// `refs`: references taken of a reference (`let xr = &x;` with `x: &T`):
 /// read through, and taken again in the statement's view.
-fn handover(ident: &Ident, passing: Option<&Passing>, taker: Taker, refs: usize) -> Handover {
+/// `kept`: the reference kept before a later `let` took the name, to read
+/// it through (what a closure the statement calls borrows).
+fn handover(
+    ident: &Ident,
+    passing: Option<&Passing>,
+    taker: Taker,
+    refs: usize,
+    kept: Option<&Ident>,
+) -> Handover {
     let span = ident.span();
     let derefs = std::iter::repeat_n(quote!(*), refs);
     let target = quote!(#(#derefs)* #ident);
@@ -133,7 +141,10 @@ fn handover(ident: &Ident, passing: Option<&Passing>, taker: Taker, refs: usize)
             quote!(),
         ),
         Some(Passing::Value) | None => (
-            quote_spanned!(span=> rt::read(&#ident)),
+            match kept {
+                Some(kept) => quote_spanned!(span=> rt::read(#kept)),
+                None => quote_spanned!(span=> rt::read(&#ident)),
+            },
             quote!(#mutability #ident),
             quote!(),
         ),
@@ -211,14 +222,18 @@ fn reads(reads: &[Read], changes: &[Ident], params: &[Param]) -> Reads {
             in_part: r.in_part,
             on_branch: r.on_branch,
         };
-        let h = handover(&r.ident, passing, taker, r.refs);
+        let h = handover(&r.ident, passing, taker, r.refs, r.source.as_ref());
         args.push(h.arg);
         pats.push(h.pat);
         views.extend(h.view);
         if r.plain_code {
             let ident = &r.ident;
+            let read = match &r.source {
+                Some(kept) => quote!(#kept),
+                None => quote!(&#ident),
+            };
             checks.extend(quote_spanned! {ident.span()=>
-                let _: &dyn rt::Readable = &#ident;
+                let _: &dyn rt::Readable = #read;
             });
         }
     }
@@ -451,7 +466,7 @@ fn parameters(params: &[Param]) -> Parameters {
             }),
             _ => {}
         }
-        let h = handover(ident, Some(&param.passing), Taker::Region, 0);
+        let h = handover(ident, Some(&param.passing), Taker::Region, 0, None);
         args.push(h.arg);
         pats.push(h.pat);
         views.extend(h.view);
@@ -489,6 +504,16 @@ fn fields(fields: &[(FieldRead, String)]) -> TokenStream {
 /// `#[forward_only]` statement skipped in the replay; any other statement
 /// one call of the runtime.
 fn statement(stmt: &Statement, sa: &StatementAnalysis, params: &[Param]) -> TokenStream {
+    let keeps = sa
+        .keeps
+        .iter()
+        .map(|(kept, name)| quote! { let #kept = &#name; });
+    let keeps = quote!(#(#keeps)*);
+    let code = statement_code(stmt, sa, params);
+    quote!(#keeps #code)
+}
+
+fn statement_code(stmt: &Statement, sa: &StatementAnalysis, params: &[Param]) -> TokenStream {
     let ctx = own("ctx");
     let attrs = &stmt.attrs;
     let release = releases(&sa.releases);

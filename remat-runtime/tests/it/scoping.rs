@@ -278,9 +278,11 @@ remat! {
     /// A closure of the block borrowing statements' outputs (`bias`, and
     /// `scale` through an alias), called by later statements, and by a
     /// closure whose parameter's type is inferred from its call; and a
-    /// closure over a plain value. (A later binding may not take the name
-    /// of a value a closure borrows before the closure is called: a
-    /// compile error, UI case `closure_capture_shadowed`.)
+    /// closure over a plain value. Later bindings take the names of what
+    /// the closures borrow (`bias`, `k`) before they are called: the calls
+    /// read what the closures borrowed, as in Rust. (A statement that
+    /// calls such a closure and reads the later binding too is a compile
+    /// error, UI case `closure_capture_shadowed`.)
     fn closure_captures(x: &Tensor, w: &Tensor) -> Result<Tensor> {
         let h = x.matmul(w)?;
         #[save] let bias = (h.sum_keepdim(0)? * 0.1)?;
@@ -290,11 +292,13 @@ remat! {
         let twice = |t| add_bias(&add_bias(t)?);
         let k = 0.5;
         let half = |t: &Tensor| t * k;
+        let k = 3.0;
+        let bias = (h.sin()? * k)?;
         let c = h.cos()?;
         let g = h.sin()?;
         let z = add_bias(&g)?;
         let u = (twice(&z)? + half(&c)?)?;
-        Ok((u + &h)?)
+        Ok(((u + &h)? + bias)?)
     }
 }
 
@@ -305,9 +309,10 @@ fn closure_captures_plain(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let add_bias = |t: &Tensor| (t.broadcast_add(&bias)? * &scale)?.exp();
     let twice = |t| add_bias(&add_bias(t)?);
     let half = |t: &Tensor| t * 0.5;
+    let later_bias = (h.sin()? * 3.0)?;
     let z = add_bias(&h.sin()?)?;
     let u = (twice(&z)? + half(&h.cos()?)?)?;
-    u + &h
+    (u + &h)? + later_bias
 }
 
 /// A closure that borrows statements' outputs keeps them alive while it

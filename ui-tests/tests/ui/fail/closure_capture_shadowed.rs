@@ -2,8 +2,9 @@ use candle_core::{Result, Tensor};
 use remat_runtime::remat;
 
 // A closure borrowing a binding that a later `let` shadows before the
-// closure is called: a statement calling it would define it again with the
-// later value.
+// closure is called, by a statement that reads the later binding too: the
+// statement defines the closure again, and inside it one name cannot mean
+// both. (Without the read of the later `g`, it compiles.)
 remat! {
     fn block(x: &Tensor, w: &Tensor) -> Result<Tensor> {
         let g = x.matmul(w)?;

@@ -231,7 +231,7 @@ impl Region {
                 params.push(t.clone());
             }
         }
-        // An input that needs gradients but that no statement used gets
+        // An input that needs gradients but that no output depends on gets
         // none, as in plain candle: it is not anchored (an anchor would have
         // to hand candle zeros for it, and the `Var`s behind it would get
         // zero gradients).

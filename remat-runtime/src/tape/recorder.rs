@@ -140,11 +140,12 @@ pub(crate) struct Recorded {
     pub replayed: Vec<bool>,
     /// Per parameter: the record of the first statement whose graph used it.
     pub param_statements: Vec<u32>,
-    /// Per region input: a statement's graph reached it, or the block
-    /// returned it: a gradient can reach it, and the region anchors it. One
-    /// that needs gradients but that no statement used in this call (read
-    /// only on a branch not taken, or not read) gets none, as in plain
-    /// candle.
+    /// Per region input: an output of the block depends on it (returns
+    /// it, or a statement whose value an output depends on used it): a
+    /// gradient can reach it, and the region anchors it. One that needs
+    /// gradients but that no output depends on in this call (not read, read
+    /// only on a branch not taken, or only by statements whose values no
+    /// output needs) gets none, as in plain candle.
     pub used: Vec<bool>,
     /// The fingerprints of the recomputed outputs, in order, when taken.
     pub fingerprints: Option<Vec<Tensor>>,
@@ -210,10 +211,11 @@ pub(crate) struct Recorder {
     value_leaves: HashSet<TensorId>,
     /// The call's label in the trace being recorded, if any.
     trace: Option<String>,
-    /// Each region input (as the block sees it) by its position.
-    input_index: HashMap<TensorId, usize>,
-    /// Per region input: used (see [`Recorded::used`]).
-    used: Vec<bool>,
+    /// Per value that needs gradients (a region input, a statement
+    /// output): the region inputs it depends on, sorted; `[k]` for region
+    /// input `k`. A statement's outputs depend on what the values it used
+    /// depend on (see [`Recorded::used`]).
+    depends: HashMap<TensorId, Arc<[u32]>>,
     /// The number of the first region call to attach its outputs after
     /// this forward began ([`crate::graph::calls_so_far`]): outputs of
     /// calls before it are not this block's to read but as its inputs.
@@ -274,12 +276,13 @@ impl Recorder {
             captures,
             value_leaves,
             trace,
-            input_index: inputs
+            depends: inputs
                 .iter()
+                .zip(requires_grad)
                 .enumerate()
-                .map(|(i, t)| (t.id(), i))
+                .filter(|(_, (_, &r))| r)
+                .map(|(k, (t, _))| (t.id(), Arc::from([k as u32])))
                 .collect(),
-            used: vec![false; inputs.len()],
             start: crate::graph::calls_so_far(),
             trace_seen,
         }
@@ -383,7 +386,7 @@ impl Recorder {
         s: &Statement,
         inputs: &[&Tensor],
         needs: &[bool],
-        unsure: &[Option<usize>],
+        unsure: &[bool],
         run: impl FnOnce(&[Tensor]) -> Result<Ran<S>>,
     ) -> Result<Taken<S>> {
         let index = self.records.len();
@@ -402,7 +405,7 @@ impl Recorder {
         let mut leaves: HashMap<TensorId, Tensor> = HashMap::new();
         let mut args = Vec::with_capacity(inputs.len());
         for (i, (t, &need)) in inputs.iter().zip(needs).enumerate() {
-            let leaf = (self.first && need && i < s.value_inputs) || unsure[i].is_some();
+            let leaf = (self.first && need && i < s.value_inputs) || unsure[i];
             if !leaf || t.is_variable() {
                 args.push((*t).clone());
                 continue;
@@ -440,7 +443,7 @@ impl Recorder {
         if self.first {
             check_paths(s, needs, &args, &ran.tensors)?;
         }
-        self.mark_used(unsure, &args, &ran.tensors);
+        let unreached = unreached(unsure, &args, &ran.tensors);
         ran.sole = unread::sole_call::<S>(&calls, &ran.tensors)
             .map(|c| (c, calls[usize::from(c)].input.clone()));
         // Its float outputs need gradients if it read for its value a value
@@ -459,6 +462,7 @@ impl Recorder {
         if ran.sole.is_some() {
             self.sole_values.push((index, outputs[0].id()));
         }
+        self.record_depends(s, inputs, needs, &unreached, &outputs);
         self.chain = None;
         Ok((outputs, None, ran))
     }
@@ -471,7 +475,7 @@ impl Recorder {
         s: &Statement,
         inputs: &[&Tensor],
         needs: &[bool],
-        unsure: &[Option<usize>],
+        unsure: &[bool],
         run: impl FnOnce(&[Tensor]) -> Result<Ran<S>>,
     ) -> Result<Taken<S>> {
         // An offloaded statement's graph moves to the host as a whole: it
@@ -522,7 +526,7 @@ impl Recorder {
         let mut ran = unread::watch(None, || run(&args)).0?;
         self.check_captures(s, &args, &ran.tensors)?;
         check_paths(s, needs, &args, &ran.tensors)?;
-        self.mark_used(unsure, &args, &ran.tensors);
+        let unreached = unreached(unsure, &args, &ran.tensors);
         drop(args);
         let tracked = std::mem::take(&mut ran.tensors);
         let mut outputs = Vec::with_capacity(tracked.len());
@@ -533,6 +537,7 @@ impl Recorder {
             outputs.push(visible);
             detached.push(d);
         }
+        self.record_depends(s, inputs, needs, &unreached, &outputs);
         let any_tracked = tracked.iter().any(|t| t.track_op());
         if any_tracked {
             for id in read {
@@ -649,63 +654,55 @@ impl Recorder {
         Ok(false)
     }
 
-    /// Per input of statement `s`: the region input it is, where `s` reads
-    /// it for its value, it needs gradients, no statement has used it yet
-    /// in this call, and `s` may not use it either (it reads it in part or
-    /// on a branch: its graph will say). A region input `s` reads for its
-    /// value otherwise is used from here on (the first forward's
-    /// [`check_reached`] makes sure its graph reaches it).
-    fn unsure_reads(
+    /// Per input of statement `s`: whether `s` reads it for its value on a
+    /// branch, in part or through a closure (it may not use it: its graph
+    /// will say), and it depends on some region input. Such an input runs
+    /// on a leaf copy of it, also when the statement is recomputed.
+    fn unsure_reads(&self, s: &Statement, inputs: &[&Tensor], needs: &[bool]) -> Vec<bool> {
+        let maybe = |i: usize| {
+            s.reach.iter().any(|r| match r {
+                Reach::OneOf(range) | Reach::NoneOf(range) => range.contains(&i),
+            })
+        };
+        (0..inputs.len())
+            .map(|i| {
+                i < s.value_inputs
+                    && needs[i]
+                    && maybe(i)
+                    && self
+                        .depends
+                        .get(&inputs[i].id())
+                        .is_some_and(|d| !d.is_empty())
+            })
+            .collect()
+    }
+
+    /// Records the region inputs the outputs of statement `s` depend on:
+    /// those the values it used depend on. A value it read for its value
+    /// counts, but one read on a branch, in part or through a closure
+    /// (`unsure`) that its graph did not reach (`unreached`).
+    fn record_depends(
         &mut self,
         s: &Statement,
         inputs: &[&Tensor],
         needs: &[bool],
-    ) -> Vec<Option<usize>> {
-        let mut unsure = vec![None; inputs.len()];
+        unreached: &[bool],
+        outputs: &[Tensor],
+    ) {
+        let mut from: Vec<u32> = Vec::new();
         for (i, t) in inputs.iter().enumerate().take(s.value_inputs) {
-            let Some(&k) = self.input_index.get(&t.id()) else {
-                continue;
-            };
-            if !needs[i] || self.used[k] {
-                continue;
-            }
-            let maybe = s.reach.iter().any(|r| match r {
-                Reach::OneOf(range) | Reach::NoneOf(range) => range.contains(&i),
-            });
-            if maybe {
-                unsure[i] = Some(k);
-            } else {
-                self.used[k] = true;
-            }
-        }
-        unsure
-    }
-
-    /// Marks the region inputs among `unsure` whose argument in `args` the
-    /// graph of `outputs` reaches as used. Where an output is empty (candle
-    /// builds no graph for it), every one is taken as used.
-    fn mark_used(&mut self, unsure: &[Option<usize>], args: &[Tensor], outputs: &[Tensor]) {
-        if unsure.iter().all(Option::is_none) {
-            return;
-        }
-        let floats = || outputs.iter().filter(|t| t.dtype().is_float());
-        let reached: Option<HashSet<TensorId>> =
-            (!floats().any(|t| t.elem_count() == 0)).then(|| {
-                floats()
-                    .filter(|t| t.track_op())
-                    .flat_map(|t| {
-                        t.sorted_nodes()
-                            .into_iter()
-                            .map(Tensor::id)
-                            .collect::<Vec<_>>()
-                    })
-                    .collect()
-            });
-        for (arg, k) in args.iter().zip(unsure) {
-            if let Some(k) = *k {
-                if reached.as_ref().is_none_or(|r| r.contains(&arg.id())) {
-                    self.used[k] = true;
+            if needs[i] && !unreached[i] {
+                if let Some(d) = self.depends.get(&t.id()) {
+                    from.extend_from_slice(d);
                 }
+            }
+        }
+        from.sort_unstable();
+        from.dedup();
+        let from: Arc<[u32]> = from.into();
+        for t in outputs {
+            if self.requires_grad.get(&t.id()) == Some(&true) {
+                self.depends.insert(t.id(), from.clone());
             }
         }
     }
@@ -774,10 +771,14 @@ impl Recorder {
     /// are the region `inputs` no statement's backward reads.
     pub fn finish(mut self, inputs: &[Tensor], outputs: &[Tensor]) -> Result<Recorded> {
         self.fingerprint_pending_sole()?;
-        // An input the block returns as it is gets its output's gradient.
+        // An input some output depends on gets a gradient, one the block
+        // returns as it is too; one that no output depends on (unread, read
+        // on a branch not taken, or read only by statements whose values
+        // no output needs: a statistic for a log) gets none.
+        let mut used = vec![false; inputs.len()];
         for t in outputs {
-            if let Some(&k) = self.input_index.get(&t.id()) {
-                self.used[k] = true;
+            for &k in self.depends.get(&t.id()).into_iter().flat_map(|d| d.iter()) {
+                used[k as usize] = true;
             }
         }
         let inputs_read = inputs
@@ -822,7 +823,7 @@ impl Recorder {
             inputs_read,
             replayed,
             param_statements,
-            used: self.used,
+            used,
             fingerprints: self.fingerprints,
         })
     }
@@ -836,6 +837,32 @@ fn check_paths(s: &Statement, needs: &[bool], args: &[Tensor], outputs: &[Tensor
     let reads_tracked = needs.iter().take(s.value_inputs).any(|&n| n);
     check_cut(s.region, s.name, reads_tracked, outputs)?;
     check_reached(s.region, s.name, args, s.value_inputs, s.reach, outputs)
+}
+
+/// Per argument: it is `unsure` (read on a branch, in part or through a
+/// closure) and the graph of `outputs` does not reach it. Where an output
+/// is empty (candle builds no graph for it), every one is taken as reached.
+fn unreached(unsure: &[bool], args: &[Tensor], outputs: &[Tensor]) -> Vec<bool> {
+    if !unsure.contains(&true) {
+        return vec![false; args.len()];
+    }
+    let floats = || outputs.iter().filter(|t| t.dtype().is_float());
+    if floats().any(|t| t.elem_count() == 0) {
+        return vec![false; args.len()];
+    }
+    let reached: HashSet<TensorId> = floats()
+        .filter(|t| t.track_op())
+        .flat_map(|t| {
+            t.sorted_nodes()
+                .into_iter()
+                .map(Tensor::id)
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    args.iter()
+        .zip(unsure)
+        .map(|(arg, &u)| u && !reached.contains(&arg.id()))
+        .collect()
 }
 
 /// The values of `args` that are strided views.

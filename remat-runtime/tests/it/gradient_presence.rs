@@ -271,3 +271,84 @@ fn a_replay_using_an_input_the_forward_did_not_is_an_error() {
         );
     }
 }
+
+/// A layer that logs statistics of what it reads: values no output of the
+/// block depends on. The encoder's output feeds only them, a value made of
+/// it, and (with `cross`) reads on a branch, so without `cross` plain
+/// candle gives the encoder's weight no gradient.
+#[derive(Clone)]
+struct Logged {
+    w: Var,
+    probe: Var,
+    cross: bool,
+}
+
+impl Logged {
+    remat! {
+        fn forward(&self, x: &Tensor, enc: &Tensor) -> Result<(Tensor, f64)> {
+            let h = x.matmul(self.w.as_tensor())?.tanh()?;
+            // A statistic kept as a tensor, saved or not, and one read to
+            // the host: no output depends on either.
+            let spread = enc.sqr()?.mean_all()?;
+            #[save]
+            let probe = enc.broadcast_mul(self.probe.as_tensor())?.sin()?;
+            let _mixed = (&probe.sum_all()? + &spread)?;
+            let peak = enc.abs()?.max_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            // An input, and a value made of it, read only on a branch.
+            let scaled = (enc * 0.5)?;
+            let y = if self.cross { (&h + enc)? } else { h.exp()? };
+            let y = if self.cross { (&y * scaled.cos()?)? } else { y };
+            Ok((y, peak))
+        }
+    }
+
+    fn plain(&self, x: &Tensor, enc: &Tensor) -> Result<Tensor> {
+        let h = x.matmul(self.w.as_tensor())?.tanh()?;
+        let spread = enc.sqr()?.mean_all()?;
+        let probe = enc.broadcast_mul(self.probe.as_tensor())?.sin()?;
+        let _mixed = (&probe.sum_all()? + &spread)?;
+        let scaled = (enc * 0.5)?;
+        let y = if self.cross { (&h + enc)? } else { h.exp()? };
+        if self.cross {
+            &y * scaled.cos()?
+        } else {
+            Ok(y)
+        }
+    }
+}
+
+#[test]
+fn an_input_read_only_by_statements_no_output_depends_on_gets_no_gradient() {
+    for dtype in [DType::F32, DType::F64] {
+        for cross in [false, true] {
+            let layer = Logged {
+                w: var(&[4, 4], 41, 0.5, dtype),
+                probe: var(&[4], 42, 0.5, dtype),
+                cross,
+            };
+            let enc_w = var(&[4, 4], 43, 0.5, dtype);
+            let x = var(&[3, 4], 44, 1.0, dtype);
+            let src = tensor(&[3, 4], 45, 1.0, dtype);
+            let vars = [
+                ("w", &layer.w),
+                ("probe", &layer.probe),
+                ("enc_w", &enc_w),
+                ("x", &x),
+            ];
+            let loss = |y: Tensor| y.sqr()?.sum_all();
+            let enc = encode(&src, &enc_w).unwrap();
+            let reference = loss(layer.plain(x.as_tensor(), &enc).unwrap())
+                .unwrap()
+                .backward()
+                .unwrap();
+            for plan in plans() {
+                let label = format!("{dtype:?} cross {cross} {plan}");
+                let enc = encode(&src, &enc_w).unwrap();
+                let (y, peak) = plan.scope(|| layer.forward(x.as_tensor(), &enc)).unwrap();
+                assert!(peak > 0.0, "{label}");
+                let got = backward(&loss(y).unwrap()).unwrap();
+                same_gradients(&label, &vars, &got, &reference, tol(dtype));
+            }
+        }
+    }
+}

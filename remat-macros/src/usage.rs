@@ -456,6 +456,24 @@ fn reads_of(expr: &Expr, every_branch: bool, named_fields: bool) -> (Vec<String>
     /// parts, inside a cast to a number.
     struct Collect(Vec<String>, Vec<String>, bool, bool, bool);
     impl Collect {
+        /// A `match` or `if let` scrutinee: a value a pattern takes apart
+        /// (`match cache { Some(c) => .., None => .. }`, `if let Some(e) =
+        /// extra.filter(..)`, `match (extra, flag) { (Some(e), true) => ..
+        /// }`) is read through the pattern's bindings, in the arms that use
+        /// them: in part, and on a branch (an arm, its guard or a branch in
+        /// its body may not read it).
+        fn scrutinee<'a>(&mut self, e: &Expr, pats: impl Iterator<Item = &'a syn::Pat>) {
+            match destructured(e, pats) {
+                Some((names, args)) => {
+                    if !self.2 {
+                        self.1.extend(names);
+                    }
+                    args.into_iter().for_each(|a| self.visit_expr(a));
+                }
+                None => self.visit_expr(e),
+            }
+        }
+
         /// The reads every arm makes (whole or in part: as read whole).
         fn arms<'a>(&mut self, arms: impl Iterator<Item = Option<&'a Expr>>) {
             let mut common: Option<Vec<String>> = None;
@@ -488,10 +506,7 @@ fn reads_of(expr: &Expr, every_branch: bool, named_fields: bool) -> (Vec<String>
             self.arms([Some(&then), otherwise].into_iter());
         }
         fn visit_expr_match(&mut self, m: &'ast syn::ExprMatch) {
-            match destructured(&m.expr, m.arms.iter().map(|a| &a.pat)) {
-                Some(name) => self.1.push(name),
-                None => self.visit_expr(&m.expr),
-            }
+            self.scrutinee(&m.expr, m.arms.iter().map(|a| &a.pat));
             if !self.2 {
                 for arm in &m.arms {
                     if let Some((_, guard)) = &arm.guard {
@@ -504,12 +519,16 @@ fn reads_of(expr: &Expr, every_branch: bool, named_fields: bool) -> (Vec<String>
             self.arms(m.arms.iter().map(|a| Some(&*a.body)));
         }
         fn visit_expr_let(&mut self, l: &'ast syn::ExprLet) {
-            match destructured(&l.expr, std::iter::once(&*l.pat)) {
-                Some(name) => self.1.push(name),
-                None => self.visit_expr(&l.expr),
-            }
+            self.scrutinee(&l.expr, std::iter::once(&*l.pat));
         }
         fn visit_expr_method_call(&mut self, m: &'ast syn::ExprMethodCall) {
+            if let Some((names, args)) = iterated(m) {
+                // A list iterated through adapters that pick some of it
+                // (`feats.iter().skip(1)`, `.zip(..)`, `.enumerate()`): read
+                // in part.
+                self.1.extend(names);
+                return args.into_iter().for_each(|a| self.visit_expr(a));
+            }
             let receiver = name_of(&m.receiver);
             let method = m.method.to_string();
             // `.detach()` ends every path beneath it: `p.to_dtype(..)?.detach()`.
@@ -608,20 +627,49 @@ fn reads_of(expr: &Expr, every_branch: bool, named_fields: bool) -> (Vec<String>
     (c.0, c.1)
 }
 
-/// The name `scrutinee` is (`p`, `&p`, `p.as_ref()`), where a pattern of
-/// `pats` takes it apart (`Some(c)`, `Pair { a, .. }`, `(k, v)`): the
-/// bindings the patterns make read parts of it (`match cache { Some(c) =>
+/// Methods of an `Option` (or a `Result`) that give it, or a part of it,
+/// back: a pattern on what they give takes the value apart.
+const OPTION_ADAPTERS: &[&str] = &[
+    "as_ref", "as_deref", "as_mut", "cloned", "copied", "filter", "and_then", "map", "or",
+    "or_else", "xor", "and", "zip", "take", "ok", "err", "flatten", "inspect",
+];
+
+/// The names `scrutinee` is (`p`, `&p`, `p.as_ref()`, `p.filter(..)`, the
+/// elements of a tuple `(p, flag)`), where a pattern of `pats` takes it
+/// apart (`Some(c)`, `Pair { a, .. }`, `(Some(e), true)`), with the
+/// arguments of the adapters on the way (read as any expression): the
+/// bindings the patterns make read parts of them (`match cache { Some(c) =>
 /// cat(&[&c.k, &k]), None => k }` reads `cache` in part).
-fn destructured<'a>(
-    scrutinee: &Expr,
+fn destructured<'a, 'e>(
+    scrutinee: &'e Expr,
     mut pats: impl Iterator<Item = &'a syn::Pat>,
-) -> Option<String> {
-    let name = match scrutinee {
-        Expr::Reference(r) => name_of(&r.expr),
-        Expr::Paren(p) => name_of(&p.expr),
-        Expr::MethodCall(m) if m.method == "as_ref" && m.args.is_empty() => name_of(&m.receiver),
-        e => name_of(e),
-    }?;
+) -> Option<(Vec<String>, Vec<&'e Expr>)> {
+    fn names<'e>(e: &'e Expr, out: &mut Vec<String>, args: &mut Vec<&'e Expr>) -> bool {
+        match e {
+            Expr::Reference(r) => names(&r.expr, out, args),
+            Expr::Paren(p) => names(&p.expr, out, args),
+            Expr::Tuple(t) => {
+                let before = out.len();
+                for e in &t.elems {
+                    if !names(e, out, args) {
+                        args.push(e);
+                    }
+                }
+                out.len() > before
+            }
+            Expr::MethodCall(m) if OPTION_ADAPTERS.contains(&m.method.to_string().as_str()) => {
+                args.extend(m.args.iter());
+                names(&m.receiver, out, args)
+            }
+            e => match name_of(e) {
+                Some(name) => {
+                    out.push(name);
+                    true
+                }
+                None => false,
+            },
+        }
+    }
     let apart = |p: &syn::Pat| match p {
         syn::Pat::Ident(i) => i.subpat.is_some(),
         syn::Pat::Wild(_) => false,
@@ -631,7 +679,77 @@ fn destructured<'a>(
             .any(|c| !matches!(c, syn::Pat::Wild(_) | syn::Pat::Ident(_))),
         _ => true,
     };
-    pats.any(apart).then_some(name)
+    let (mut out, mut args) = (Vec::new(), Vec::new());
+    (names(scrutinee, &mut out, &mut args) && pats.any(apart)).then_some((out, args))
+}
+
+/// Iterator adapters that may pass over some of what they iterate.
+const PICKING: &[&str] = &[
+    "skip",
+    "take",
+    "step_by",
+    "zip",
+    "filter",
+    "filter_map",
+    "skip_while",
+    "take_while",
+    "map_while",
+    "enumerate",
+    "nth",
+    "find",
+    "find_map",
+    "position",
+    "peekable",
+    "chunks",
+    "windows",
+];
+
+/// The lists `m` iterates through an adapter that may pass over some of
+/// their elements (`feats.iter().skip(1)`, `xs.iter().zip(ys.iter())`,
+/// `feats.iter().enumerate()`, whose index a branch in the loop may test),
+/// with every argument of the chain's calls; `None` for any other call.
+fn iterated(m: &syn::ExprMethodCall) -> Option<(Vec<String>, Vec<&Expr>)> {
+    /// The list a chain iterates (`xs.iter()`, `xs.into_iter()`), and
+    /// whether it picks.
+    fn root<'e>(e: &'e Expr, args: &mut Vec<&'e Expr>, picks: &mut bool) -> Option<String> {
+        match e {
+            Expr::MethodCall(m) => {
+                let method = m.method.to_string();
+                if ["iter", "into_iter", "iter_mut"].contains(&method.as_str()) && m.args.is_empty()
+                {
+                    if let Some(name) = name_of(&m.receiver) {
+                        return Some(name);
+                    }
+                }
+                *picks |= PICKING.contains(&method.as_str());
+                args.extend(m.args.iter());
+                root(&m.receiver, args, picks)
+            }
+            Expr::Paren(p) => root(&p.expr, args, picks),
+            _ => None,
+        }
+    }
+    let method = m.method.to_string();
+    let mut picks = PICKING.contains(&method.as_str());
+    let mut args: Vec<&Expr> = m.args.iter().collect();
+    let name = root(&m.receiver, &mut args, &mut picks)?;
+    if !picks {
+        return None;
+    }
+    // A list zipped in (`.zip(ys.iter())`) is read in part too.
+    let mut names = vec![name];
+    let mut rest = Vec::new();
+    for a in args {
+        let (mut inner, mut p) = (Vec::new(), false);
+        match root(a, &mut inner, &mut p) {
+            Some(n) => {
+                names.push(n);
+                rest.extend(inner);
+            }
+            None => rest.push(a),
+        }
+    }
+    Some((names, rest))
 }
 
 /// `e` without the calls that take an `Option` apart (`p.unwrap()`,
@@ -719,10 +837,27 @@ mod tests {
             on_branch("{ let mut y = h.clone(); if skip { y = (y + x)?; } y }"),
             ["x"]
         );
-        // The scrutinee is read whatever the arm.
+        // A scrutinee a pattern takes apart is read through its bindings,
+        // in the arms that use them; one read whole, whatever the arm.
         assert_eq!(
             on_branch("match m { Some(m) => h.broadcast_add(m)?, None => (h * s)? }"),
-            ["s"]
+            ["m", "s"]
+        );
+        assert_eq!(
+            on_branch("match m { n => h.broadcast_add(&n)?, }"),
+            Vec::<String>::new()
+        );
+        assert_eq!(
+            on_branch("match e { Some(e) if use_e => (&h + e)?, _ => h.tanh()? }"),
+            ["e", "use_e"]
+        );
+        assert_eq!(
+            on_branch("match (e, use_e) { (Some(e), true) => (&h + e)?, _ => h.tanh()? }"),
+            ["e", "use_e"]
+        );
+        assert_eq!(
+            on_branch("if let Some(e) = e.filter(|_| u) { (&h + e)? } else { h.tanh()? }"),
+            ["e"]
         );
         // Nested: `a` on every branch of the inner `if` (and its
         // condition), which is on one branch of the outer.
@@ -790,5 +925,30 @@ mod tests {
         assert!(in_part("x.matmul(&p.w1)?").is_empty());
         assert!(in_part("Tensor::zeros(parts[0].dims(), DType::F32, &dev)").is_empty());
         assert_eq!(for_value("parts[i].exp()"), ["i", "parts"]);
+    }
+
+    #[test]
+    fn lists_iterated_through_picking_adapters_are_read_in_part() {
+        let in_part = |src: &str| {
+            let mut names = read_in_part(&syn::parse_str(src).unwrap());
+            names.sort();
+            names
+        };
+        let src =
+            "{ let mut acc = a.clone(); for f in feats.iter().skip(k) { acc = (acc + f)?; } acc }";
+        assert_eq!(in_part(src), ["feats"]);
+        assert_eq!(
+            in_part("feats.iter().zip(ws.iter()).map(|(f, w)| f * w).collect::<Vec<_>>()"),
+            ["feats", "ws"]
+        );
+        assert_eq!(
+            in_part("feats.iter().skip(1).try_fold(z.clone(), |a, f| a + f)?"),
+            ["feats"]
+        );
+        // Every element: read whole.
+        assert!(in_part("feats.iter().map(|f| f.exp()).collect::<Vec<_>>()").is_empty());
+        assert!(
+            in_part("{ let mut a = z.clone(); for f in &feats { a = (a + f)?; } a }").is_empty()
+        );
     }
 }

@@ -527,3 +527,252 @@ fn a_cut_on_a_value_read_on_every_branch_is_still_an_error_under_every_plan() {
         }
     }
 }
+
+/// Gradients of `vars` through `f` under `plan` (twice: a first and a
+/// later forward; the second's), `None` where a `Var` gets none.
+fn presence_under(
+    plan: &Plan,
+    swap: bool,
+    vars: &[&Var],
+    f: &dyn Fn() -> Result<Tensor>,
+) -> std::result::Result<Vec<Option<Tensor>>, String> {
+    let mut out = Vec::new();
+    for _ in 0..2 {
+        let run = || plan.scope(f).map_err(|e| e.to_string());
+        let y = if swap {
+            remat_runtime::offload::swap_on_cpu(run)
+        } else {
+            run()
+        }?;
+        let g = backward(&weighted_loss(&y)).map_err(|e| e.to_string())?;
+        out = vars.iter().map(|v| g.get(v).cloned()).collect();
+    }
+    Ok(out)
+}
+
+/// Every plan against plain candle: the same `Var`s get a gradient, and
+/// the same one.
+fn same_as_plain(
+    what: &str,
+    dtype: DType,
+    vars: &[&Var],
+    plain: &dyn Fn() -> Result<Tensor>,
+    block: &dyn Fn() -> Result<Tensor>,
+) {
+    let g = backward(&weighted_loss(&plain().unwrap())).unwrap();
+    let expected: Vec<Option<Tensor>> = vars.iter().map(|v| g.get(v).cloned()).collect();
+    let tol = if dtype == DType::F32 { 1e-5 } else { 1e-12 };
+    for (plan, swap) in every_plan(&["y", "acc"], &["h"]) {
+        let got = presence_under(&plan, swap, vars, block)
+            .unwrap_or_else(|e| panic!("{what}, {dtype:?}, plan {plan}: {e}"));
+        for (i, (a, b)) in got.iter().zip(&expected).enumerate() {
+            match (a, b) {
+                (Some(a), Some(b)) => {
+                    let d = rel_diff(a, b);
+                    assert!(d < tol, "{what}, {dtype:?}, {plan}: var {i} off by {d:e}");
+                }
+                (None, None) => {}
+                _ => panic!(
+                    "{what}, {dtype:?}, {plan}: var {i} has a gradient {} plain candle",
+                    if a.is_some() {
+                        "where none in"
+                    } else {
+                        "missing from"
+                    }
+                ),
+            }
+        }
+    }
+}
+
+/// A layer with an optional extra input (a memory to attend to, a
+/// conditioning vector) that it uses only when configured to, written in
+/// the ways Rust allows.
+#[derive(Clone)]
+struct Conditioned {
+    w: Var,
+    use_extra: bool,
+}
+
+impl Conditioned {
+    remat! {
+        fn guard(&self, x: &Tensor, extra: Option<&Tensor>) -> Result<Tensor> {
+            let h = x.matmul(self.w.as_tensor())?;
+            let y = match extra {
+                Some(e) if self.use_extra => (&h + e)?,
+                _ => h.tanh()?,
+            };
+            Ok(y)
+        }
+    }
+
+    remat! {
+        fn tuple(&self, x: &Tensor, extra: Option<&Tensor>) -> Result<Tensor> {
+            let h = x.matmul(self.w.as_tensor())?;
+            let y = match (extra, self.use_extra) {
+                (Some(e), true) => (&h + e)?,
+                _ => h.tanh()?,
+            };
+            Ok(y)
+        }
+    }
+
+    remat! {
+        fn filtered(&self, x: &Tensor, extra: Option<&Tensor>) -> Result<Tensor> {
+            let h = x.matmul(self.w.as_tensor())?;
+            let y = if let Some(e) = extra.filter(|_| self.use_extra) {
+                (&h + e)?
+            } else {
+                h.tanh()?
+            };
+            Ok(y)
+        }
+    }
+
+    remat! {
+        fn nested(&self, x: &Tensor, extra: Option<&Tensor>) -> Result<Tensor> {
+            let h = x.matmul(self.w.as_tensor())?;
+            let y = match extra {
+                Some(e) => {
+                    if self.use_extra {
+                        (&h + e)?
+                    } else {
+                        h.tanh()?
+                    }
+                }
+                None => h.tanh()?,
+            };
+            Ok(y)
+        }
+    }
+
+    fn plain(&self, x: &Tensor, extra: Option<&Tensor>) -> Result<Tensor> {
+        let h = x.matmul(self.w.as_tensor())?;
+        match extra {
+            Some(e) if self.use_extra => &h + e,
+            _ => h.tanh(),
+        }
+    }
+}
+
+#[test]
+fn an_option_taken_apart_under_a_guard_a_tuple_or_an_adapter_is_no_cut() {
+    for dtype in [DType::F32, DType::F64] {
+        let x = var(&[3, 4], 81, 1.0, dtype);
+        let src = var(&[3, 4], 82, 1.0, dtype);
+        for use_extra in [false, true] {
+            let layer = Conditioned {
+                w: var(&[4, 4], 83, 0.5, dtype),
+                use_extra,
+            };
+            let vars = [&x, &layer.w, &src];
+            // The extra input is made from a `Var` (not one itself): plain
+            // candle gives that `Var` a gradient only where it is used.
+            let extra = || src.as_tensor().sin().unwrap();
+            let forms: [(
+                &str,
+                fn(&Conditioned, &Tensor, Option<&Tensor>) -> Result<Tensor>,
+            ); 4] = [
+                ("guard", Conditioned::guard),
+                ("tuple", Conditioned::tuple),
+                ("filter", Conditioned::filtered),
+                ("if in an arm", Conditioned::nested),
+            ];
+            for (form, f) in forms {
+                same_as_plain(
+                    &format!("{form}, use_extra {use_extra}"),
+                    dtype,
+                    &vars,
+                    &|| layer.plain(x.as_tensor(), Some(&extra())),
+                    &|| f(&layer, x.as_tensor(), Some(&extra())),
+                );
+            }
+        }
+    }
+}
+
+remat! {
+    /// Feature-pyramid levels after the first.
+    fn levels_after_first(feats: &[Tensor]) -> Result<Tensor> {
+        let mut acc = feats[1].zeros_like()?;
+        for f in feats.iter().skip(1) {
+            acc = (acc + f)?;
+        }
+        Ok(acc.tanh()?)
+    }
+}
+
+remat! {
+    /// The first two levels, folded.
+    fn first_two(feats: &[Tensor]) -> Result<Tensor> {
+        let acc = feats
+            .iter()
+            .take(2)
+            .try_fold(feats[0].zeros_like()?, |a, f| a + f)?;
+        Ok(acc.tanh()?)
+    }
+}
+
+remat! {
+    /// Levels weighted by a shorter list of weights, every other level, and
+    /// all but the first by their index.
+    fn weighted(feats: &[Tensor], ws: &[Tensor]) -> Result<Tensor> {
+        let mut acc = feats[0].zeros_like()?;
+        for (f, w) in feats.iter().zip(ws.iter()) {
+            acc = (acc + f.broadcast_mul(w)?)?;
+        }
+        let even = feats.iter().step_by(2).map(|f| f.sqr()).collect::<Result<Vec<_>>>()?;
+        let mut rest = feats[0].zeros_like()?;
+        for (i, f) in feats.iter().enumerate() {
+            if i != 0 {
+                rest = (rest + f.exp()?)?;
+            }
+        }
+        Ok(((acc + &even[0])? + rest)?)
+    }
+}
+
+fn levels_plain(feats: &[Tensor], ws: &[Tensor], form: usize) -> Result<Tensor> {
+    let zeros = feats[0].zeros_like()?;
+    let sum = |fs: Vec<Tensor>| fs.into_iter().try_fold(zeros.clone(), |a, f| a + f);
+    match form {
+        0 => sum(feats[1..].to_vec())?.tanh(),
+        1 => sum(feats[..2].to_vec())?.tanh(),
+        _ => {
+            let acc = sum(feats
+                .iter()
+                .zip(ws)
+                .map(|(f, w)| f.broadcast_mul(w))
+                .collect::<Result<_>>()?)?;
+            let rest = sum(feats[1..].iter().map(|f| f.exp()).collect::<Result<_>>()?)?;
+            (acc + feats[0].sqr()?)? + rest
+        }
+    }
+}
+
+#[test]
+fn a_list_iterated_through_skip_take_zip_step_or_enumerate_is_no_cut() {
+    for dtype in [DType::F32, DType::F64] {
+        let srcs: Vec<Var> = (0..4).map(|i| var(&[2, 4], 91 + i, 1.0, dtype)).collect();
+        let ws: Vec<Var> = (0..2).map(|i| var(&[4], 96 + i, 1.0, dtype)).collect();
+        let vars: Vec<&Var> = srcs.iter().chain(&ws).collect();
+        // The levels are made from `Var`s: those no statement uses get no
+        // gradient, in plain candle and here.
+        let feats =
+            || -> Vec<Tensor> { srcs.iter().map(|s| s.as_tensor().tanh().unwrap()).collect() };
+        let w: Vec<Tensor> = ws.iter().map(|w| w.as_tensor().clone()).collect();
+        for form in 0..3 {
+            same_as_plain(
+                &format!("levels, form {form}"),
+                dtype,
+                &vars,
+                &|| levels_plain(&feats(), &w, form),
+                &|| match form {
+                    0 => levels_after_first(&feats()),
+                    1 => first_two(&feats()),
+                    _ => weighted(&feats(), &w),
+                },
+            );
+        }
+    }
+}

@@ -585,6 +585,9 @@ fn same_as_plain(
     }
 }
 
+/// One way of writing [`Conditioned`]'s forward.
+type Form = fn(&Conditioned, &Tensor, Option<&Tensor>) -> Result<Tensor>;
+
 /// A layer with an optional extra input (a memory to attend to, a
 /// conditioning vector) that it uses only when configured to, written in
 /// the ways Rust allows.
@@ -669,10 +672,7 @@ fn an_option_taken_apart_under_a_guard_a_tuple_or_an_adapter_is_no_cut() {
             // The extra input is made from a `Var` (not one itself): plain
             // candle gives that `Var` a gradient only where it is used.
             let extra = || src.as_tensor().sin().unwrap();
-            let forms: [(
-                &str,
-                fn(&Conditioned, &Tensor, Option<&Tensor>) -> Result<Tensor>,
-            ); 4] = [
+            let forms: [(&str, Form); 4] = [
                 ("guard", Conditioned::guard),
                 ("tuple", Conditioned::tuple),
                 ("filter", Conditioned::filtered),

@@ -481,16 +481,18 @@ fn shapes_read_in_a_macro_and_an_input_declared_twice_are_not_cuts() {
 
 remat! {
     /// The cut is on one tensor of a list the statement reads whole (every
-    /// element, counted by hand: `enumerate()` would make it a read in
-    /// part, as `skip` or `zip` do, which needs one element reached).
+    /// element; `enumerate()` would make it a read in part, as `skip` or
+    /// `zip` do, which needs one element reached).
     fn cut_in_a_list(h: &Tensor, xs: &[Tensor]) -> Result<Tensor> {
         let y = {
             let mut acc = h.clone();
-            let mut i = 0;
             for x in xs.iter() {
-                let x = if i == 2 { candle_nn::ops::softmax_last_dim(x)? } else { x.clone() };
+                let x = if x.id() == xs[2].id() {
+                    candle_nn::ops::softmax_last_dim(x)?
+                } else {
+                    x.clone()
+                };
                 acc = (acc * x)?;
-                i += 1;
             }
             acc
         };

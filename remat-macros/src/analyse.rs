@@ -742,11 +742,15 @@ impl<'a> Analyser<'a> {
                     }
                     // A later `let` took the name: the statement reads the
                     // binding itself, through a reference made before that
-                    // `let` (an owned binding that is not `mut`; shadowed,
-                    // it lives to the block's end).
+                    // `let` (an owned binding that is not `mut`, or a
+                    // borrowed parameter; shadowed, it lives to the block's
+                    // end).
                     let kept = &self.bindings[r];
-                    (kept.borrowed.is_none() && !kept.mutable && kept.producer.is_some())
-                        .then_some((r, at))
+                    let owned = kept.borrowed.is_none() && !kept.mutable && kept.producer.is_some();
+                    let param = matches!(kept.borrowed, Some(Borrowed::Param(_)))
+                        && kept.refs == 0
+                        && !kept.mutable;
+                    (owned || param).then_some((r, at))
                 })
                 .collect();
             if here.is_none() && statement {

@@ -120,7 +120,10 @@ fn handover(
             quote!(),
         ),
         Some(Passing::Ref(_)) => (
-            quote_spanned!(span=> rt::read(#target)),
+            match kept {
+                Some(kept) => quote_spanned!(span=> rt::read(*#kept)),
+                None => quote_spanned!(span=> rt::read(#target)),
+            },
             quote!(ref #ident),
             quote!(),
         ),
@@ -130,7 +133,10 @@ fn handover(
             } else if region {
                 quote_spanned!(span=> rt::param(&#ident.cloned()))
             } else {
-                quote_spanned!(span=> rt::read(&#receiver.cloned()))
+                match kept {
+                    Some(kept) => quote_spanned!(span=> rt::read(&(*#kept).cloned())),
+                    None => quote_spanned!(span=> rt::read(&#receiver.cloned())),
+                }
             },
             quote!(#ident),
             quote! { let #ident = #ident.as_ref(); },

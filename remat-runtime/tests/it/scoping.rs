@@ -302,6 +302,70 @@ remat! {
     }
 }
 
+remat! {
+    /// A closure borrowing a reference parameter and an optional one, both
+    /// names then taken by later bindings before the calls.
+    fn closure_over_parameters(x: &Tensor, g: &Tensor, m: Option<&Tensor>) -> Result<Tensor> {
+        let f = |t: &Tensor| t * g;
+        let gate = |t: &Tensor| match m {
+            Some(m) => t.broadcast_mul(m),
+            None => Ok(t.clone()),
+        };
+        let g = g.exp()?;
+        let m = 2.0;
+        let y = f(x)?;
+        let z = gate(&y)?;
+        Ok(((z * m)? + &g)?)
+    }
+}
+
+fn closure_over_parameters_plain(x: &Tensor, g: &Tensor, m: Option<&Tensor>) -> Result<Tensor> {
+    let y = (x * g)?;
+    let z = match m {
+        Some(m) => y.broadcast_mul(m)?,
+        None => y,
+    };
+    (z * 2.0)? + g.exp()?
+}
+
+#[test]
+fn closures_over_shadowed_parameters_read_the_parameters() {
+    for dtype in [DType::F32, DType::F64] {
+        let tol = if dtype == DType::F32 { 1e-5 } else { 1e-12 };
+        let x = var(&[3, 4], 43, 0.5, dtype);
+        let g = var(&[3, 4], 44, 0.5, dtype);
+        let mv = var(&[4], 45, 0.5, dtype);
+        for gated in [false, true] {
+            let m = gated.then_some(mv.as_tensor());
+            let reference = closure_over_parameters_plain(x.as_tensor(), g.as_tensor(), m)
+                .and_then(|y| y.sqr()?.sum_all())
+                .unwrap()
+                .backward()
+                .unwrap();
+            for plan in plans() {
+                let y = plan
+                    .scope(|| {
+                        closure_over_parameters(x.as_tensor(), g.as_tensor(), m)?
+                            .sqr()?
+                            .sum_all()
+                    })
+                    .unwrap();
+                let grads = backward(&y).unwrap();
+                for v in [&x, &g, &mv] {
+                    match (grads.get(v), reference.get(v)) {
+                        (Some(a), Some(b)) => {
+                            let d = rel_diff(a, b);
+                            assert!(d < tol, "{dtype:?} {plan} gated {gated}: {d}");
+                        }
+                        (None, None) => {}
+                        _ => panic!("{dtype:?} {plan} gated {gated}: presence differs"),
+                    }
+                }
+            }
+        }
+    }
+}
+
 fn closure_captures_plain(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let h = x.matmul(w)?;
     let bias = (h.sum_keepdim(0)? * 0.1)?;

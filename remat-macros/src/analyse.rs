@@ -448,12 +448,18 @@ impl<'a> Analyser<'a> {
                     .unwrap_or_default();
                 // A `mut` binding it reads is given back as a new binding,
                 // unless the statement moved it away (and did not assign it
-                // again) or binds the name anew.
+                // again), binds the name anew, or only reads its shape,
+                // dtype or device (`xs.dtype()`, `xs.dims()`: no method
+                // of those changes it, and a value given back from such a
+                // read would carry no gradient).
                 for &(b, _) in &reads {
                     let name = self.bindings[b].ident.to_string();
+                    let is_assigned = assigned.iter().any(|(n, _)| *n == name);
+                    let metadata_only = !for_value[i].contains(&name) && !is_assigned;
                     if self.bindings[b].mutable
                         && !closure
-                        && (!moved.contains(&b) || assigned.iter().any(|(n, _)| *n == name))
+                        && !metadata_only
+                        && (!moved.contains(&b) || is_assigned)
                         && !rebound.contains(&name)
                     {
                         let ident = self.bindings[b].ident.clone();

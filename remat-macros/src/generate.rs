@@ -417,6 +417,16 @@ pub(crate) fn generate(block: &Block, analysis: &Analysis) -> TokenStream {
             rt::Ok(#run?)
         },
     );
+    // The function only lends its parameters to the region, which binds
+    // its own: a `mut` parameter's `mut` is the block's, not the function's.
+    let mut sig = sig.clone();
+    for arg in &mut sig.inputs {
+        if let syn::FnArg::Typed(t) = arg {
+            if matches!(&*t.pat, syn::Pat::Ident(p) if p.mutability.is_some()) {
+                t.attrs.push(syn::parse_quote!(#[allow(unused_mut)]));
+            }
+        }
+    }
     quote! {
         #(#attrs)*
         #vis #sig #body

@@ -776,3 +776,94 @@ fn a_list_iterated_through_skip_take_zip_step_or_enumerate_is_no_cut() {
         }
     }
 }
+
+/// A model's forward as candle-transformers writes it: a `mut` hidden state
+/// whose dtype, shape and device later statements read (a mask converted
+/// to its dtype, a length, zeros of its shape), then layers that update it.
+/// Such reads change nothing: the hidden state keeps its gradient.
+#[derive(Clone)]
+struct Stack {
+    emb: Var,
+    layers: Vec<Var>,
+}
+
+impl Stack {
+    remat! {
+        fn forward(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
+            let mut xs = x.matmul(self.emb.as_tensor())?;
+            let mask = mask.to_dtype(xs.dtype())?;
+            let n = xs.dim(1)?;
+            let mut acc = xs.zeros_like()?;
+            let bias = Tensor::ones(xs.dims(), xs.dtype(), xs.device())?;
+            for w in self.layers.iter() {
+                xs = xs.matmul(w)?.broadcast_add(&mask)?.tanh()?;
+                acc = (acc + &xs)?;
+            }
+            Ok(((acc + bias)? * (1.0 / n as f64))?)
+        }
+    }
+
+    remat! {
+        /// The hidden state as a `mut` parameter, its dtype a plain value.
+        fn from_hidden(&self, mut xs: Tensor, mask: &Tensor) -> Result<Tensor> {
+            let rows = xs.dim(0)?;
+            let dt = xs.dtype();
+            let mask = mask.to_dtype(dt)?;
+            for w in self.layers.iter() {
+                xs = xs.matmul(w)?.broadcast_add(&mask)?.tanh()?;
+            }
+            Ok((xs * rows as f64)?)
+        }
+    }
+
+    fn plain(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let mut xs = x.matmul(self.emb.as_tensor())?;
+        let mask = mask.to_dtype(xs.dtype())?;
+        let n = xs.dim(1)?;
+        let mut acc = xs.zeros_like()?;
+        let bias = Tensor::ones(xs.dims(), xs.dtype(), xs.device())?;
+        for w in self.layers.iter() {
+            xs = xs.matmul(w)?.broadcast_add(&mask)?.tanh()?;
+            acc = (acc + &xs)?;
+        }
+        (acc + bias)? * (1.0 / n as f64)
+    }
+
+    fn plain_from_hidden(&self, mut xs: Tensor, mask: &Tensor) -> Result<Tensor> {
+        let rows = xs.dim(0)?;
+        let mask = mask.to_dtype(xs.dtype())?;
+        for w in self.layers.iter() {
+            xs = xs.matmul(w)?.broadcast_add(&mask)?.tanh()?;
+        }
+        xs * rows as f64
+    }
+}
+
+#[test]
+fn a_mut_binding_read_for_its_dtype_or_shape_keeps_its_gradient() {
+    for dtype in [DType::F32, DType::F64] {
+        let stack = Stack {
+            emb: var(&[4, 4], 101, 0.5, dtype),
+            layers: (0..2).map(|i| var(&[4, 4], 102 + i, 0.5, dtype)).collect(),
+        };
+        let x = var(&[3, 4], 105, 1.0, dtype);
+        // An f32 mask whatever the model's dtype, as tokenizers give it.
+        let mask = crate::common::tensor(&[4], 106, 1.0, DType::F32);
+        let vars: Vec<&Var> = [&stack.emb, &x].into_iter().chain(&stack.layers).collect();
+        same_as_plain(
+            "a mut hidden state",
+            dtype,
+            &vars,
+            &|| stack.plain(x.as_tensor(), &mask),
+            &|| stack.forward(x.as_tensor(), &mask),
+        );
+        let hidden = || x.as_tensor().matmul(stack.emb.as_tensor()).unwrap();
+        same_as_plain(
+            "a mut parameter",
+            dtype,
+            &vars,
+            &|| stack.plain_from_hidden(hidden(), &mask),
+            &|| stack.from_hidden(hidden(), &mask),
+        );
+    }
+}

@@ -805,7 +805,7 @@ impl Stack {
 
     remat! {
         /// The hidden state as a `mut` parameter, its dtype a plain value.
-        fn from_hidden(&self, mut xs: Tensor, mask: &Tensor) -> Result<Tensor> {
+        fn over_hidden(&self, mut xs: Tensor, mask: &Tensor) -> Result<Tensor> {
             let rows = xs.dim(0)?;
             let dt = xs.dtype();
             let mask = mask.to_dtype(dt)?;
@@ -863,7 +863,7 @@ fn a_mut_binding_read_for_its_dtype_or_shape_keeps_its_gradient() {
             dtype,
             &vars,
             &|| stack.plain_from_hidden(hidden(), &mask),
-            &|| stack.from_hidden(hidden(), &mask),
+            &|| stack.over_hidden(hidden(), &mask),
         );
     }
 }
